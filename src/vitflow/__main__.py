@@ -1,0 +1,3 @@
+from vitflow.cli import main
+
+raise SystemExit(main())

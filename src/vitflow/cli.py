@@ -1,0 +1,141 @@
+"""``vitflow <command>``: parses arguments, builds the config, calls one layer. Nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Sequence
+
+from vitflow.config import ConfigError, build_config, list_presets, preset_tree, to_yaml
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", help="named recipe (see `vitflow presets`); default digits-vit-tiny")
+    p.add_argument("--config", metavar="FILE.yaml", help="YAML file of sections applied over the preset")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vitflow", description="Train, evaluate and deploy Vision Transformers.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a model (default: a small ViT on the embedded digits data)")
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true", help="end with one JSON line of final metrics")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.total_steps=500")
+
+    p = sub.add_parser("eval", help="evaluate a checkpoint on its test split")
+    p.add_argument("checkpoint", help="checkpoint file or run directory (newest checkpoint)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of metrics")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.path=... data.test_split=test")
+
+    p = sub.add_parser("predict", help="classify images, folders or tars")
+    p.add_argument("checkpoint", help="checkpoint file or run directory")
+    p.add_argument("inputs", nargs="+", metavar="IMAGE_OR_DIR", help="image files, folders or .tar archives")
+    p.add_argument("--topk", type=int, default=5, help="classes to show per image (default 5)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true", help="one JSON object per image")
+
+    p = sub.add_parser("presets", help="list presets, or print one resolved")
+    p.add_argument("name", nargs="?")
+
+    p = sub.add_parser("models", help="list model variants")
+    p.add_argument("pattern", nargs="?", help="shell pattern, e.g. 'vit_small_*'")
+    return parser
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = build_config(args.preset, args.config, args.overrides)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    from vitflow.train import train
+
+    r = train(cfg)
+    print(f"test top-1 {r['test_top1']:.2%}  top-5 {r['test_top5']:.2%}  loss {r['test_loss']:.4f}  "
+          f"({r['step']} steps, {r['elapsed_s']:.0f} s, {r['train_images_per_s']:.0f} img/s)")
+    if r["skipped_images"]:
+        print(f"skipped {r['skipped_images']} unreadable image(s); see the warnings above")
+    print(f"run directory: {r['run_dir']}\ncheckpoint: {r['checkpoint']}")
+    if "samples" in r:
+        print(f"sample test images: {r['samples']}  (try: vitflow predict {r['run_dir']} {r['samples']})")
+    if args.json:
+        print(json.dumps(r))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from vitflow.train.evaluate import evaluate_checkpoint
+
+    r = evaluate_checkpoint(args.checkpoint, args.overrides)
+    print(f"test top-1 {r['test_top1']:.2%}  top-5 {r['test_top5']:.2%}  loss {r['test_loss']:.4f}  "
+          f"({r['test_images']} images, {r['checkpoint']})")
+    if args.json:
+        print(json.dumps(r))
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from vitflow.infer import Predictor, collect_images
+
+    predictor = Predictor.from_checkpoint(args.checkpoint, args.device, args.precision)
+    refs = collect_images(args.inputs)
+    if not refs:
+        raise FileNotFoundError(f"no images found in {' '.join(args.inputs)}")
+    failed = 0
+    for r in predictor.predict_refs(refs, args.topk, args.batch_size):
+        failed += "error" in r
+        if args.json:
+            print(json.dumps(r))
+        elif "error" in r:
+            print(f"{r['path']}: ERROR {r['error']}", file=sys.stderr)
+        else:
+            print(f"{r['path']}: " + ", ".join(f"{t['class']} {t['prob']:.1%}" for t in r["top"]))
+    if failed:
+        print(f"{failed} of {len(refs)} image(s) could not be read", file=sys.stderr)
+    return 1 if failed == len(refs) else 0
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    if args.name:
+        preset_tree(args.name)  # fails with the nearest names if unknown
+        print(to_yaml(build_config(args.name)), end="")
+        return 0
+    for name, desc in list_presets().items():
+        print(f"{name:28s} {desc}")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from vitflow.models import MODELS, list_models
+
+    for name in list_models(args.pattern):
+        m = MODELS[name]
+        print(f"{name:26s} img {m['img_size']:>3}  patch {m['patch_size']:>2}  dim {m['embed_dim']:>4}  "
+              f"depth {m['depth']:>2}  heads {m['num_heads']:>2}  mlp {m.get('mlp_ratio', 4.0):g}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "presets": cmd_presets,
+            "models": cmd_models}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return COMMANDS[args.command](args)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        if args.debug or os.environ.get("VITFLOW_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

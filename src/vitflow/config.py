@@ -1,0 +1,408 @@
+"""The typed configuration tree, presets, YAML files and dotted ``key=value`` overrides.
+
+A run's configuration is built in one order and validated once, before any work starts::
+
+    dataclass defaults <- preset YAML <- --config FILE.yaml <- key=value overrides
+
+Every key is checked against the tree: an unknown key fails with the nearest valid one, a value
+of the wrong type or out of range fails naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+DEFAULT_PRESET = "digits-vit-tiny"
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    """Which ViT to build (see ``vitflow.list_models()``) and its per-run options."""
+
+    name: str = "vit_digits_patch2_8"
+    pretrained: str | None = None  # weights file in timm's layout; head/pos_embed adapted
+    image_size: int | None = None  # input resolution; None = the variant's own
+    num_classes: int | None = None  # None = number of classes found in the data
+    global_pool: Literal["token", "avg"] | None = None  # None = the variant's (class token for most)
+    attention: Literal["sdpa", "math"] = "sdpa"
+    drop_rate: float = 0.0
+    drop_path_rate: float = 0.0
+    grad_checkpointing: bool = False
+
+    def validate(self) -> None:
+        from vitflow.models import MODELS
+
+        if self.name not in MODELS:
+            close = difflib.get_close_matches(self.name, MODELS, n=3)
+            raise ConfigError(f"model.name: unknown model {self.name!r}"
+                              + (f"; did you mean {', '.join(close)}?" if close else "; see `vitflow models`"))
+        _check(self.image_size is None or self.image_size > 0, "model.image_size", self.image_size, "> 0")
+        _check(self.num_classes is None or self.num_classes > 0, "model.num_classes", self.num_classes, "> 0")
+        _check(0 <= self.drop_rate < 1, "model.drop_rate", self.drop_rate, "in [0, 1)")
+        _check(0 <= self.drop_path_rate < 1, "model.drop_path_rate", self.drop_path_rate, "in [0, 1)")
+
+
+@dataclass
+class DataConfig:
+    """Where images come from and how they become batches."""
+
+    source: Literal["auto", "digits", "folder", "tar"] = "auto"  # auto: from data.path
+    path: str | None = None  # an image folder, or a .tar of the same layout
+    train_split: str = "train"  # a split name with an optional slice: train[:98%]
+    test_split: str = "test"
+    train_augment: Literal["auto", "random_resized_crop", "pad_crop", "none"] = "auto"
+    scale: tuple[float, float] = (0.08, 1.0)  # random_resized_crop area range
+    padding: int = 4  # pad_crop padding in pixels
+    hflip: bool = True
+    crop_pct: float = 0.875  # eval: resize to image_size / crop_pct, then center crop
+    interpolation: Literal["bilinear", "bicubic"] = "bicubic"
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    num_workers: int = 2
+    prefetch: int = 2  # batches each worker keeps ready
+    eval_batch_size: int | None = None  # None = the training micro-batch
+
+    def validate(self) -> None:
+        _check(self.source in ("digits", "auto") or self.path is not None, "data.path", self.path,
+               f"set for data.source={self.source}")
+        _check(0 < self.scale[0] <= self.scale[1] <= 1, "data.scale", self.scale, "0 < min <= max <= 1")
+        _check(self.padding >= 0, "data.padding", self.padding, ">= 0")
+        _check(0 < self.crop_pct <= 1, "data.crop_pct", self.crop_pct, "in (0, 1]")
+        _check(all(s > 0 for s in self.std), "data.std", self.std, "all > 0")
+        _check(self.num_workers >= 0, "data.num_workers", self.num_workers, ">= 0")
+        _check(self.prefetch >= 1, "data.prefetch", self.prefetch, ">= 1")
+        _check(self.eval_batch_size is None or self.eval_batch_size > 0, "data.eval_batch_size",
+               self.eval_batch_size, "> 0")
+        from vitflow.data.splits import parse_split
+
+        for key in ("train_split", "test_split"):
+            try:
+                parse_split(getattr(self, key))
+            except ValueError as e:
+                raise ConfigError(f"data.{key}: {e}") from None
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer, learning-rate schedule (per step) and gradient clipping."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 1e-3  # peak learning rate, reached at the end of warmup
+    weight_decay: float = 0.05  # not applied to norms, biases, pos_embed, cls_token
+    betas: tuple[float, float] = (0.9, 0.999)  # adamw
+    momentum: float = 0.9  # sgd (Nesterov)
+    eps: float = 1e-8
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 0  # linear warmup from 0 to lr
+    min_lr: float = 0.0  # floor of the decay
+    clip_grad_norm: float | None = 1.0  # global L2 norm; None disables
+
+    def validate(self) -> None:
+        _check(self.lr > 0, "optim.lr", self.lr, "> 0")
+        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
+        _check(all(0 <= b < 1 for b in self.betas), "optim.betas", self.betas, "each in [0, 1)")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, ">= 0")
+        _check(0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr, "in [0, optim.lr]")
+        _check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "optim.clip_grad_norm",
+               self.clip_grad_norm, "> 0 or null")
+
+
+@dataclass
+class TrainConfig:
+    """The training loop: steps, batches, precision, evaluation, checkpoints, run directory."""
+
+    batch_size: int = 128  # images per optimizer step (all micro-batches together)
+    accum_steps: int = 1  # micro-batches per step; each holds batch_size / accum_steps images
+    total_steps: int = 1000
+    time_budget: str | None = None  # e.g. "15m": end cleanly (evaluate, checkpoint) by then
+    label_smoothing: float = 0.1
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 where supported
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int | None = None  # torch intra-op threads; None = torch's default
+    eval_every: int = 0  # steps between evaluations; 0 = only at the end
+    log_every: int = 20  # steps between metric records
+    checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_checkpoints: int = 2  # newest N kept in run_dir/checkpoints
+    seed: int = 0
+    run_dir: str | None = None  # None = runs/<preset>-<timestamp>
+    resume: str = "none"  # none | auto | path to a checkpoint
+
+    def validate(self) -> None:
+        for key in ("batch_size", "accum_steps", "total_steps", "log_every", "keep_checkpoints"):
+            _check(getattr(self, key) > 0, f"train.{key}", getattr(self, key), "> 0")
+        _check(self.batch_size % self.accum_steps == 0, "train.batch_size", self.batch_size,
+               f"a multiple of train.accum_steps={self.accum_steps}")
+        _check(0 <= self.label_smoothing < 1, "train.label_smoothing", self.label_smoothing, "in [0, 1)")
+        _check(self.eval_every >= 0, "train.eval_every", self.eval_every, ">= 0")
+        _check(self.checkpoint_every >= 0, "train.checkpoint_every", self.checkpoint_every, ">= 0")
+        _check(self.threads is None or self.threads > 0, "train.threads", self.threads, "> 0")
+        _check(re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device) is not None, "train.device",
+               self.device, "auto, cpu, cuda, cuda:N or mps")
+        if self.time_budget is not None:
+            try:
+                parse_duration(self.time_budget)
+            except ValueError as e:
+                raise ConfigError(f"train.time_budget: {e}") from None
+
+
+@dataclass
+class Config:
+    """The whole configuration of a run."""
+
+    preset: str = DEFAULT_PRESET
+    description: str = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> "Config":
+        for section in (self.model, self.data, self.optim, self.train):
+            section.validate()
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(ok: bool, key: str, value: Any, requirement: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: must be {requirement}")
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Seconds from ``"90"``, ``"90s"``, ``"15m"``, ``"1.5h"``.
+
+    Raises:
+        ValueError: not a positive duration.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smh]?)\s*", str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"{text!r} is not a positive duration like 900, 90s, 15m or 1.5h")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+# ---------------------------------------------------------------------------------------------
+# keys, coercion, merging
+
+
+def all_keys(obj: Any = None, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the tree, e.g. ``"train.batch_size"``."""
+    obj = Config() if obj is None else obj
+    keys = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += all_keys(value, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _nearest(key: str) -> str:
+    keys = all_keys()
+    leaf = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
+    close = same_leaf or difflib.get_close_matches(key, keys, n=1, cutoff=0.5) or difflib.get_close_matches(
+        leaf, [k.rsplit(".", 1)[-1] for k in keys], n=1)
+    if close and "." not in close[0]:
+        close = [k for k in keys if k.endswith("." + close[0])]
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Convert ``value`` (from YAML or the command line) to the annotated type ``tp``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: cannot be {value!r}")
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{key}={value!r} is invalid: choose one of {list(args)}{hint}")
+        return value
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v for v in re.split(r"[,\s]+", value.strip("()[] ")) if v]
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}={value!r} is invalid: expected {len(args)} values")
+        return tuple(_coerce(v, a, key) for v, a in zip(value, args))
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "yes", "1", "on"):
+                return True
+            if str(value).lower() in ("false", "no", "0", "off"):
+                return False
+            raise ValueError
+        if tp is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(str(value).replace("_", "")) if isinstance(value, str) else int(value)
+        if tp is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(str(value).replace("_", "")) if isinstance(value, str) else float(value)
+        if tp is str:
+            if isinstance(value, (dict, list)):
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}={value!r} is invalid: expected {tp.__name__}") from None
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def set_key(cfg: Config, key: str, value: Any) -> None:
+    """Set dotted ``key`` on ``cfg`` after coercing ``value`` to the field's type.
+
+    Raises:
+        ConfigError: unknown key (with the nearest valid one) or a value of the wrong type.
+    """
+    *path, leaf = key.split(".")
+    obj = cfg
+    for part in path:
+        sub = getattr(obj, part, None)
+        if not dataclasses.is_dataclass(sub):
+            raise ConfigError(f"unknown key {key!r}{_nearest(key)}")
+        obj = sub
+    hints = typing.get_type_hints(type(obj))
+    if leaf not in hints or dataclasses.is_dataclass(getattr(obj, leaf, None)):
+        raise ConfigError(f"unknown key {key!r}{_nearest(key)}")
+    setattr(obj, leaf, _coerce(value, hints[leaf], key))
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"lr": 1}}`` -> ``{"train.lr": 1}``."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.lr=3e-4"`` -> ``("train.lr", 3e-4)`` (the value is read as YAML).
+
+    Raises:
+        ConfigError: no ``=`` in ``text``.
+    """
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+# ---------------------------------------------------------------------------------------------
+# presets and files
+
+
+def list_presets() -> dict[str, str]:
+    """``{preset name: description}`` for every YAML shipped in ``vitflow/presets``."""
+    out = {}
+    for entry in sorted(resources.files("vitflow.presets").iterdir(), key=lambda p: p.name):
+        if entry.name.endswith(".yaml"):
+            out[entry.name[:-5]] = (yaml.safe_load(entry.read_text()) or {}).get("description", "")
+    return out
+
+
+def _read_yaml(text: str, origin: str) -> dict[str, Any]:
+    try:
+        tree = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{origin}: not valid YAML: {e}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{origin}: expected a mapping of sections, got {type(tree).__name__}")
+    return tree
+
+
+def preset_tree(name: str) -> dict[str, Any]:
+    """The raw YAML mapping of preset ``name``.
+
+    Raises:
+        ConfigError: no such preset (with the nearest names).
+    """
+    presets = list_presets()
+    if name not in presets:
+        close = difflib.get_close_matches(name, presets, n=2)
+        raise ConfigError(f"unknown preset {name!r}" + (f"; did you mean {', '.join(close)}?" if close
+                                                         else f"; available: {', '.join(presets)}"))
+    return _read_yaml(resources.files("vitflow.presets").joinpath(f"{name}.yaml").read_text(), f"preset {name}")
+
+
+def build_config(preset: str | None = None, config_file: str | Path | None = None,
+                 overrides: typing.Sequence[str] = (), base: dict[str, Any] | None = None) -> Config:
+    """Build and validate a :class:`Config`.
+
+    Args:
+        preset: preset name (default ``digits-vit-tiny``); ignored when ``base`` is given.
+        config_file: a YAML file of sections applied over the preset.
+        overrides: ``key=value`` strings applied last.
+        base: a full config mapping (e.g. one saved in a checkpoint) used instead of a preset.
+    Raises:
+        ConfigError: unknown preset, unreadable file, unknown key or invalid value.
+    """
+    cfg = Config()
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if base is not None:
+        layers.append(("checkpoint config", base))
+    else:
+        preset = preset or DEFAULT_PRESET
+        layers.append((f"preset {preset}", {"preset": preset, **preset_tree(preset)}))
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        layers.append((str(path), _read_yaml(path.read_text(), str(path))))
+    layers.append(("command line", dict(parse_override(o) for o in overrides)))
+    for origin, tree in layers:
+        for key, value in flatten(tree).items():
+            try:
+                set_key(cfg, key, value)
+            except ConfigError as e:
+                raise ConfigError(f"{e} (in {origin})") from None
+    return cfg.validate()
+
+
+def to_yaml(cfg: Config) -> str:
+    """The config as YAML (tuples written as lists)."""
+    return yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False)
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj

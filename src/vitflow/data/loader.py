@@ -1,0 +1,154 @@
+"""Batches: a resumable epoch sampler, a batch-producing dataset and the DataLoader around them.
+
+Order and augmentation are functions of ``(seed, epoch, batch index)`` only:
+
+- the sampler draws epoch ``e``'s permutation from ``(seed, e)``;
+- each batch's augmentation randomness is seeded from ``(seed, epoch, batch index)``,
+
+so a run resumed at ``(epoch, batch)`` sees exactly the batches an uninterrupted run would have
+seen, whatever the number of worker processes, and no two batches share augmentation draws.
+A worker produces a whole batch as ``uint8`` tensors; normalisation happens on the device.
+
+Unreadable images policy: a corrupt, truncated or empty image file is skipped, its path is
+reported in a warning (once) and counted per epoch; the batch is delivered without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from vitflow.data.decode import CorruptImageError
+from vitflow.data.sources import ImageSource
+from vitflow.data.transforms import Transform
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchRef:
+    """Which images make batch ``index`` of ``epoch`` (``indices`` into the source)."""
+
+    epoch: int
+    index: int
+    indices: np.ndarray
+
+
+def mix_seed(*parts: int) -> int:
+    """A 63-bit seed mixed from integers (NumPy ``SeedSequence``); distinct inputs give
+    unrelated seeds."""
+    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0] >> 1)
+
+
+class EpochSampler:
+    """Yields :class:`BatchRef` for epochs ``start_epoch, start_epoch + 1, ...``.
+
+    Args:
+        n: source size.
+        batch_size: images per batch (per rank).
+        shuffle: permute each epoch (from ``(seed, epoch)``); otherwise source order.
+        drop_last: drop the tail that does not fill a batch (training); else a last short batch.
+        seed: order seed.
+        epochs: number of epochs to yield; ``None`` = endless (training).
+        start: ``(epoch, batch index)`` of the first batch to yield (resume).
+        rank, world_size: shard of the epoch for data-parallel training: rank ``r`` takes
+            positions ``r, r + W, ...`` of the permutation, truncated so every rank has the same
+            number of batches.
+    """
+
+    def __init__(self, n: int, batch_size: int, shuffle: bool, drop_last: bool, seed: int = 0,
+                 epochs: int | None = None, start: tuple[int, int] = (0, 0), rank: int = 0, world_size: int = 1):
+        if n <= 0:
+            raise ValueError("cannot sample from an empty dataset")
+        self.n, self.batch_size, self.shuffle, self.drop_last = n, batch_size, shuffle, drop_last
+        self.seed, self.epochs, self.start = seed, epochs, start
+        self.rank, self.world_size = rank, world_size
+        per_rank = n // world_size
+        self.batches_per_epoch = per_rank // batch_size if drop_last else -(-per_rank // batch_size)
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"{n} images cannot fill one batch of {batch_size} x {world_size} rank(s); "
+                             "lower train.batch_size")
+
+    def order(self, epoch: int) -> np.ndarray:
+        """This rank's source indices for ``epoch``, in batch order."""
+        perm = np.random.default_rng([self.seed, epoch]).permutation(self.n) if self.shuffle else np.arange(self.n)
+        per_rank = self.n // self.world_size
+        return perm[self.rank::self.world_size][:per_rank]
+
+    def __iter__(self) -> Iterator[BatchRef]:
+        epoch, first = self.start
+        while self.epochs is None or epoch < self.epochs:
+            order = self.order(epoch)
+            for b in range(first, self.batches_per_epoch):
+                yield BatchRef(epoch, b, order[b * self.batch_size:(b + 1) * self.batch_size])
+            epoch, first = epoch + 1, 0
+
+
+class BatchDataset(torch.utils.data.Dataset):
+    """Map-style dataset keyed by :class:`BatchRef` that returns one collated batch::
+
+        {"images": uint8 (B, 3, S, S), "labels": int64 (B,), "epoch": int, "index": int,
+         "bad": [(name, reason), ...]}
+
+    ``B`` is the batch size minus any unreadable images.
+    """
+
+    def __init__(self, source: ImageSource, transform: Transform, seed: int = 0):
+        self.source, self.transform, self.seed = source, transform, seed
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, ref: BatchRef) -> dict:
+        images, labels, bad = [], [], []
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(mix_seed(self.seed, ref.epoch, ref.index))
+            for i in ref.indices:
+                try:
+                    images.append(self.transform(self.source.load(int(i))))
+                    labels.append(int(self.source.labels[i]))
+                except CorruptImageError as e:
+                    bad.append((e.path, e.reason))
+        stacked = torch.stack(images) if images else torch.empty(0, 3, 0, 0, dtype=torch.uint8)
+        return {"images": stacked, "labels": torch.tensor(labels, dtype=torch.int64), "epoch": ref.epoch,
+                "index": ref.index, "bad": bad}
+
+
+def _identity(batch: dict) -> dict:
+    return batch
+
+
+def make_loader(source: ImageSource, transform: Transform, sampler: EpochSampler, num_workers: int,
+                prefetch: int = 2, seed: int = 0, pin_memory: bool = False) -> torch.utils.data.DataLoader:
+    """A DataLoader over whole batches (see :class:`BatchDataset`).
+
+    ``prefetch`` batches per worker are kept ready. Workers persist across epochs. A private
+    generator keeps the loader from consuming the global torch RNG, which stays the model's.
+    """
+    kwargs = dict(prefetch_factor=prefetch, persistent_workers=True) if num_workers > 0 else {}
+    return torch.utils.data.DataLoader(BatchDataset(source, transform, seed), batch_size=None, sampler=sampler,
+                                       num_workers=num_workers, collate_fn=_identity, pin_memory=pin_memory,
+                                       generator=torch.Generator(), **kwargs)
+
+
+class SkipReport:
+    """Counts unreadable images per epoch and warns once per file."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+        self.per_epoch: dict[int, int] = {}
+
+    def add(self, epoch: int, bad: list[tuple[str, str]]) -> None:
+        for name, reason in bad:
+            self.per_epoch[epoch] = self.per_epoch.get(epoch, 0) + 1
+            if name not in self.seen:
+                self.seen.add(name)
+                log.warning("skipped unreadable image %s: %s", name, reason)
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_epoch.values())

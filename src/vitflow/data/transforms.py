@@ -1,0 +1,110 @@
+"""Per-image transforms (torchvision.transforms.v2 on ``uint8`` tensors) and batched
+normalisation on the device.
+
+Images stay ``uint8`` ``(3, H, W)`` from decode to the device; :func:`normalize` turns a
+``uint8`` batch into the model's float input in one batched op there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms import v2
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """Everything needed to turn an image into model input at evaluation / prediction time.
+
+    Saved with every checkpoint so that predict sees exactly what evaluation saw.
+    """
+
+    image_size: int
+    crop_pct: float = 0.875
+    interpolation: str = "bicubic"
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+
+    def to_dict(self) -> dict:
+        return {"image_size": self.image_size, "crop_pct": self.crop_pct, "interpolation": self.interpolation,
+                "mean": list(self.mean), "std": list(self.std)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Preprocess":
+        return cls(int(d["image_size"]), float(d["crop_pct"]), str(d["interpolation"]), tuple(d["mean"]),
+                   tuple(d["std"]))
+
+
+def _interp(name: str) -> InterpolationMode:
+    return InterpolationMode.BICUBIC if name == "bicubic" else InterpolationMode.BILINEAR
+
+
+def eval_transform(pp: Preprocess) -> Transform:
+    """Resize the shorter side to ``image_size / crop_pct``, then center-crop ``image_size``
+    (the standard ImageNet evaluation transform; ``crop_pct=1`` gives a plain resize).
+    ``uint8 (3, H, W)`` -> ``uint8 (3, S, S)``."""
+    resize = int(round(pp.image_size / pp.crop_pct))
+    return v2.Compose([
+        _ResizeIfNeeded(resize, _interp(pp.interpolation)),
+        v2.CenterCrop(pp.image_size),
+    ])
+
+
+def train_transform(image_size: int, augment: str, scale: Sequence[float] = (0.08, 1.0), padding: int = 4,
+                    hflip: bool = True, interpolation: str = "bicubic") -> Transform:
+    """Training augmentation. ``uint8 (3, H, W)`` -> ``uint8 (3, S, S)``.
+
+    Args:
+        augment: ``random_resized_crop`` (Szegedy et al. 2015, Inception crop; area in ``scale``,
+            aspect 3/4..4/3), ``pad_crop`` (resize to ``image_size`` if needed, zero-pad by
+            ``padding``, random ``image_size`` crop: the CIFAR recipe of He et al. 2016),
+            ``none`` (the eval-free resize only), or ``auto`` (``pad_crop`` up to 64 px, else
+            ``random_resized_crop``).
+        hflip: random horizontal flip with p=0.5.
+    """
+    if augment == "auto":
+        augment = "pad_crop" if image_size <= 64 else "random_resized_crop"
+    ops: list[Transform]
+    if augment == "random_resized_crop":
+        ops = [v2.RandomResizedCrop(image_size, scale=tuple(scale), interpolation=_interp(interpolation),
+                                    antialias=True)]
+    elif augment == "pad_crop":
+        ops = [_ResizeIfNeeded(image_size, _interp(interpolation), exact=True)]
+        if padding:
+            ops.append(v2.RandomCrop(image_size, padding=padding))
+    elif augment == "none":
+        ops = [_ResizeIfNeeded(image_size, _interp(interpolation), exact=True)]
+    else:
+        raise ValueError(f"unknown augmentation {augment!r}")
+    if hflip:
+        ops.append(v2.RandomHorizontalFlip())
+    return v2.Compose(ops)
+
+
+class _ResizeIfNeeded(torch.nn.Module):
+    """Resize the shorter side to ``size`` (or to exactly ``size x size`` if ``exact``); a no-op
+    when the image already has that size."""
+
+    def __init__(self, size: int, interpolation: InterpolationMode, exact: bool = False):
+        super().__init__()
+        self.size, self.interpolation, self.exact = size, interpolation, exact
+
+    def forward(self, img: torch.Tensor) -> torch.Tensor:
+        h, w = img.shape[-2:]
+        if (self.exact and h == w == self.size) or (not self.exact and min(h, w) == self.size):
+            return img
+        target = [self.size, self.size] if self.exact else self.size
+        return v2.functional.resize(img, target, interpolation=self.interpolation, antialias=True)
+
+
+def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """``uint8 (B, 3, H, W)`` in 0..255 -> ``float32`` ``(x / 255 - mean) / std``, batched on the
+    images' device."""
+    m = torch.tensor(mean, device=images.device, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
+    s = torch.tensor(std, device=images.device, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
+    return (images.float() - m) / s

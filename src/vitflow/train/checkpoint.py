@@ -1,0 +1,134 @@
+"""Every checkpoint read and write: atomic saves, safe loads, finding and pruning.
+
+A checkpoint is one ``torch.save`` file, ``RUN_DIR/checkpoints/step-XXXXXXXX.pt``, holding::
+
+    format, version, step, model, optimizer, scheduler, scaler, rng, data (loader position),
+    config, model_args, classes, preprocess, metrics
+
+It is written to a hidden temporary file in the same folder, flushed and fsync'ed, then renamed
+over the final name (``os.replace`` is atomic on POSIX) and the folder fsync'ed: a run killed at
+any instant leaves either the previous checkpoints or the new one, never a torn file. Loads use
+``torch.load(weights_only=True)``, which executes no code from the file.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT = "vitflow-checkpoint"
+VERSION = 1
+_NAME = re.compile(r"^step-(\d{8})\.pt$")
+
+
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step-{step:08d}.pt"
+
+
+def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
+    """Atomically write ``state`` (plus format/version tags) to ``path``; returns ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save({"format": FORMAT, "version": VERSION, **state}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Read a vitflow checkpoint on the CPU without executing code from it.
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: truncated, corrupt or not a vitflow checkpoint.
+    """
+    path = Path(path)
+    if path.is_dir():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise FileNotFoundError(f"no checkpoint in run directory {path}")
+        path = found
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"cannot read checkpoint {path} (truncated or corrupt?): {e}") from e
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a vitflow checkpoint (for plain weights use create_model(pretrained=...))")
+    state["path"] = str(path)
+    return state
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest step first (temporary files are never listed)."""
+    folder = Path(run_dir) / "checkpoints"
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def prune_checkpoints(run_dir: str | Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints."""
+    for p in list_checkpoints(run_dir)[:-keep]:
+        p.unlink(missing_ok=True)
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch (CPU and CUDA) RNG states, as weights_only-loadable values."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.copy()), pos, has_gauss, cached],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
+    random.setstate(_tuples(state["python"]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tuples(x: Any) -> Any:
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def model_from_checkpoint(state: dict[str, Any]) -> torch.nn.Module:
+    """Rebuild the model a checkpoint was trained with and load its weights (eval mode, CPU).
+
+    Raises:
+        ValueError: the weights do not fit the saved model arguments.
+    """
+    from vitflow.models import create_model
+
+    args = dict(state["model_args"])
+    model = create_model(args.pop("name"), **args)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise ValueError(f"checkpoint {state.get('path')} does not fit its saved model arguments: {e}") from None
+    return model.eval()

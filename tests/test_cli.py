@@ -1,0 +1,76 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import encode, make_folder
+from vitflow.cli import main
+
+
+def test_train_json_last_line(digits_run):
+    run, r, stdout = digits_run
+    assert {"test_top1", "test_top5", "run_dir", "checkpoint"} <= set(r)
+    assert 0.7 < r["test_top1"] <= r["test_top5"] <= 1.0  # 10 classes: chance is 0.1
+    assert Path(r["checkpoint"]).is_file() and r["run_dir"] == str(run)
+    assert "test top-1" in stdout and "run directory" in stdout
+
+
+def test_eval_matches_training_result(digits_run, capsys):
+    run, r, _ = digits_run
+    assert main(["eval", str(run), "--json"]) == 0
+    e = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert e["test_top1"] == pytest.approx(r["test_top1"]) and e["test_images"] == 359  # 1797 - round(0.8 * 1797)
+
+
+def test_predict_sample_images(digits_run, capsys):
+    run, r, _ = digits_run
+    samples = sorted(Path(r["samples"]).glob("*.png"))
+    assert main(["predict", r["checkpoint"], *map(str, samples), "--topk", "3", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert len(rows) == 10 and all(len(x["top"]) == 3 for x in rows)
+    assert all(abs(sum(t["prob"] for t in x["top"]) - 1) < 0.5 for x in rows)
+    right = sum(x["top"][0]["class"] == Path(x["path"]).stem.split("_")[1] for x in rows)
+    assert right >= 6  # the file name carries the true digit
+
+
+def test_predict_folder_with_a_bad_image(digits_run, tmp_path, capsys):
+    run, r, _ = digits_run
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for p in Path(r["samples"]).glob("0[0-2]_*.png"):
+        (folder / p.name).write_bytes(p.read_bytes())
+    (folder / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really")
+    assert main(["predict", str(run), str(folder)]) == 0
+    out = capsys.readouterr()
+    assert out.out.count(".png:") == 3
+    assert "broken.jpg" in out.err and "1 of 4" in out.err
+
+
+def test_user_errors_exit_2_naming_the_problem(tmp_path, capsys):
+    assert main(["train", "train.batch_sise=3"]) == 2
+    assert "did you mean 'train.batch_size'" in capsys.readouterr().err
+    assert main(["train", "--preset", "cifar10-vit-tiny", f"data.path={tmp_path / 'missing'}"]) == 2
+    assert "missing" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "none.pt")]) == 2
+    assert "none.pt" in capsys.readouterr().err
+    assert main(["predict", str(tmp_path / "none.pt"), str(tmp_path)]) == 2
+
+
+def test_own_folder_train_with_slices(tmp_path, capsys):
+    data = make_folder(tmp_path / "pets", classes=("cat", "dog"), per_class=12, size=16)
+    code = main(["train", "data.source=folder", f"data.path={data}", "data.train_split=train[:75%]",
+                 "data.test_split=train[75%:]", "model.image_size=8", "train.total_steps=20", "train.batch_size=8",
+                 f"train.run_dir={tmp_path / 'run'}", "--json"])
+    assert code == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["step"] == 20 and 0 <= r["test_top1"] <= 1
+
+
+def test_presets_and_models_listing(capsys):
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    assert "cifar10-vit-b16-ft384" in out and "digits-vit-tiny" in out
+    assert main(["presets", "cifar10-vit-tiny"]) == 0
+    assert "vit_cifar_patch4_32" in capsys.readouterr().out
+    assert main(["models", "vit_base_*"]) == 0
+    assert "vit_base_patch16_224" in capsys.readouterr().out

@@ -1,0 +1,147 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_folder
+from vitflow.config import build_config
+from vitflow.train import Trainer
+from vitflow.train import checkpoint as ckpt
+from vitflow.train.logging import read_metrics
+from vitflow.train.optim import WarmupDecay, param_groups
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny(run_dir, *extra):
+    return build_config(overrides=[f"train.run_dir={run_dir}", "train.log_every=5", *extra])
+
+
+def test_digits_run_learns_and_writes_run_dir(digits_run):
+    run, r, _ = digits_run
+    assert Path(r["checkpoint"]).name == "step-00000400.pt"
+    recs = read_metrics(run / "metrics.jsonl")
+    evals = [x for x in recs if x["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [200, 400]
+    assert evals[-1]["top1"] == pytest.approx(r["test_top1"]) and evals[-1]["top1"] > evals[0]["top1"]
+    trains = [x for x in recs if x["kind"] == "train"]
+    assert len(trains) == 16 and trains[0]["loss"] > trains[-1]["loss"] + 0.5
+    assert all(0 <= x["data_stall"] <= 1 and x["images_per_s"] > 0 for x in trains)
+    # 1438 training images give 11 full batches of 128 an epoch: steps 0..399 complete epochs 0..35
+    assert [x["epoch"] for x in recs if x["kind"] == "epoch"] == list(range(36))
+    assert (run / "config.yaml").read_text().count("vit_digits_patch2_8") == 1
+    assert len(list((run / "samples").glob("*.png"))) == 10
+
+
+def test_param_groups_exclude_norms_biases_pos_and_cls():
+    from vitflow import create_model
+
+    m = create_model("vit_cifar_patch4_32", num_classes=10)
+    decay, no_decay = param_groups(m, 0.05)
+    names = {id(p): n for n, p in m.named_parameters()}
+    nd = {names[id(p)] for p in no_decay["params"]}
+    assert {"pos_embed", "cls_token", "norm.weight", "blocks.0.norm1.bias", "blocks.0.attn.qkv.bias"} <= nd
+    assert all(p.ndim >= 2 for p in decay["params"]) and "pos_embed" not in {names[id(p)] for p in decay["params"]}
+    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
+
+
+def test_warmup_cosine_values():
+    f = WarmupDecay(total_steps=110, warmup_steps=10, kind="cosine", min_ratio=0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0) and f(60) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
+    assert WarmupDecay(100, 0, "linear")(50) == pytest.approx(0.5)
+
+
+def test_accumulation_equals_one_large_batch(tmp_path):
+    """4 micro-batches of 8 then one step == one batch of 32 (fp32, no dropout): 1e-5."""
+    params = []
+    for accum in (1, 4):
+        cfg = tiny(tmp_path / f"acc{accum}", "train.batch_size=32", f"train.accum_steps={accum}",
+                   "train.label_smoothing=0.1", "data.train_augment=none")  # augmentation draws are per batch
+        tr = Trainer(cfg)
+        it = iter(tr.loader)
+        batches = [tr.next_batch(it) for _ in range(accum)]
+        if accum == 1:
+            ref_images = batches[0]["images"]
+        else:
+            assert torch.equal(torch.cat([b["images"] for b in batches]), ref_images)
+        tr.train_step(batches)
+        params.append(torch.cat([p.detach().flatten() for p in tr.model.parameters()]))
+    torch.testing.assert_close(params[0], params[1], atol=1e-5, rtol=0)
+
+
+def test_checkpoint_write_killed_midway_keeps_previous(tmp_path, monkeypatch):
+    path1 = ckpt.save_checkpoint({"step": 1, "model": {"w": torch.ones(3)}}, ckpt.checkpoint_path(tmp_path, 1))
+
+    def dying_save(obj, f, *a, **k):
+        f.write(b"partial")
+        raise KeyboardInterrupt  # the process is interrupted while writing
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint({"step": 2}, ckpt.checkpoint_path(tmp_path, 2))
+    monkeypatch.undo()
+    assert ckpt.list_checkpoints(tmp_path) == [path1]
+    assert ckpt.load_checkpoint(tmp_path)["step"] == 1
+    truncated = tmp_path / "checkpoints" / "step-00000003.pt"
+    truncated.write_bytes(path1.read_bytes()[:100])
+    with pytest.raises(ValueError, match="step-00000003.pt"):
+        ckpt.load_checkpoint(truncated)
+
+
+def _train_cmd(run_dir, data, steps, *extra):
+    return [sys.executable, "-m", "vitflow", "train", f"data.path={data}", "data.source=folder",
+            "data.train_split=train[:75%]", "data.test_split=train[75%:]", "data.num_workers=2", "data.hflip=true",
+            "model.image_size=8", "model.drop_path_rate=0.1", "model.drop_rate=0.1", "train.batch_size=8",
+            f"train.total_steps={steps}", f"train.run_dir={run_dir}", "train.keep_checkpoints=100",
+            "train.precision=fp32", "train.threads=1", *extra]
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run_bitwise(tmp_path):
+    """A real SIGKILL after step k, resume, step 2k: identical parameters (CPU, same thread count:
+    bitwise, because batches, augmentations, dropout and the optimizer state are all restored)."""
+    data = make_folder(tmp_path / "data", per_class=16, size=12)
+    k, env = 6, {**os.environ, "PYTHONUNBUFFERED": "1"}
+    full = tmp_path / "full"
+    subprocess.run(_train_cmd(full, data, 2 * k, f"train.checkpoint_every={k}"), check=True, env=env,
+                   capture_output=True)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_train_cmd(killed, data, 2 * k, f"train.checkpoint_every={k}"), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not ckpt.list_checkpoints(killed) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    first = ckpt.list_checkpoints(killed)
+    assert first and ckpt.load_checkpoint(first[0])["step"] == k
+    for p in first[1:]:  # anything written after step k would also be complete: drop it to resume at k
+        p.unlink()
+    subprocess.run(_train_cmd(killed, data, 2 * k, "train.resume=auto", f"train.checkpoint_every={k}"), check=True,
+                   env=env, capture_output=True)
+    a = ckpt.load_checkpoint(ckpt.checkpoint_path(full, 2 * k))
+    b = ckpt.load_checkpoint(ckpt.checkpoint_path(killed, 2 * k))
+    assert a["step"] == b["step"] == 2 * k
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    assert a["data"]["position"] == b["data"]["position"]
+    changed = ckpt.load_checkpoint(ckpt.checkpoint_path(full, k))["model"]["head.weight"]
+    assert not torch.equal(changed, a["model"]["head.weight"])  # training did move the weights
+
+
+def test_resume_rejects_other_classes(tmp_path):
+    run = tmp_path / "run"
+    Trainer(tiny(run, "train.total_steps=2")).fit()
+    data = make_folder(tmp_path / "data", per_class=4)
+    cfg = build_config(overrides=[f"train.run_dir={run}", "train.resume=auto", f"data.path={data}",
+                                  "data.source=folder", "data.train_split=train[:50%]",
+                                  "data.test_split=train[50%:]"])
+    with pytest.raises(ValueError, match="classes"):
+        Trainer(cfg)
