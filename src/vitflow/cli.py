@@ -42,6 +42,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true", help="one JSON object per image")
 
+    p = sub.add_parser("attention", help="draw a checkpoint's attention maps and rollout on an image")
+    p.add_argument("checkpoint", help="checkpoint file or run directory")
+    p.add_argument("image", help="an image file")
+    p.add_argument("-o", "--output", default="attention.png", help="PNG to write (default attention.png)")
+    p.add_argument("--layer", type=int, default=-1, help="block whose per-head maps are drawn (default -1, the last)")
+    p.add_argument("--head-fusion", choices=["mean", "max", "min"], default="mean",
+                   help="how rollout combines the heads of a layer (default mean)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+
     p = sub.add_parser("presets", help="list presets, or print one resolved")
     p.add_argument("name", nargs="?")
 
@@ -102,6 +111,17 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 1 if failed == len(refs) else 0
 
 
+def cmd_attention(args: argparse.Namespace) -> int:
+    from vitflow.viz import attention_figure
+
+    r = attention_figure(args.checkpoint, args.image, args.output, args.layer, args.head_fusion)
+    print(f"{r['image']}: predicted {r['class']} ({r['prob']:.1%}); {r['heads']} heads of block {r['layer']} "
+          f"and the rollout on a {r['grid'][0]}x{r['grid'][1]} grid -> {r['output']}")
+    if args.json:
+        print(json.dumps(r))
+    return 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     if args.name:
         preset_tree(args.name)  # fails with the nearest names if unknown
@@ -122,8 +142,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "presets": cmd_presets,
-            "models": cmd_models}
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "attention": cmd_attention,
+            "presets": cmd_presets, "models": cmd_models}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,10 +40,18 @@ class ModelConfig:
     image_size: int | None = None  # input resolution; None = the variant's own
     num_classes: int | None = None  # None = number of classes found in the data
     global_pool: Literal["token", "avg"] | None = None  # None = the variant's (class token for most)
-    attention: Literal["sdpa", "math"] = "sdpa"
+    # sdpa | math | blockwise | local | axial | linformer | performer | auto (times the exact ones)
+    attention: Literal["sdpa", "math", "blockwise", "local", "axial", "linformer", "performer", "auto"] = "sdpa"
+    attn_block_size: int = 128  # blockwise: keys per block (memory ~ N * block)
+    attn_window: int = 3  # local: window radius in patches
+    linformer_k: int | None = None  # linformer: projected length; None = tokens // 4
+    performer_features: int | None = None  # performer: random features; None = d ln d
+    pos_embed: Literal["learned", "sincos2d", "relative"] = "learned"
+    layer_scale: float | None = None  # LayerScale initial value (e.g. 1e-5); None = off
     drop_rate: float = 0.0
     drop_path_rate: float = 0.0
-    grad_checkpointing: bool = False
+    grad_checkpointing: str = "none"  # none | all | auto | every:K | block indices "0,3,6"
+    grad_checkpointing_budget: str | None = None  # activation memory for auto, e.g. 2GiB
 
     def validate(self) -> None:
         from vitflow.models import MODELS
@@ -56,6 +64,20 @@ class ModelConfig:
         _check(self.num_classes is None or self.num_classes > 0, "model.num_classes", self.num_classes, "> 0")
         _check(0 <= self.drop_rate < 1, "model.drop_rate", self.drop_rate, "in [0, 1)")
         _check(0 <= self.drop_path_rate < 1, "model.drop_path_rate", self.drop_path_rate, "in [0, 1)")
+        _check(self.attn_block_size >= 1, "model.attn_block_size", self.attn_block_size, ">= 1")
+        _check(self.attn_window >= 0, "model.attn_window", self.attn_window, ">= 0")
+        _check(self.linformer_k is None or self.linformer_k >= 1, "model.linformer_k", self.linformer_k, ">= 1")
+        _check(self.performer_features is None or self.performer_features >= 1, "model.performer_features",
+               self.performer_features, ">= 1")
+        _check(self.layer_scale is None or self.layer_scale > 0, "model.layer_scale", self.layer_scale, "> 0")
+        _check(not (self.pos_embed == "relative" and self.attention in ("linformer", "performer")),
+               "model.attention", self.attention, "one that adds a logit bias with model.pos_embed=relative")
+        from vitflow.models.checkpointing import CheckpointPlan
+
+        try:
+            CheckpointPlan.parse(self.grad_checkpointing, self.grad_checkpointing_budget)
+        except ValueError as e:
+            raise ConfigError(f"model.grad_checkpointing: {e}") from None
 
 
 @dataclass

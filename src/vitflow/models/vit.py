@@ -1,24 +1,29 @@
 """Vision Transformer (Dosovitskiy et al. 2021, "An Image is Worth 16x16 Words").
 
 Parameter names follow timm's ``VisionTransformer`` (``patch_embed.proj``, ``cls_token``,
-``pos_embed``, ``blocks.{i}.norm1``, ``.attn.qkv``, ``.attn.proj``, ``.norm2``, ``.mlp.fc1``,
-``.mlp.fc2``, ``norm`` / ``fc_norm``, ``head``) so that a timm state_dict of the same
-configuration loads with ``strict=True``.
+``pos_embed``, ``blocks.{i}.norm1``, ``.attn.qkv``, ``.attn.proj``, ``.ls1.gamma``, ``.norm2``,
+``.mlp.fc1``, ``.mlp.fc2``, ``.ls2.gamma``, ``norm`` / ``fc_norm``, ``head``) so that a timm
+state_dict of the same configuration loads with ``strict=True``. Attention math lives in
+:mod:`vitflow.models.attention`, position encodings in :mod:`vitflow.models.position`, the
+checkpointing plan in :mod:`vitflow.models.checkpointing`.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from vitflow.models.attention import get_backend
+from vitflow.models.attention import AttentionContext, make_kernel, split_heads, attention_probs
+from vitflow.models.checkpointing import CheckpointPlan, saved_activation_bytes
+from vitflow.models.position import POS_EMBEDS, RelativePositionBias, resample_pos_embed, sincos_2d
 
 LN_EPS = 1e-6  # the ViT / timm LayerNorm epsilon
+
+__all__ = ["Attention", "Block", "DropPath", "LayerScale", "Mlp", "PatchEmbed", "VisionTransformer",
+           "resample_pos_embed"]
 
 
 class PatchEmbed(nn.Module):
@@ -43,44 +48,64 @@ class PatchEmbed(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with a fused qkv projection.
+    """Multi-head self-attention with a fused qkv projection and a pluggable backend.
 
-    Input and output ``(B, N, D)``. ``backend`` names a function in
-    :mod:`vitflow.models.attention`.
+    Input and output ``(B, N, D)``. ``backend`` names a kernel of
+    :mod:`vitflow.models.attention` (built by :func:`~vitflow.models.attention.make_kernel` with
+    ``backend_options``); ``rel_pos`` adds a per-head relative position bias to the logits.
     """
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_drop: float = 0.0,
-                 proj_drop: float = 0.0, backend: str = "sdpa"):
+                 proj_drop: float = 0.0, backend: str = "sdpa", grid: tuple[int, int] = (14, 14),
+                 num_prefix_tokens: int = 1, rel_pos: bool = False, backend_options: dict | None = None):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
+        self.grid, self.num_prefix_tokens = tuple(grid), num_prefix_tokens
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.attn_drop = attn_drop
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
-        self.set_backend(backend)
+        self.rel_pos = RelativePositionBias(num_heads, self.grid, num_prefix_tokens) if rel_pos else None
+        self.set_backend(backend, **(backend_options or {}))
 
-    def set_backend(self, backend: str) -> None:
-        self.backend = backend
-        self._attend = get_backend(backend)
+    def set_backend(self, backend: str, **options) -> None:
+        """Replace the attention kernel (weights of qkv / proj unchanged; a Linformer's
+        projections are new). Raises ValueError for an unknown backend or an unusable option."""
+        kernel = make_kernel(backend, seq_len=self.num_prefix_tokens + self.grid[0] * self.grid[1],
+                             head_dim=self.head_dim, **options)
+        if self.rel_pos is not None and not kernel.supports_bias:
+            raise ValueError(f"attention={backend} cannot use the relative position bias (pos_embed=relative)")
+        self.backend, self.kernel = backend, kernel
 
-    def qkv_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Split ``(B, N, D)`` into q, k, v of shape ``(B, H, N, head_dim)`` each."""
-        b, n, _ = x.shape
-        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        return qkv.unbind(0)
+    def context(self, grid: tuple[int, int] | None) -> AttentionContext:
+        grid = self.grid if grid is None else tuple(grid)
+        bias = self.rel_pos(grid) if self.rel_pos is not None else None
+        return AttentionContext(grid, self.num_prefix_tokens, bias, self.attn_drop if self.training else 0.0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, d = x.shape
-        q, k, v = self.qkv_heads(x)
-        x = self._attend(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
-        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(b, n, d)))
+    def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        return self.proj_drop(self.proj(self.kernel(self.qkv(x), self.num_heads, self.context(grid))))
+
+    def probs(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        """Attention probabilities ``(B, H, N, N)`` float32 computed explicitly (the math path,
+        with the relative bias and the sparse pattern if any) whatever the backend.
+
+        For ``linformer`` and ``performer`` this is the exact softmax attention of the same
+        queries and keys, which those backends approximate."""
+        ctx = self.context(grid)
+        q, k, _ = split_heads(self.qkv(x), self.num_heads)
+        mask = self.kernel.mask(ctx.grid, ctx.num_prefix_tokens, x.device)
+        bias = None if ctx.bias is None else ctx.bias.float()
+        return attention_probs(q.float(), k.float(), bias, mask)
 
 
 class Mlp(nn.Module):
-    """Two-layer GELU MLP: ``fc1 -> GELU -> dropout -> fc2 -> dropout``; ``(B, N, D) -> (B, N, D)``."""
+    """Two-layer GELU MLP: ``fc1 -> GELU -> dropout -> fc2 -> dropout``; ``(B, N, D) -> (B, N, D)``.
+
+    Without autograd (inference) the GELU runs in place on fc1's output, which saves the
+    largest activation allocation of the block."""
 
     def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0):
         super().__init__()
@@ -91,7 +116,9 @@ class Mlp(nn.Module):
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+        h = self.fc1(x)
+        h = torch.ops.aten.gelu_(h) if not torch.is_grad_enabled() else self.act(h)
+        return self.drop2(self.fc2(self.drop1(h)))
 
 
 class DropPath(nn.Module):
@@ -113,22 +140,38 @@ class DropPath(nn.Module):
         return f"p={self.p}"
 
 
-class Block(nn.Module):
-    """Pre-norm transformer encoder block: ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``."""
+class LayerScale(nn.Module):
+    """Per-channel learned scale of a residual branch, initialised to a small constant
+    (CaiT, Touvron et al. 2021). ``(..., D) -> (..., D)``; parameter ``gamma (D,)``."""
 
-    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
-                 drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0, attention: str = "sdpa"):
+    def __init__(self, dim: int, init_values: float = 1e-5):
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=LN_EPS)
-        self.attn = Attention(dim, num_heads, qkv_bias, attn_drop, drop, attention)
-        self.drop_path1 = DropPath(drop_path)
-        self.norm2 = nn.LayerNorm(dim, eps=LN_EPS)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
-        self.drop_path2 = DropPath(drop_path)
+        self.gamma = nn.Parameter(torch.full((dim,), float(init_values)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path1(self.attn(self.norm1(x)))
-        return x + self.drop_path2(self.mlp(self.norm2(x)))
+        return x * self.gamma
+
+
+class Block(nn.Module):
+    """Pre-norm transformer encoder block: ``x + ls1(attn(norm1(x)))`` then ``x + ls2(mlp(norm2(x)))``
+    (each branch through stochastic depth)."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
+                 drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0, attention: str = "sdpa",
+                 layer_scale_init: float | None = None, **attn_kwargs):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=LN_EPS)
+        self.attn = Attention(dim, num_heads, qkv_bias, attn_drop, drop, attention, **attn_kwargs)
+        self.ls1 = LayerScale(dim, layer_scale_init) if layer_scale_init is not None else nn.Identity()
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=LN_EPS)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
+        self.ls2 = LayerScale(dim, layer_scale_init) if layer_scale_init is not None else nn.Identity()
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), grid)))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
 
 class VisionTransformer(nn.Module):
@@ -145,33 +188,57 @@ class VisionTransformer(nn.Module):
             no class token, ``fc_norm`` instead of ``norm`` as in timm / MAE).
         drop_rate, attn_drop_rate: dropout on activations and on attention probabilities.
         drop_path_rate: stochastic-depth rate of the last block, rising linearly from 0.
-        attention: attention backend name (see :mod:`vitflow.models.attention`).
+        attention: attention backend (:data:`vitflow.models.attention.BACKENDS`).
+        pos_embed: ``"learned"`` (parameter ``pos_embed``, resampled bicubically for another
+            grid), ``"sincos2d"`` (fixed) or ``"relative"`` (per-head bias in every block, no
+            absolute embedding); see :mod:`vitflow.models.position`.
+        layer_scale_init: LayerScale initial value (e.g. 1e-5); ``None`` = no LayerScale.
+        attn_block_size: ``blockwise`` key-block size.
+        attn_window: ``local`` window radius in patches.
+        linformer_k: Linformer projected length (default tokens // 4).
+        performer_features: Performer random features (default ``round(d ln d)``).
 
-    ``forward(x)``: ``(B, in_chans, H, W)`` float -> logits ``(B, num_classes)``.
+    ``forward(x)``: ``(B, in_chans, H, W)`` float -> logits ``(B, num_classes)``; H and W may
+    differ from ``img_size`` (multiples of the patch size): the position encoding follows.
     """
 
     def __init__(self, img_size: int = 224, patch_size: int = 16, in_chans: int = 3, num_classes: int = 1000,
                  embed_dim: int = 768, depth: int = 12, num_heads: int = 12, mlp_ratio: float = 4.0,
                  qkv_bias: bool = True, global_pool: Literal["token", "avg"] = "token", drop_rate: float = 0.0,
-                 attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0, attention: str = "sdpa"):
+                 attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0, attention: str = "sdpa",
+                 pos_embed: str = "learned", layer_scale_init: float | None = None, attn_block_size: int = 128,
+                 attn_window: int = 3, linformer_k: int | None = None, performer_features: int | None = None):
         super().__init__()
         if global_pool not in ("token", "avg"):
             raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
         if img_size % patch_size:
             raise ValueError(f"img_size {img_size} is not a multiple of patch_size {patch_size}")
+        if pos_embed not in POS_EMBEDS:
+            raise ValueError(f"pos_embed must be one of {', '.join(POS_EMBEDS)}, got {pos_embed!r}")
         self.img_size, self.patch_size, self.in_chans = img_size, patch_size, in_chans
         self.num_classes, self.embed_dim, self.global_pool = num_classes, embed_dim, global_pool
         self.grid_size = img_size // patch_size
         self.num_prefix_tokens = 1 if global_pool == "token" else 0
-        self.grad_checkpointing = False
+        self.pos_embed_type = pos_embed
+        self.attention_options = dict(block_size=attn_block_size, window=attn_window, linformer_k=linformer_k,
+                                      performer_features=performer_features)
+        self.checkpoint_plan = CheckpointPlan()
 
+        grid = (self.grid_size, self.grid_size)
         self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if self.num_prefix_tokens else None
-        self.pos_embed = nn.Parameter(torch.zeros(1, self.grid_size**2 + self.num_prefix_tokens, embed_dim))
+        if pos_embed == "learned":
+            self.pos_embed = nn.Parameter(torch.zeros(1, self.grid_size**2 + self.num_prefix_tokens, embed_dim))
+        elif pos_embed == "sincos2d":
+            self.register_buffer("pos_embed", sincos_2d(grid, embed_dim, self.num_prefix_tokens), persistent=False)
+        else:
+            self.pos_embed = None
         self.pos_drop = nn.Dropout(drop_rate)
         dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
         self.blocks = nn.Sequential(*[
-            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, dpr[i], attention)
+            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, dpr[i], attention,
+                  layer_scale_init, grid=grid, num_prefix_tokens=self.num_prefix_tokens,
+                  rel_pos=pos_embed == "relative", backend_options=self.attention_options)
             for i in range(depth)
         ])
         use_fc_norm = global_pool == "avg"
@@ -184,7 +251,8 @@ class VisionTransformer(nn.Module):
     def init_weights(self) -> None:
         """timm's default init: truncated normal (std 0.02) for linears and the position
         embedding, 1e-6 normal for the class token, zero biases, unit LayerNorms."""
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        if isinstance(self.pos_embed, nn.Parameter):
+            nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
         for m in self.modules():
@@ -198,37 +266,88 @@ class VisionTransformer(nn.Module):
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
-        """Parameter names excluded from weight decay beside all 1-D parameters (norms, biases)."""
-        return {"pos_embed", "cls_token"}
+        """Parameter names excluded from weight decay beside all 1-D parameters (norms, biases):
+        the position embedding, the class token and the relative position bias tables."""
+        names = {"pos_embed", "cls_token"}
+        return names | {n for n, _ in self.named_parameters() if n.endswith("relative_position_bias_table")}
 
-    def set_attention_backend(self, backend: str) -> None:
-        """Switch every block's attention backend (weights unchanged)."""
+    @property
+    def attention_backend(self) -> str:
+        return self.blocks[0].attn.backend if len(self.blocks) else "sdpa"
+
+    def set_attention_backend(self, backend: str, **options) -> None:
+        """Switch every block's attention backend (weights unchanged). ``options`` override the
+        model's ``block_size``, ``window``, ``linformer_k``, ``performer_features``.
+
+        Raises:
+            ValueError: unknown backend, bad option, or a backend that cannot take the
+            relative position bias.
+        """
+        opts = {**self.attention_options, **options}
         for blk in self.blocks:
-            blk.attn.set_backend(backend)
+            blk.attn.set_backend(backend, **opts)
+        self.attention_options = opts
 
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        """Recompute each block's activations in the backward pass (torch.utils.checkpoint,
-        non-reentrant) to trade compute for activation memory."""
-        self.grad_checkpointing = enable
+    def set_grad_checkpointing(self, enable: bool | str | Sequence[int] = True,
+                               memory_budget: int | str | None = None) -> None:
+        """Recompute activations of some blocks in the backward pass (torch.utils.checkpoint,
+        non-reentrant), trading compute for activation memory.
+
+        Args:
+            enable: ``True`` / ``"all"`` (every block), ``False`` / ``"none"``, a list of block
+                indices (or ``"0,3,6"``), ``"every:K"`` (blocks 0, K, 2K, ...), or ``"auto"``:
+                the fewest blocks that keep the activations within ``memory_budget``.
+            memory_budget: bytes or a size like ``"2GiB"`` (``auto`` only).
+        Raises:
+            ValueError: an unreadable spec or ``auto`` without a budget (see
+            :class:`~vitflow.models.checkpointing.CheckpointPlan`).
+        """
+        self.checkpoint_plan = CheckpointPlan.parse(enable, memory_budget)
+
+    @property
+    def grad_checkpointing(self) -> bool:
+        return self.checkpoint_plan.enabled
 
     def _pos_embed(self, x: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
-        pos = self.pos_embed
-        if grid_hw != (self.grid_size, self.grid_size):
-            pos = resample_pos_embed(pos, grid_hw, self.num_prefix_tokens)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        return self.pos_drop(x + pos)
+        if self.pos_embed_type == "learned":
+            pos = self.pos_embed
+            if grid_hw != (self.grid_size, self.grid_size):
+                pos = resample_pos_embed(pos, grid_hw, self.num_prefix_tokens)
+            x = x + pos
+        elif self.pos_embed_type == "sincos2d":
+            pos = self.pos_embed
+            if grid_hw != (self.grid_size, self.grid_size):
+                pos = sincos_2d(grid_hw, self.embed_dim, self.num_prefix_tokens, device=x.device)
+            x = x + pos
+        return self.pos_drop(x)
+
+    def _embed(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        grid = (x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size)
+        return self._pos_embed(self.patch_embed(x), grid), grid
+
+    def _checkpointed_blocks(self, x: torch.Tensor, grid: tuple[int, int]) -> frozenset[int]:
+        if not self.checkpoint_plan.enabled or not torch.is_grad_enabled():
+            return frozenset()
+
+        def measure() -> tuple[int, int]:
+            devices = [x.device] if x.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                per_block = saved_activation_bytes(lambda: self.blocks[0](x.detach().requires_grad_(), grid),
+                                                   exclude=list(self.parameters()))
+            return per_block, x.numel() * x.element_size()
+
+        key = (tuple(x.shape), x.dtype, str(x.device), torch.is_autocast_enabled(x.device.type))
+        return self.checkpoint_plan.blocks(len(self.blocks), measure, key)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W)`` -> tokens ``(B, N, D)`` after the final norm (class token first when
         ``global_pool == "token"``)."""
-        grid_hw = (x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size)
-        x = self._pos_embed(self.patch_embed(x), grid_hw)
-        if self.grad_checkpointing and torch.is_grad_enabled():
-            for blk in self.blocks:
-                x = checkpoint(blk, x, use_reentrant=False)
-        else:
-            x = self.blocks(x)
+        x, grid = self._embed(x)
+        ckpt = self._checkpointed_blocks(x, grid)
+        for i, blk in enumerate(self.blocks):
+            x = checkpoint(blk, x, grid, use_reentrant=False) if i in ckpt else blk(x, grid)
         return self.norm(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
@@ -240,6 +359,33 @@ class VisionTransformer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
 
+    def attention_maps(self, x: torch.Tensor, layers: int | Sequence[int] | None = None) -> list[torch.Tensor]:
+        """Per-layer attention probabilities, computed explicitly whatever the backend.
+
+        Args:
+            x: images ``(B, C, H, W)``.
+            layers: block indices (negative counts from the end); ``None`` = all blocks.
+        Returns:
+            One float32 ``(B, H, N, N)`` tensor per requested layer, in the order given; row
+            ``i`` is query token ``i`` (the class token is token 0 when present). The forward
+            stops after the deepest requested block. Runs under the caller's grad mode.
+        Raises:
+            IndexError: a layer index out of range.
+        """
+        depth = len(self.blocks)
+        wanted = list(range(depth)) if layers is None else [layers] if isinstance(layers, int) else list(layers)
+        for i in wanted:
+            if not -depth <= i < depth:
+                raise IndexError(f"layer {i} out of range for a {depth}-block model")
+        wanted = [i % depth for i in wanted]
+        maps: dict[int, torch.Tensor] = {}
+        x, grid = self._embed(x)
+        for i, blk in enumerate(self.blocks[:max(wanted) + 1]):
+            if i in wanted:
+                maps[i] = blk.attn.probs(blk.norm1(x), grid)
+            x = blk(x, grid)
+        return [maps[i] for i in wanted]
+
     def reset_classifier(self, num_classes: int) -> None:
         """Replace the head with a freshly initialised ``Linear(embed_dim, num_classes)``."""
         self.num_classes = num_classes
@@ -247,28 +393,3 @@ class VisionTransformer(nn.Module):
         if num_classes > 0:
             nn.init.trunc_normal_(self.head.weight, std=0.02)
             nn.init.zeros_(self.head.bias)
-
-
-def resample_pos_embed(pos_embed: torch.Tensor, new_grid: tuple[int, int], num_prefix_tokens: int = 1,
-                       mode: str = "bicubic") -> torch.Tensor:
-    """Resample a learned position embedding to a new patch grid (ViT paper, sec. 3.2).
-
-    Args:
-        pos_embed: ``(1, P + g*g, D)`` with ``P`` prefix (class) tokens first and a square grid.
-        new_grid: target ``(h, w)`` in patches.
-    Returns:
-        ``(1, P + h*w, D)`` in the input dtype; prefix tokens are kept as they are.
-    Raises:
-        ValueError: the grid part is not square.
-    """
-    prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
-    old = math.isqrt(grid.shape[1])
-    if old * old != grid.shape[1]:
-        raise ValueError(f"position embedding grid of {grid.shape[1]} tokens is not square")
-    if (old, old) == tuple(new_grid):
-        return pos_embed
-    dim = grid.shape[-1]
-    grid = grid.reshape(1, old, old, dim).permute(0, 3, 1, 2).float()
-    grid = F.interpolate(grid, size=tuple(new_grid), mode=mode, align_corners=False, antialias=mode != "nearest")
-    grid = grid.permute(0, 2, 3, 1).reshape(1, -1, dim).to(pos_embed.dtype)
-    return torch.cat([prefix, grid], dim=1)

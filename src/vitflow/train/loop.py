@@ -62,7 +62,9 @@ def model_args(cfg: Config, num_classes: int) -> dict[str, Any]:
     """Arguments of :func:`vitflow.create_model` for this config (saved in checkpoints)."""
     m = cfg.model
     return {"name": m.name, "img_size": m.image_size, "num_classes": num_classes, "global_pool": m.global_pool,
-            "attention": m.attention, "drop_rate": m.drop_rate, "drop_path_rate": m.drop_path_rate}
+            "attention": m.attention, "drop_rate": m.drop_rate, "drop_path_rate": m.drop_path_rate,
+            "pos_embed": m.pos_embed, "layer_scale_init": m.layer_scale, "attn_block_size": m.attn_block_size,
+            "attn_window": m.attn_window, "linformer_k": m.linformer_k, "performer_features": m.performer_features}
 
 
 @dataclass
@@ -109,7 +111,7 @@ class Trainer:
         self.model_args = model_args(cfg, num_classes)
         self.model = create_model(pretrained=cfg.model.pretrained if not self.state else None,
                                   **self.model_args).to(self.device)
-        self.model.set_grad_checkpointing(cfg.model.grad_checkpointing)
+        self.model.set_grad_checkpointing(cfg.model.grad_checkpointing, cfg.model.grad_checkpointing_budget)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.total_steps)
         self.micro_batch = t.batch_size // t.accum_steps

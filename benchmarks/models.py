@@ -1,0 +1,194 @@
+"""ViT training and inference throughput: vitflow vs timm vs vit-pytorch, side by side.
+
+    python benchmarks/models.py [--json] [--quick] [--models cifar,tiny,small] [--repeats 3]
+
+For vit_tiny_patch16_224 and vit_small_patch16_224 (batch 32) and the 32x32 CIFAR variant
+vit_cifar_patch4_32 (dim 192, depth 9, 3 heads, MLP ratio 2, patch 4; batch 64), in fp32 and
+bf16 autocast, it measures images/s of
+- training: forward, cross-entropy, backward, ``torch.optim.AdamW`` step, ``zero_grad``;
+- inference: ``model.eval()`` under ``torch.inference_mode()``;
+for vitflow's ``VisionTransformer`` with ``attention=auto``, timm's ``VisionTransformer`` and
+vit-pytorch's ``ViT`` of the same configuration (synthetic inputs). Each cell builds the three
+models, warms them up (vitflow's ``auto`` times its backends there), then runs ``--repeats``
+rounds; in each round every implementation runs for ``--seconds`` (at least one step), in a
+rotating order. Figures are medians (min-max) over the rounds.
+
+The machine's matmul peak (``torch.mm``, 1024..4096, fp32 and bf16, best median) gives each
+cell's MFU: model FLOPs per image (``FlopCounterMode`` on the explicit-attention forward; x3 for
+training) times images/s over the peak of the cell's dtype. With ``--json`` the last line is::
+
+    {"peak_gflops": {"fp32": ..., "bf16": ...}, "cells": [{"model": ..., "mode": "train"|"infer",
+     "dtype": "fp32"|"bf16", "vitflow_ips": ..., "timm_ips": ..., "vit_pytorch_ips": ...,
+     "vitflow_mfu": ...}, ...]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import vitflow  # noqa: E402
+from vitflow.models import MODELS  # noqa: E402
+
+MODEL_SPECS = {  # key: (vitflow variant, batch, classes)
+    "tiny": ("vit_tiny_patch16_224", 32, 1000),
+    "small": ("vit_small_patch16_224", 32, 1000),
+    "cifar": ("vit_cifar_patch4_32", 64, 10),
+}
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def matmul_peak(dtype: torch.dtype, sizes=(1024, 2048, 4096), repeats: int = 3) -> float:
+    """Best median GFLOP/s of ``torch.mm`` over square sizes."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        torch.mm(a, b)
+        times = []
+        for _ in range(repeats):
+            calls, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < 0.3 or calls < 2:
+                torch.mm(a, b)
+                calls += 1
+            times.append((time.perf_counter() - t0) / calls)
+        best = max(best, 2 * n**3 / statistics.median(times) / 1e9)
+    return best
+
+
+def forward_gflops(name: str, num_classes: int) -> float:
+    """Forward GFLOP per image, counted on vitflow's explicit (math) attention path."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = vitflow.create_model(name, num_classes=num_classes, attention="math").eval()
+    size = MODELS[name]["img_size"]
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(torch.randn(1, 3, size, size))
+    return counter.get_total_flops() / 1e9
+
+
+def build(impl: str, name: str, num_classes: int) -> torch.nn.Module:
+    cfg = MODELS[name]
+    dim, depth, heads = cfg["embed_dim"], cfg["depth"], cfg["num_heads"]
+    mlp_ratio = cfg.get("mlp_ratio", 4.0)
+    if impl == "vitflow":
+        return vitflow.create_model(name, num_classes=num_classes, attention="auto")
+    if impl == "timm":
+        from timm.models.vision_transformer import VisionTransformer
+
+        return VisionTransformer(img_size=cfg["img_size"], patch_size=cfg["patch_size"], embed_dim=dim, depth=depth,
+                                 num_heads=heads, mlp_ratio=mlp_ratio, num_classes=num_classes)
+    from vit_pytorch import ViT
+
+    return ViT(image_size=cfg["img_size"], patch_size=cfg["patch_size"], num_classes=num_classes, dim=dim,
+               depth=depth, heads=heads, mlp_dim=int(dim * mlp_ratio), dim_head=dim // heads)
+
+
+def make_step(model: torch.nn.Module, mode: str, dtype: torch.dtype | None, x: torch.Tensor, y: torch.Tensor):
+    """A closure running one training step or one inference batch."""
+    autocast = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype else contextlib.nullcontext
+    if mode == "infer":
+        model.eval()
+
+        def infer():
+            with torch.inference_mode(), autocast():
+                model(x)
+        return infer
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def train():
+        with autocast():
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return train
+
+
+def run_cell(key: str, mode: str, dt: str, repeats: int, seconds: float) -> dict:
+    name, batch, classes = MODEL_SPECS[key]
+    size = MODELS[name]["img_size"]
+    torch.manual_seed(0)
+    x, y = torch.randn(batch, 3, size, size), torch.randint(0, classes, (batch,))
+    impls = ("vitflow", "timm", "vit_pytorch")
+    steps = {impl: make_step(build(impl, name, classes), mode, DTYPES[dt], x, y) for impl in impls}
+    for step in steps.values():  # warm-up (vitflow's attention=auto decides here)
+        step()
+        step()
+    rates: dict[str, list[float]] = {impl: [] for impl in impls}
+    for r in range(repeats):
+        for impl in impls[r % 3:] + impls[:r % 3]:  # rotate the order between rounds
+            n, t0 = 0, time.perf_counter()
+            while n < 1 or time.perf_counter() - t0 < seconds:
+                steps[impl]()
+                n += 1
+            rates[impl].append(n * batch / (time.perf_counter() - t0))
+    return {impl: rates[impl] for impl in impls}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="cifar,tiny,small", help="comma list of cifar, tiny, small")
+    ap.add_argument("--modes", default="train,infer")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds per cell (median reported)")
+    ap.add_argument("--seconds", type=float, default=2.0, help="minimum seconds per implementation per round")
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    ap.add_argument("--quick", action="store_true", help="CIFAR variant only, 3 rounds of 1 s")
+    ap.add_argument("--json", action="store_true", help="end with one JSON line")
+    args = ap.parse_args()
+    if args.quick:
+        args.models, args.seconds = "cifar", 1.0
+    torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+
+    peak = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
+    print(f"matmul peak ({args.threads} threads): fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s")
+    print(f"{'model':24s} {'mode':5s} {'dtype':5s} {'vitflow img/s':>20s} {'timm':>18s} {'vit-pytorch':>18s} "
+          f"{'x timm':>7s} {'x best':>7s} {'MFU':>5s}  backend")
+    cells = []
+    for key in args.models.split(","):
+        name, _, classes = MODEL_SPECS[key]
+        gflops = forward_gflops(name, classes)
+        for mode in args.modes.split(","):
+            for dt in args.dtypes.split(","):
+                rates = run_cell(key, mode, dt, args.repeats, args.seconds)
+                med = {impl: statistics.median(v) for impl, v in rates.items()}
+                mfu = med["vitflow"] * gflops * (3 if mode == "train" else 1) / peak[dt]
+                best = max(med["timm"], med["vit_pytorch"])
+                backend = ",".join(sorted({k[-1] for k in _auto_choices()})) or "-"
+                fmt = {impl: f"{med[impl]:.1f} ({min(v):.0f}-{max(v):.0f})" for impl, v in rates.items()}
+                print(f"{name:24s} {mode:5s} {dt:5s} {fmt['vitflow']:>20s} {fmt['timm']:>18s} {fmt['vit_pytorch']:>18s} "
+                      f"{med['vitflow'] / med['timm']:7.2f} {med['vitflow'] / best:7.2f} {mfu:5.0%}  {backend}",
+                      flush=True)
+                cells.append({"model": name, "mode": mode, "dtype": dt, "vitflow_ips": round(med["vitflow"], 2),
+                              "timm_ips": round(med["timm"], 2), "vit_pytorch_ips": round(med["vit_pytorch"], 2),
+                              "vitflow_mfu": round(mfu, 4)})
+                gc.collect()
+    if args.json:
+        print(json.dumps({"peak_gflops": {k: round(v, 1) for k, v in peak.items()}, "cells": cells}))
+
+
+def _auto_choices() -> list[tuple]:
+    """(key..., backend) of the choices vitflow's attention=auto made in the current cell."""
+    from vitflow.models.attention import auto
+
+    out = [(*k, v) for k, v in auto._CHOICES.items()]
+    auto.clear_choices()
+    return out
+
+
+if __name__ == "__main__":
+    main()

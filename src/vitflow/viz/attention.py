@@ -1,0 +1,139 @@
+"""Attention maps of a trained ViT: per-head class-token attention and attention rollout.
+
+``vitflow attention CHECKPOINT IMAGE -o maps.png`` runs :func:`attention_figure`: the image as
+the model sees it (the checkpoint's eval preprocessing), each head's attention from the class
+token to the patches in one layer (default the last), and the attention rollout over all layers
+(Abnar & Zuidema 2020), each overlaid on the image. The probabilities come from
+``model.attention_maps`` (explicit softmax whatever the training backend).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+HeadFusion = Literal["mean", "max", "min"]
+
+
+def attention_rollout(maps: Sequence[torch.Tensor], head_fusion: HeadFusion = "mean",
+                      residual: float = 0.5) -> torch.Tensor:
+    """Attention rollout (Abnar & Zuidema 2020, "Quantifying Attention Flow in Transformers").
+
+    Each layer's heads are fused (mean, or max / min as in later work), the residual path is
+    added as ``A' = residual * I + (1 - residual) * A`` with rows renormalised, and the layers are
+    multiplied from the first: ``R = A'_L ... A'_2 A'_1``.
+
+    Args:
+        maps: per-layer probabilities ``(B, H, N, N)``, first layer first.
+    Returns:
+        ``(B, N, N)`` float32; row ``i`` is how much each input token flows into output token ``i``.
+    Raises:
+        ValueError: empty ``maps`` or an unknown ``head_fusion``.
+    """
+    if not maps:
+        raise ValueError("attention_rollout needs at least one layer")
+    fuse = {"mean": lambda a: a.mean(1), "max": lambda a: a.amax(1), "min": lambda a: a.amin(1)}
+    if head_fusion not in fuse:
+        raise ValueError(f"head_fusion must be mean, max or min, got {head_fusion!r}")
+    n = maps[0].shape[-1]
+    eye = torch.eye(n, device=maps[0].device)
+    result = eye.expand(maps[0].shape[0], n, n)
+    for a in maps:
+        a = residual * eye + (1 - residual) * fuse[head_fusion](a.float())
+        result = (a / a.sum(-1, keepdim=True)) @ result
+    return result
+
+
+def token_grid(rows: torch.Tensor, num_prefix_tokens: int, grid: tuple[int, int]) -> torch.Tensor:
+    """Attention from the class token (row 0), or the mean over all query rows when there is no
+    class token, to the patch tokens, as ``(..., h, w)`` scaled to a maximum of 1.
+
+    Args:
+        rows: ``(..., N, N)`` probabilities or rollout.
+    """
+    x = rows[..., 0, :] if num_prefix_tokens else rows.mean(-2)
+    x = x[..., num_prefix_tokens:].reshape(*x.shape[:-1], *grid)
+    return x / x.flatten(-2).amax(-1)[..., None, None].clamp_min(1e-12)
+
+
+def plot_attention(image: torch.Tensor, head_maps: torch.Tensor, rollout: torch.Tensor, out: str | Path,
+                   title: str = "", layer: int = -1) -> Path:
+    """Write a PNG grid: the image, one overlay per head, the rollout overlay.
+
+    Args:
+        image: ``uint8 (3, S, S)`` as fed to the model.
+        head_maps: ``(H, h, w)`` per-head maps in [0, 1]; rollout: ``(h, w)``.
+    Returns:
+        The written path.
+    """
+    from matplotlib.figure import Figure
+
+    img = image.permute(1, 2, 0).cpu().numpy()
+    size = img.shape[:2]
+
+    def up(m: torch.Tensor) -> np.ndarray:
+        return F.interpolate(m[None, None].float(), size=size, mode="bilinear", align_corners=False)[0, 0].numpy()
+
+    panels = [("image", None)] + [(f"head {h} (layer {layer})", up(m)) for h, m in enumerate(head_maps)]
+    panels.append(("rollout (all layers)", up(rollout)))
+    cols = min(len(panels), 5)
+    rows = math.ceil(len(panels) / cols)
+    fig = Figure(figsize=(2.6 * cols, 2.6 * rows + (0.4 if title else 0)), dpi=110)
+    for i, (name, m) in enumerate(panels):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        ax.imshow(img, interpolation="nearest" if size[0] < 64 else "antialiased")
+        if m is not None:
+            ax.imshow(m, cmap="jet", alpha=0.5, vmin=0.0, vmax=1.0)
+        ax.set_title(name, fontsize=9)
+        ax.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    return out
+
+
+@torch.no_grad()
+def attention_figure(checkpoint: str | Path, image: str | Path, out: str | Path, layer: int = -1,
+                     head_fusion: HeadFusion = "mean") -> dict:
+    """Attention maps of ``checkpoint`` on one image file, written as a PNG grid to ``out``.
+
+    Returns:
+        ``{"image", "output", "class", "prob", "layer", "heads", "grid"}``.
+    Raises:
+        FileNotFoundError: missing checkpoint or image. ValueError: unreadable image or
+        checkpoint, or ``layer`` out of range.
+    """
+    from vitflow.data import normalize
+    from vitflow.data.decode import decode_image
+    from vitflow.infer import Predictor
+
+    image = Path(image)
+    if not image.is_file():
+        raise FileNotFoundError(f"image not found: {image}")
+    predictor = Predictor.from_checkpoint(checkpoint, device="cpu", precision="fp32")
+    model, pp = predictor.model, predictor.pp
+    depth = len(model.blocks)
+    if not -depth <= layer < depth:
+        raise ValueError(f"--layer {layer} out of range for a {depth}-block model")
+    pixels = predictor.transform(decode_image(image.read_bytes(), str(image)))
+    x = normalize(pixels[None], pp.mean, pp.std)
+    maps = model.attention_maps(x)
+    probs = model(x).softmax(-1)[0]
+    prob, idx = probs.max(0)
+    grid = (x.shape[-2] // model.patch_size, x.shape[-1] // model.patch_size)
+    p = model.num_prefix_tokens
+    heads = token_grid(maps[layer][0], p, grid)
+    rollout = token_grid(attention_rollout(maps, head_fusion)[0], p, grid)
+    label = predictor.classes[int(idx)]
+    title = f"{image.name}: {label} ({float(prob):.1%})"
+    path = plot_attention(pixels, heads, rollout, out, title, layer % depth)
+    return {"image": str(image), "output": str(path), "class": label, "prob": float(prob), "layer": layer % depth,
+            "heads": heads.shape[0], "grid": list(grid)}
