@@ -14,6 +14,7 @@ from typing import Literal, Sequence
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from vitflow.models.attention import AttentionContext, make_kernel, split_heads, attention_probs
@@ -86,7 +87,9 @@ class Attention(nn.Module):
         return AttentionContext(grid, self.num_prefix_tokens, bias, self.attn_drop if self.training else 0.0)
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
-        return self.proj_drop(self.proj(self.kernel(self.qkv(x), self.num_heads, self.context(grid))))
+        # the qkv bias goes to the kernel, which adds it while laying out q, k, v (one pass less)
+        qkv = F.linear(x, self.qkv.weight)
+        return self.proj_drop(self.proj(self.kernel(qkv, self.num_heads, self.context(grid), self.qkv.bias)))
 
     def probs(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
         """Attention probabilities ``(B, H, N, N)`` float32 computed explicitly (the math path,

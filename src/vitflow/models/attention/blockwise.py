@@ -17,31 +17,31 @@ from __future__ import annotations
 
 import torch
 
-from vitflow.models.attention.core import AttentionContext, AttentionKernel, _pack, _unpack
+from vitflow.models.attention.core import AttentionContext, AttentionKernel, _pack, _unpack, _unpack_grad
 
 
-def _block_scores(q: torch.Tensor, kj: torch.Tensor, bias: torch.Tensor | None, b: int, j: int,
-                  scale: float) -> torch.Tensor:
-    """fp32 ``(B*H, N, bk)`` logits of all queries against key block ``kj`` starting at ``j``."""
+def _block_scores(q: torch.Tensor, kj: torch.Tensor, attn_bias: torch.Tensor | None, b: int, j: int) -> torch.Tensor:
+    """fp32 ``(B*H, N, bk)`` logits of all (pre-scaled) queries against key block ``kj`` at ``j``."""
     s = torch.bmm(q, kj.transpose(1, 2)).float()
-    if scale != 1.0:
-        s.mul_(scale)
-    if bias is not None:
+    if attn_bias is not None:
         bh, n, bk = s.shape
-        s.view(b, bh // b, n, bk).add_(bias[..., j:j + bk])
+        s.view(b, bh // b, n, bk).add_(attn_bias[..., j:j + bk])
     return s
 
 
 class _BlockwiseAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, b: int, block: int, scale: float):
+    def forward(ctx, qkv, qkv_bias, attn_bias, num_heads: int, block: int):
+        b = qkv.shape[0]
+        packed = _pack(qkv, num_heads, qkv_bias)
+        q, k, v = packed.unbind(0)
         bh, n, d = q.shape
         m = q.new_full((bh, n, 1), float("-inf"), dtype=torch.float32)
         l = q.new_zeros((bh, n, 1), dtype=torch.float32)
         acc = q.new_zeros((bh, n, d), dtype=torch.float32)
         for j in range(0, k.shape[1], block):
             kj, vj = k[:, j:j + block], v[:, j:j + block]
-            s = _block_scores(q, kj, bias, b, j, scale)
+            s = _block_scores(q, kj, attn_bias, b, j)
             m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
             p = torch.exp(s.sub_(m_new))
             corr = torch.exp(m - m_new)
@@ -50,55 +50,54 @@ class _BlockwiseAttentionFn(torch.autograd.Function):
             m = m_new
         out = acc.div_(l).to(q.dtype)
         lse = m.add_(l.log_())
-        ctx.save_for_backward(q, k, v, out, lse, bias)
-        ctx.b, ctx.block, ctx.scale = b, block, scale
-        return out
+        ctx.save_for_backward(packed, out, lse, qkv_bias, attn_bias)
+        ctx.b, ctx.num_heads, ctx.block = b, num_heads, block
+        return _unpack(out, b)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse, bias = ctx.saved_tensors
-        b, block, scale = ctx.b, ctx.block, ctx.scale
-        grad = grad.contiguous()
-        delta = (grad.float() * out.float()).sum(dim=-1, keepdim=True)
+        packed, out, lse, qkv_bias, attn_bias = ctx.saved_tensors
+        b, h, block = ctx.b, ctx.num_heads, ctx.block
+        q, k, v = packed.unbind(0)
+        bh, n, d = q.shape
+        g = grad.view(b, n, h, d).transpose(1, 2).reshape(bh, n, d).to(v.dtype)
+        delta = (g.float() * out.float()).sum(dim=-1, keepdim=True)
         dq = torch.zeros_like(q, dtype=torch.float32)
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-        need_bias = bias is not None and ctx.needs_input_grad[3]
-        dbias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
-        g = grad.to(v.dtype)
+        dpacked = torch.empty_like(packed)
+        need_attn = attn_bias is not None and ctx.needs_input_grad[2]
+        dattn = torch.zeros_like(attn_bias, dtype=torch.float32) if need_attn else None
         for j in range(0, k.shape[1], block):
             kj, vj = k[:, j:j + block], v[:, j:j + block]
-            p = torch.exp(_block_scores(q, kj, bias, b, j, scale).sub_(lse))
-            dv[:, j:j + block] = torch.bmm(p.transpose(1, 2).to(v.dtype), g)
+            p = torch.exp(_block_scores(q, kj, attn_bias, b, j).sub_(lse))
+            torch.bmm(p.transpose(1, 2).to(v.dtype), g, out=dpacked[2, :, j:j + block])
             ds = p.mul_(torch.bmm(g, vj.transpose(1, 2)).float().sub_(delta))
-            if need_bias:
-                bh, n, bk = ds.shape
-                dbias[..., j:j + bk] += ds.view(b, bh // b, n, bk).sum(0).reshape(dbias[..., j:j + bk].shape)
+            if need_attn:
+                bk = ds.shape[-1]
+                dattn[..., j:j + bk] += ds.view(b, h, n, bk).sum(0).reshape(dattn[..., j:j + bk].shape)
             ds_lp = ds.to(q.dtype)
-            dq.add_(torch.bmm(ds_lp, kj).float(), alpha=scale)
-            dk[:, j:j + block] = torch.bmm(ds_lp.transpose(1, 2), q)
-            if scale != 1.0:
-                dk[:, j:j + block].mul_(scale)
-        return dq.to(q.dtype), dk, dv, dbias.to(bias.dtype) if need_bias else None, None, None, None
+            dq.add_(torch.bmm(ds_lp, kj).float())
+            torch.bmm(ds_lp.transpose(1, 2), q, out=dpacked[1, :, j:j + block])
+        dpacked[0] = dq
+        dqkv, dbias = _unpack_grad(dpacked, b, h, qkv_bias if ctx.needs_input_grad[1] else None)
+        return dqkv, dbias, dattn.to(attn_bias.dtype) if need_attn else None, None, None
 
 
-def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None,
-                        block_size: int = 128, batch: int = 1, scale: float | None = None) -> torch.Tensor:
+def blockwise_attention(qkv: torch.Tensor, num_heads: int, attn_bias: torch.Tensor | None = None,
+                        qkv_bias: torch.Tensor | None = None, block_size: int = 128) -> torch.Tensor:
     """Exact softmax attention over key blocks (see the module docstring).
 
     Args:
-        q, k, v: contiguous ``(B*H, N, d)`` (any float dtype, all the same).
-        bias: additive, broadcastable to ``(B, H, N, M)`` with ``B = batch``.
+        qkv: packed projection ``(B, N, 3*H*d)`` (without its bias when ``qkv_bias`` is given).
+        attn_bias: additive logit bias ``(H, N, N)`` or ``None``.
         block_size: keys per block; peak extra memory ``~ B*H*N*block_size`` fp32 values.
-        scale: logit scale; default ``1/sqrt(d)`` (1.0 for an already scaled q).
     Returns:
-        ``(B*H, N, d)`` in q's dtype.
+        ``(B, N, H*d)`` in qkv's dtype.
     Raises:
         ValueError: ``block_size < 1``.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _BlockwiseAttentionFn.apply(q, k, v, bias, batch, block_size, scale)
+    return _BlockwiseAttentionFn.apply(qkv, qkv_bias, attn_bias, num_heads, block_size)
 
 
 class BlockwiseKernel(AttentionKernel):
@@ -110,12 +109,11 @@ class BlockwiseKernel(AttentionKernel):
             raise ValueError(f"attention block size must be >= 1, got {block_size}")
         self.block_size = block_size
 
-    def forward(self, qkv: torch.Tensor, num_heads: int, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, qkv: torch.Tensor, num_heads: int, ctx: AttentionContext,
+                qkv_bias: torch.Tensor | None = None) -> torch.Tensor:
         if ctx.dropout_p > 0.0:
             raise ValueError("attention=blockwise does not support attention dropout; use math or sdpa")
-        b = qkv.shape[0]
-        q, k, v = _pack(qkv, num_heads).unbind(0)  # q comes pre-scaled
-        return _unpack(blockwise_attention(q, k, v, ctx.bias, self.block_size, b, scale=1.0), b)
+        return blockwise_attention(qkv, num_heads, ctx.bias, qkv_bias, self.block_size)
 
     def extra_repr(self) -> str:
         return f"block_size={self.block_size}"

@@ -85,8 +85,10 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
 class AttentionKernel(nn.Module):
     """Base class of the attention backends.
 
-    ``forward(qkv, num_heads, ctx)``: packed ``(B, N, 3*H*d)`` -> ``(B, N, H*d)``, same dtype.
-    Subclasses implement :meth:`attend` on per-head tensors, or override :meth:`forward`.
+    ``forward(qkv, num_heads, ctx, qkv_bias=None)``: packed ``(B, N, 3*H*d)`` -> ``(B, N, H*d)``,
+    same dtype; ``qkv_bias`` is the projection's bias when the caller left it out of ``qkv``
+    (kernels that copy q, k, v anyway add it during that copy). Subclasses implement
+    :meth:`attend` on per-head tensors, or override :meth:`forward`.
 
     Class attributes:
         exact: computes softmax attention over all keys (agrees with ``math`` up to rounding).
@@ -100,7 +102,10 @@ class AttentionKernel(nn.Module):
         """q, k, v ``(B, H, N, d)`` -> ``(B, H, N, d)``."""
         raise NotImplementedError
 
-    def forward(self, qkv: torch.Tensor, num_heads: int, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, qkv: torch.Tensor, num_heads: int, ctx: AttentionContext,
+                qkv_bias: torch.Tensor | None = None) -> torch.Tensor:
+        if qkv_bias is not None:
+            qkv = qkv + qkv_bias.to(qkv.dtype)
         return merge_heads(self.attend(*split_heads(qkv, num_heads), ctx))
 
     def mask(self, grid: tuple[int, int], num_prefix_tokens: int, device: torch.device) -> torch.Tensor | None:
@@ -115,16 +120,42 @@ class SdpaKernel(AttentionKernel):
         return sdpa_attention(q, k, v, ctx.dropout_p, ctx.bias)
 
 
-def _pack(qkv: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """``(B, N, 3*H*d)`` -> a new contiguous ``(3, B*H, N, d)`` (the one copy the math kernel
-    makes), q multiplied by the softmax scale ``1/sqrt(d)`` in place."""
+def _part_scales(qkv: torch.Tensor, num_heads: int, qkv_bias: torch.Tensor | None):
+    """``(scale, scaled_bias)`` broadcastable to ``(3, B, H, N, d)`` in qkv's dtype: scale is
+    ``1/sqrt(d)`` for q and 1 for k, v; scaled_bias the qkv bias times it (or ``None``)."""
+    d = qkv.shape[-1] // (3 * num_heads)
+    scale = qkv.new_tensor([d ** -0.5, 1.0, 1.0]).view(3, 1, 1, 1, 1)
+    if qkv_bias is None:
+        return scale, None
+    return scale, qkv_bias.to(qkv.dtype).view(3, 1, num_heads, 1, d) * scale
+
+
+def _pack(qkv: torch.Tensor, num_heads: int, qkv_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``(B, N, 3*H*d)`` -> a new contiguous ``(3, B*H, N, d)`` holding ``(qkv + bias) * scale``
+    (q scaled by ``1/sqrt(d)``), in one pass: the layout copy the batched GEMMs need, with the
+    projection bias and the softmax scale folded in. No autograd."""
     b, n, c = qkv.shape
     d = c // (3 * num_heads)
-    packed = qkv.view(b, n, 3, num_heads, d).permute(2, 0, 3, 1, 4).reshape(3, b * num_heads, n, d)
-    if packed.data_ptr() == qkv.data_ptr():  # reshape returned a view (B == 1 or H == 1 shapes)
-        packed = packed.clone()
-    packed[0].mul_(d ** -0.5)
-    return packed
+    src = qkv.view(b, n, 3, num_heads, d).permute(2, 0, 3, 1, 4)
+    packed = qkv.new_empty(3, b, num_heads, n, d)
+    scale, scaled_bias = _part_scales(qkv, num_heads, qkv_bias)
+    if scaled_bias is None:
+        torch.mul(src, scale, out=packed)
+    else:
+        torch.addcmul(scaled_bias, src, scale, out=packed)
+    return packed.view(3, b * num_heads, n, d)
+
+
+def _unpack_grad(dpacked: torch.Tensor, b: int, num_heads: int, qkv_bias: torch.Tensor | None):
+    """Gradients of :func:`_pack`'s inputs from the gradient of its output: ``dqkv (B, N, 3*H*d)``
+    (one pass: layout copy times the scale) and the qkv bias gradient (summed in fp32) or ``None``."""
+    _, bh, n, d = dpacked.shape
+    scale = dpacked.new_tensor([d ** -0.5, 1.0, 1.0]).view(3, 1, 1)
+    dqkv = dpacked.new_empty(b, n, 3, num_heads, d)
+    torch.mul(dpacked.view(3, b, num_heads, n, d).permute(1, 3, 0, 2, 4), scale, out=dqkv)
+    dqkv = dqkv.view(b, n, 3 * num_heads * d)
+    dbias = None if qkv_bias is None else dqkv.sum((0, 1), dtype=torch.float32).to(qkv_bias.dtype)
+    return dqkv, dbias
 
 
 def _unpack(x: torch.Tensor, b: int) -> torch.Tensor:
@@ -133,66 +164,74 @@ def _unpack(x: torch.Tensor, b: int) -> torch.Tensor:
     return x.view(b, bh // b, n, d).transpose(1, 2).reshape(b, n, bh // b * d)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, b: int) -> torch.Tensor:
-    """``Q K^T (+ bias)`` as ``(B*H, N, M)`` for a pre-scaled ``Q``."""
+def _scores(q: torch.Tensor, k: torch.Tensor, attn_bias: torch.Tensor | None, b: int) -> torch.Tensor:
+    """``Q K^T (+ attn_bias)`` as ``(B*H, N, M)`` for a pre-scaled ``Q``."""
     s = torch.bmm(q, k.transpose(1, 2))
-    if bias is not None:
+    if attn_bias is not None:
         bh, n, m = s.shape
-        s.view(b, bh // b, n, m).add_(bias)
+        s.view(b, bh // b, n, m).add_(attn_bias)
     return s
 
 
 class _MathAttentionFn(torch.autograd.Function):
-    """Explicit attention on the packed projection with a hand-written backward.
+    """Explicit attention on the raw qkv projection with a hand-written backward.
 
-    Saves the packed q (pre-scaled by ``s = 1/sqrt(d)``), k, v and the probabilities P; the
-    backward is the standard one (dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dP * P)),
-    dQ = dS K s, dK = dS^T (Q s)) and writes dQ, dK, dV into one buffer laid out for the qkv
-    projection's backward.
+    Forward: :func:`_pack` (bias and scale folded in), ``P = softmax(Q K^T + bias)``, ``P V``.
+    Saves the packed q, k, v and P; the backward is the standard one (dV = P^T dO,
+    dP = dO V^T, dS = P * (dP - rowsum(dP * P)), dQ = dS K, dK = dS^T Q) followed by
+    :func:`_unpack_grad`, which lays dQ, dK, dV out for the qkv projection's backward.
     """
 
     @staticmethod
-    def forward(ctx, qkv: torch.Tensor, bias: torch.Tensor | None, num_heads: int) -> torch.Tensor:
+    def forward(ctx, qkv, qkv_bias, attn_bias, num_heads: int):
         b = qkv.shape[0]
-        packed = _pack(qkv, num_heads)
+        packed = _pack(qkv, num_heads, qkv_bias)
         q, k, v = packed.unbind(0)
-        p = torch.softmax(_scores(q, k, bias, b), dim=-1)
-        ctx.save_for_backward(packed, p)
-        ctx.b, ctx.num_heads, ctx.has_bias = b, num_heads, bias is not None
-        ctx.bias_dtype = bias.dtype if bias is not None else None
+        p = torch.softmax(_scores(q, k, attn_bias, b), dim=-1)
+        ctx.save_for_backward(packed, p, qkv_bias, attn_bias)
+        ctx.b, ctx.num_heads = b, num_heads
         return _unpack(torch.bmm(p, v), b)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        packed, p = ctx.saved_tensors
+    def backward(ctx, grad):
+        packed, p, qkv_bias, attn_bias = ctx.saved_tensors
         q, k, v = packed.unbind(0)
         b, h = ctx.b, ctx.num_heads
         bh, n, d = q.shape
-        scale = d ** -0.5
         g = grad.view(b, n, h, d).transpose(1, 2).reshape(bh, n, d).to(v.dtype)
         dpacked = torch.empty_like(packed)
         torch.bmm(p.transpose(1, 2), g, out=dpacked[2])
         ds = torch._softmax_backward_data(torch.bmm(g, v.transpose(1, 2)), p, -1, p.dtype)
-        torch.bmm(ds, k, out=dpacked[0]).mul_(scale)
+        torch.bmm(ds, k, out=dpacked[0])
         torch.bmm(ds.transpose(1, 2), q, out=dpacked[1])
-        dbias = None
-        if ctx.has_bias and ctx.needs_input_grad[1]:
-            dbias = ds.view(b, h, n, n).sum(0).to(ctx.bias_dtype)
-        dqkv = dpacked.view(3, b, h, n, d).permute(1, 3, 0, 2, 4).reshape(b, n, 3 * h * d)
-        return dqkv, dbias, None
+        dattn = None
+        if attn_bias is not None and ctx.needs_input_grad[2]:
+            dattn = ds.view(b, h, n, n).sum(0, dtype=torch.float32).to(attn_bias.dtype)
+        dqkv, dbias = _unpack_grad(dpacked, b, h, qkv_bias if ctx.needs_input_grad[1] else None)
+        return dqkv, dbias, dattn, None
 
 
-def packed_math_attention(qkv: torch.Tensor, num_heads: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_math_attention(qkv: torch.Tensor, num_heads: int, attn_bias: torch.Tensor | None = None,
+                          qkv_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Explicit softmax attention on a packed projection: ``(B, N, 3*H*d)`` -> ``(B, N, H*d)``.
 
-    Same result as :func:`math_attention` on the split heads, with fewer copies: one to lay out
-    q, k, v for batched GEMMs (the ``1/sqrt(d)`` scale applied to that copy of q), and in
-    training a custom backward that keeps only q, k, v and the probabilities.
+    Args:
+        qkv: the qkv projection, without its bias when ``qkv_bias`` is given.
+        attn_bias: additive logit bias broadcastable to ``(B, H, N, N)``.
+        qkv_bias: the projection bias ``(3*H*d,)``, added during the layout copy.
+
+    Same result as :func:`math_attention` on the split heads, with fewer passes over memory:
+    one copy lays out q, k, v for batched GEMMs and applies the projection bias and the
+    ``1/sqrt(d)`` scale; in training a custom backward keeps only q, k, v and the probabilities
+    and writes the qkv gradient in one pass.
     """
-    if torch.is_grad_enabled() and (qkv.requires_grad or (bias is not None and bias.requires_grad)):
-        return _MathAttentionFn.apply(qkv, bias, num_heads)
-    q, k, v = _pack(qkv, num_heads).unbind(0)
-    return _unpack(torch.bmm(torch.softmax(_scores(q, k, bias, qkv.shape[0]), dim=-1), v), qkv.shape[0])
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (qkv, attn_bias, qkv_bias))
+    if needs_grad:
+        return _MathAttentionFn.apply(qkv, qkv_bias, attn_bias, num_heads)
+    b = qkv.shape[0]
+    q, k, v = _pack(qkv, num_heads, qkv_bias).unbind(0)
+    return _unpack(torch.bmm(torch.softmax(_scores(q, k, attn_bias, b), dim=-1), v), b)
 
 
 class MathKernel(AttentionKernel):
@@ -200,10 +239,10 @@ class MathKernel(AttentionKernel):
     plain autograd :func:`math_attention`). On the project's 2-core CPU it trains a 65-token
     ViT ~2x faster than ``sdpa`` in bf16 (``shared/reference/cpu-baselines.md``)."""
 
-    def forward(self, qkv, num_heads, ctx):
+    def forward(self, qkv, num_heads, ctx, qkv_bias=None):
         if ctx.dropout_p > 0.0:
-            return super().forward(qkv, num_heads, ctx)
-        return packed_math_attention(qkv, num_heads, ctx.bias)
+            return super().forward(qkv, num_heads, ctx, qkv_bias)
+        return packed_math_attention(qkv, num_heads, ctx.bias, qkv_bias)
 
     def attend(self, q, k, v, ctx):
         return math_attention(q, k, v, ctx.dropout_p, ctx.bias)
