@@ -94,16 +94,21 @@ class BatchDataset(torch.utils.data.Dataset):
         {"images": uint8 (B, 3, S, S), "labels": int64 (B,), "epoch": int, "index": int,
          "bad": [(name, reason), ...]}
 
-    ``B`` is the batch size minus any unreadable images.
+    ``B`` is the batch size minus any unreadable images. With ``transform=None`` the source
+    must have ``fixed_size`` and the batch is one :meth:`ImageSource.load_batch` gather.
     """
 
-    def __init__(self, source: ImageSource, transform: Transform, seed: int = 0):
+    def __init__(self, source: ImageSource, transform: Transform | None, seed: int = 0):
         self.source, self.transform, self.seed = source, transform, seed
 
     def __len__(self) -> int:
         return len(self.source)
 
     def __getitem__(self, ref: BatchRef) -> dict:
+        if self.transform is None:  # images already at the output size: one gather, no per-image work
+            return {"images": self.source.load_batch(ref.indices),
+                    "labels": torch.from_numpy(self.source.labels[ref.indices]), "epoch": ref.epoch,
+                    "index": ref.index, "bad": []}
         images, labels, bad = [], [], []
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(mix_seed(self.seed, ref.epoch, ref.index))
@@ -122,8 +127,8 @@ def _identity(batch: dict) -> dict:
     return batch
 
 
-def make_loader(source: ImageSource, transform: Transform, sampler: EpochSampler, num_workers: int,
-                prefetch: int = 2, seed: int = 0, pin_memory: bool = False) -> torch.utils.data.DataLoader:
+def make_loader(source: ImageSource, transform: Transform | None, sampler: EpochSampler, num_workers: int,
+                prefetch: int = 2, seed: int = 0) -> torch.utils.data.DataLoader:
     """A DataLoader over whole batches (see :class:`BatchDataset`).
 
     ``prefetch`` batches per worker are kept ready. Workers persist across epochs. A private
@@ -131,7 +136,7 @@ def make_loader(source: ImageSource, transform: Transform, sampler: EpochSampler
     """
     kwargs = dict(prefetch_factor=prefetch, persistent_workers=True) if num_workers > 0 else {}
     return torch.utils.data.DataLoader(BatchDataset(source, transform, seed), batch_size=None, sampler=sampler,
-                                       num_workers=num_workers, collate_fn=_identity, pin_memory=pin_memory,
+                                       num_workers=num_workers, collate_fn=_identity,
                                        generator=torch.Generator(), **kwargs)
 
 

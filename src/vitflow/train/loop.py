@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from vitflow.config import Config, parse_duration, to_yaml
-from vitflow.data import Datasets, SkipReport, eval_loader, normalize, open_datasets, train_loader
+from vitflow.data import Datasets, SkipReport, eval_loader, open_datasets, train_loader
 from vitflow.data.sources import TensorSource, export_samples
 from vitflow.models import MODELS, create_model
 from vitflow.train import checkpoint as ckpt
@@ -116,12 +116,17 @@ class Trainer:
         self.step, position = 0, (0, 0)
         if self.state:
             position = self._restore(self.state)
-        self.loader, self.sampler = train_loader(self.data.train, cfg.data, image_size, self.micro_batch, t.seed,
-                                                 position, pin_memory=self.device.type == "cuda")
+        self.loader = train_loader(self.data.train, cfg.data, image_size, self.micro_batch, t.seed, self.device,
+                                   num_classes, position)
+        log.info("input pipeline: %s", self.loader.describe())
         self.position = position
         self.skips = SkipReport()
+        self.skips.add(position[0], self.data.unreadable)
+        self._stall_hint_shown = False
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.last_eval: dict[str, float] | None = None
+        if self.state:  # last, so nothing in set-up can consume the restored random streams
+            ckpt.set_rng_state(self.state["rng"])
 
     # -- setup helpers -------------------------------------------------------------------------
 
@@ -150,7 +155,6 @@ class Trainer:
             self.scheduler.lr_lambdas[0].total_steps = self.cfg.train.total_steps
         if self.precision.scaler is not None and state.get("scaler"):
             self.precision.scaler.load_state_dict(state["scaler"])
-        ckpt.set_rng_state(state["rng"])
         self.step = int(state["step"])
         log.info("resumed from %s at step %d", state["path"], self.step)
         return tuple(state["data"]["position"])
@@ -176,11 +180,10 @@ class Trainer:
 
     def train_step(self, batches: list[dict]) -> tuple[float, float]:
         """Forward/backward over the micro-batches, clip, optimizer step. Returns (loss, grad norm)."""
-        accum, pp = len(batches), self.data.preprocess
+        accum = len(batches)
         total = torch.zeros((), device=self.device)
         for batch in batches:
-            x = normalize(batch["images"].to(self.device, non_blocking=True), pp.mean, pp.std)
-            y = batch["labels"].to(self.device, non_blocking=True)
+            x, y = self.loader.pipeline(batch)
             with self.precision.autocast():
                 logits = self.model(x)
             loss = classification_loss(logits, y, self.cfg.train.label_smoothing) / accum
@@ -212,6 +215,27 @@ class Trainer:
         self.metrics.write("start", step=self.step, device=str(self.device), precision=self.precision.name,
                            micro_batch=self.micro_batch, accum_steps=t.accum_steps,
                            train_images=len(self.data.train), test_images=len(self.data.test))
+        try:
+            images_seen, train_time = self._loop(budget, started)
+        finally:
+            self.loader.close()
+        result = self.run_eval()
+        path = self.save()
+        elapsed = time.perf_counter() - started
+        summary = {"test_loss": result["loss"], "test_top1": result["top1"], "test_top5": result["top5"],
+                   "step": self.step, "run_dir": str(self.run_dir), "checkpoint": str(path),
+                   "train_images_per_s": images_seen / train_time if train_time else 0.0,
+                   "skipped_images": self.skips.total, "elapsed_s": elapsed}
+        if isinstance(self.data.test, TensorSource):  # embedded data: give predict some files
+            summary["samples"] = str(export_samples(self.data.test, self.run_dir / "samples")[0].parent)
+        self.metrics.write("summary", **summary)
+        self.metrics.close()
+        return summary
+
+    def _loop(self, budget: float | None, started: float) -> tuple[int, float]:
+        """Steps until ``total_steps`` or the budget; returns (images seen, seconds since the
+        first step completed)."""
+        t = self.cfg.train
         bar = tqdm(total=t.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    mininterval=1.0)
         it, meter, images_seen, first_step_at = iter(self.loader), Meter(), 0, None
@@ -234,8 +258,10 @@ class Trainer:
                 bar.set_postfix(loss=f"{meter.loss / meter.steps:.3f}", lr=f"{lr:.2e}", img_s=f"{ips:.0f}",
                                 stall=f"{stall:.0%}")
                 meter = Meter()
+                self._maybe_hint(stall)
                 if budget:
                     self._fit_budget(budget, started, first_step_at)
+                    bar.total = self.total_steps
             if budget and time.perf_counter() - started > budget:
                 log.info("time budget %s reached at step %d", t.time_budget, self.step)
                 break
@@ -244,19 +270,7 @@ class Trainer:
             if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < self.total_steps:
                 self.save()
         bar.close()
-        result = self.run_eval()
-        path = self.save()
-        elapsed = time.perf_counter() - started
-        train_time = time.perf_counter() - first_step_at if first_step_at else 0.0
-        summary = {"test_loss": result["loss"], "test_top1": result["top1"], "test_top5": result["top5"],
-                   "step": self.step, "run_dir": str(self.run_dir), "checkpoint": str(path),
-                   "train_images_per_s": images_seen / train_time if train_time else 0.0,
-                   "skipped_images": self.skips.total, "elapsed_s": elapsed}
-        if isinstance(self.data.test, TensorSource):  # embedded data: give predict some files
-            summary["samples"] = str(export_samples(self.data.test, self.run_dir / "samples")[0].parent)
-        self.metrics.write("summary", **summary)
-        self.metrics.close()
-        return summary
+        return images_seen, (time.perf_counter() - first_step_at if first_step_at else 0.0)
 
     @property
     def total_steps(self) -> int:
@@ -275,9 +289,16 @@ class Trainer:
             self.scheduler.lr_lambdas[0].total_steps = max(fit, self.step + 1)
             log.info("time budget: schedule set to %d steps", self.total_steps)
 
+    def _maybe_hint(self, stall: float) -> None:
+        if stall > 0.1 and not self._stall_hint_shown and self.step >= 3 * self.cfg.train.log_every:
+            self._stall_hint_shown = True
+            tqdm.write(f"input-bound: {stall:.0%} of the time goes to waiting for data "
+                       f"({self.loader.describe()}); pack the dataset with `vitflow prepare` or raise "
+                       "data.num_workers")
+
     def run_eval(self) -> dict[str, float]:
         loader = eval_loader(self.data.test, self.data.preprocess, self.cfg.data.eval_batch_size or self.micro_batch,
-                             self.cfg.data.num_workers, pin_memory=self.device.type == "cuda")
+                             self.cfg.data.num_workers)
         result = evaluate(self.model, loader, self.device, self.precision, self.data.preprocess, self.skips)
         self.metrics.write("eval", step=self.step, split=self.cfg.data.test_split, **result)
         tqdm.write(f"step {self.step}: test loss {result['loss']:.4f} top-1 {result['top1']:.2%} "
