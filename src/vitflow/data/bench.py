@@ -29,10 +29,11 @@ import torch
 
 from vitflow.config import DataConfig
 from vitflow.data.decode import decode_image
-from vitflow.data.packed import FORMAT, VERSION, _write_split, open_packed
+from vitflow.data.packed import FORMAT, VERSION, open_packed, write_split
 from vitflow.data.pipeline import train_loader
 from vitflow.data.sources import DataError, ImageSource, open_images, open_split
 from vitflow.data.transforms import resolve_augment
+from vitflow.runtime import configure_allocator
 
 _BYTES: list[bytes] = []
 
@@ -112,18 +113,20 @@ def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, pa
         batch_size: int | None = None, max_side: int | None = None, emit=print) -> dict[str, float]:
     """Measure the four paths; returns the medians ``{"decode_limit_ips", "baseline_ips",
     "vitflow_ips", "packed_ips"}`` and prints a table with ratios to the baseline."""
+    configure_allocator()
     source = _open(path)
     small = image_size <= 64
     batch_size = batch_size or (256 if small else 64)
     passes = passes or (1 if len(source) > 20_000 else 3)
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-    cfg = DataConfig(path=path, num_workers=workers, max_in_memory=0, train_augment="auto", mean=mean, std=std)
+    cfg = DataConfig(path=path, num_workers=workers, max_in_memory=0, train_augment="auto",
+                     interpolation="bilinear", mean=mean, std=std)  # bilinear: as the baseline's RandomResizedCrop
     emit(f"{path}: {len(source)} images, {image_size}px, {resolve_augment('auto', image_size)} + flip, "
          f"{workers} workers, batch {batch_size}, {passes} pass(es) per repeat, {repeats} repeats")
     results: dict[str, list[float]] = {"baseline": [], "vitflow": [], "packed": []}
     with tempfile.TemporaryDirectory(prefix="vitflow-bench-") as tmp:
         folder = _extract(source, Path(tmp) / "folder")
-        info = _write_split(source, Path(tmp) / "packed" / "train", "raw" if small else "jpeg",
+        info = write_split(source, Path(tmp) / "packed" / "train", "raw" if small else "jpeg",
                             max_side or (None if small else 256), 90, os.cpu_count() or 1, "pack")
         meta = {"format": FORMAT, "version": VERSION, "classes": source.classes, "splits": {"train": info}}
         (Path(tmp) / "packed" / "meta.json").write_text(json.dumps(meta))
