@@ -6,7 +6,7 @@ Paths measured (images/s over full passes, same image size, augmentation and wor
   and one process per core;
 - ``baseline``: torchvision ``ImageFolder`` + ``DataLoader`` (PIL decode, transforms v1 with
   ``ToTensor`` + ``Normalize`` in the workers), on a copy of the images extracted to a temporary
-  folder (page cache warm);
+  folder (page cache warm), in a fresh Python process as a user's script;
 - ``vitflow``: vitflow's loader reading the folder or tar in place (no RAM cache), finished by
   its device pipeline (normalised float32 batches, like the baseline's);
 - ``packed``: vitflow's loader on a packed copy (``vitflow prepare``: raw for images <= 64 px,
@@ -71,7 +71,19 @@ def _extract(source: ImageSource, folder: Path) -> Path:
 
 
 def baseline_ips(folder: Path, image_size: int, batch_size: int, workers: int, passes: int, mean, std) -> float:
-    """torchvision ImageFolder + DataLoader images/s (workers re-forked each pass, the default)."""
+    """torchvision ImageFolder + DataLoader images/s (workers re-forked each pass, the default),
+    measured in a fresh Python process, as a user's script would run (no vitflow settings)."""
+    import subprocess
+    import sys
+
+    args = json.dumps([str(folder), image_size, batch_size, workers, passes, list(mean), list(std)])
+    out = subprocess.run([sys.executable, "-c", f"from vitflow.data.bench import _baseline; _baseline({args!r})"],
+                         capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _baseline(args: str) -> None:
+    folder, image_size, batch_size, workers, passes, mean, std = json.loads(args)
     import torchvision
     from torchvision import transforms as T
 
@@ -85,7 +97,7 @@ def baseline_ips(folder: Path, image_size: int, batch_size: int, workers: int, p
     for _ in range(passes):
         for x, _y in loader:
             n += len(x)
-    return n / (time.perf_counter() - t0)
+    print(n / (time.perf_counter() - t0))
 
 
 def vitflow_ips(source: ImageSource, cfg: DataConfig, image_size: int, batch_size: int, passes: int) -> float:
