@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import encode, make_folder
+from conftest import make_folder
 from vitflow.cli import main
 
 

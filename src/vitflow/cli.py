@@ -51,6 +51,28 @@ def _parser() -> argparse.ArgumentParser:
                    help="how rollout combines the heads of a layer (default mean)")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
 
+    p = sub.add_parser("prepare", help="pack a folder, tar or CIFAR batches into a memory-mapped dataset")
+    p.add_argument("src", help="image folder, .tar of one, or CIFAR-10/100 python batches folder")
+    p.add_argument("out", help="output folder (written as OUT.partial, renamed when complete)")
+    p.add_argument("--format", choices=["auto", "raw", "jpeg"], default="auto",
+                   help="raw uint8 (small fixed-size images) or re-encoded JPEG; auto picks")
+    p.add_argument("--max-side", type=int, help="jpeg: downscale so the longer side is at most N px")
+    p.add_argument("--quality", type=int, default=90, help="jpeg quality (default 90)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: cores)")
+    p.add_argument("--force", action="store_true", help="replace an existing packed dataset at OUT")
+
+    p = sub.add_parser("bench", help="measure throughput against baselines")
+    bench = p.add_subparsers(dest="what", required=True)
+    b = bench.add_parser("data", help="input pipeline: decode limit, torchvision baseline, vitflow, packed")
+    b.add_argument("--data", required=True, help="image folder or tar (class folders, or a flat folder of images)")
+    b.add_argument("--image-size", type=int, default=224)
+    b.add_argument("--workers", type=int, default=2)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--passes", type=int, help="epochs per repeat (default 3, or 1 for > 20k images)")
+    b.add_argument("--batch-size", type=int, help="default 64, or 256 at <= 64 px")
+    b.add_argument("--max-side", type=int, help="packed JPEG longer side (default 256)")
+    b.add_argument("--json", action="store_true", help="end with one JSON line of images/s")
+
     p = sub.add_parser("presets", help="list presets, or print one resolved")
     p.add_argument("name", nargs="?")
 
@@ -122,6 +144,25 @@ def cmd_attention(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from vitflow.data.packed import prepare
+
+    meta = prepare(args.src, args.out, args.format, args.max_side, args.quality, args.workers, args.force)
+    for name, info in meta["splits"].items():
+        print(f"{name}: {info['count']} images ({info['kind']}), {info['skipped']} skipped")
+    print(f"packed dataset: {args.out}  (train with data.path={args.out})")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from vitflow.data.bench import run
+
+    result = run(args.data, args.image_size, args.workers, args.repeats, args.passes, args.batch_size, args.max_side)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     if args.name:
         preset_tree(args.name)  # fails with the nearest names if unknown
@@ -143,7 +184,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "attention": cmd_attention,
-            "presets": cmd_presets, "models": cmd_models}
+            "prepare": cmd_prepare, "bench": cmd_bench, "presets": cmd_presets, "models": cmd_models}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -39,6 +39,11 @@ class ModelConfig:
     pretrained: str | None = None  # weights file in timm's layout; head/pos_embed adapted
     image_size: int | None = None  # input resolution; None = the variant's own
     num_classes: int | None = None  # None = number of classes found in the data
+    embed_dim: int | None = None  # None = the variant's width / depth / heads / MLP ratio / patch
+    depth: int | None = None
+    num_heads: int | None = None
+    mlp_ratio: float | None = None
+    patch_size: int | None = None
     global_pool: Literal["token", "avg"] | None = None  # None = the variant's (class token for most)
     # sdpa | math | blockwise | local | axial | linformer | performer | auto (times the exact ones)
     attention: Literal["sdpa", "math", "blockwise", "local", "axial", "linformer", "performer", "auto"] = "sdpa"
@@ -60,7 +65,8 @@ class ModelConfig:
             close = difflib.get_close_matches(self.name, MODELS, n=3)
             raise ConfigError(f"model.name: unknown model {self.name!r}"
                               + (f"; did you mean {', '.join(close)}?" if close else "; see `vitflow models`"))
-        _check(self.image_size is None or self.image_size > 0, "model.image_size", self.image_size, "> 0")
+        for key in ("image_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "patch_size"):
+            _check(getattr(self, key) is None or getattr(self, key) > 0, f"model.{key}", getattr(self, key), "> 0")
         _check(self.num_classes is None or self.num_classes > 0, "model.num_classes", self.num_classes, "> 0")
         _check(0 <= self.drop_rate < 1, "model.drop_rate", self.drop_rate, "in [0, 1)")
         _check(0 <= self.drop_path_rate < 1, "model.drop_path_rate", self.drop_path_rate, "in [0, 1)")
@@ -84,8 +90,8 @@ class ModelConfig:
 class DataConfig:
     """Where images come from and how they become batches."""
 
-    source: Literal["auto", "digits", "folder", "tar"] = "auto"  # auto: from data.path
-    path: str | None = None  # an image folder, or a .tar of the same layout
+    source: Literal["auto", "digits", "folder", "tar", "packed", "cifar"] = "auto"  # auto: from data.path
+    path: str | None = None  # image folder, .tar of one, packed dataset, or CIFAR python batches
     train_split: str = "train"  # a split name with an optional slice: train[:98%]
     test_split: str = "test"
     train_augment: Literal["auto", "random_resized_crop", "pad_crop", "none"] = "auto"
@@ -96,8 +102,20 @@ class DataConfig:
     interpolation: Literal["bilinear", "bicubic"] = "bicubic"
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
-    num_workers: int = 2
-    prefetch: int = 2  # batches each worker keeps ready
+    auto_augment: Literal["none", "randaugment", "trivialaugment", "autoaugment"] = "none"
+    color_jitter: float = 0.0  # brightness/contrast/saturation strength
+    random_erasing: float = 0.0  # probability per image
+    mixup_alpha: float = 0.0  # Beta(a, a); 0 = off (batched on the device, soft targets)
+    cutmix_alpha: float = 0.0
+    mix_prob: float = 1.0  # probability a batch is mixed
+    mix_switch_prob: float = 0.5  # CutMix instead of Mixup when both are on
+    progressive_min_size: int | None = None  # progressive resizing: start resolution in px (None = off)
+    progressive_ramp: tuple[float, float] = (0.0, 0.6)  # fractions of the run over which it rises to full
+    num_workers: int | Literal["auto"] = "auto"  # auto: 0 on the batched path, else a probe decides
+    prefetch: int = 2  # batches kept ready (per worker; and by the background thread)
+    max_in_memory: int = 200_000  # decode a split into RAM once if it has at most this many images
+    access: Literal["random", "stream"] = "random"  # stream: read a tar in order through a shuffle buffer
+    shuffle_buffer: int = 50_000  # images, for access=stream (capped at the dataset size)
     eval_batch_size: int | None = None  # None = the training micro-batch
 
     def validate(self) -> None:
@@ -107,8 +125,21 @@ class DataConfig:
         _check(self.padding >= 0, "data.padding", self.padding, ">= 0")
         _check(0 < self.crop_pct <= 1, "data.crop_pct", self.crop_pct, "in (0, 1]")
         _check(all(s > 0 for s in self.std), "data.std", self.std, "all > 0")
-        _check(self.num_workers >= 0, "data.num_workers", self.num_workers, ">= 0")
+        _check(self.num_workers == "auto" or self.num_workers >= 0, "data.num_workers", self.num_workers,
+               ">= 0 or auto")
         _check(self.prefetch >= 1, "data.prefetch", self.prefetch, ">= 1")
+        _check(self.max_in_memory >= 0, "data.max_in_memory", self.max_in_memory, ">= 0")
+        _check(self.progressive_min_size is None or self.progressive_min_size > 0, "data.progressive_min_size",
+               self.progressive_min_size, "> 0")
+        _check(0 <= self.progressive_ramp[0] <= self.progressive_ramp[1] <= 1, "data.progressive_ramp",
+               self.progressive_ramp, "0 <= start <= end <= 1")
+        _check(self.shuffle_buffer >= 1, "data.shuffle_buffer", self.shuffle_buffer, ">= 1")
+        for key in ("color_jitter", "mixup_alpha", "cutmix_alpha"):
+            _check(getattr(self, key) >= 0, f"data.{key}", getattr(self, key), ">= 0")
+        for key in ("random_erasing", "mix_prob", "mix_switch_prob"):
+            _check(0 <= getattr(self, key) <= 1, f"data.{key}", getattr(self, key), "in [0, 1]")
+        _check(self.access == "random" or self.source in ("auto", "tar"), "data.access", self.access,
+               "random unless data.source is a tar")
         _check(self.eval_batch_size is None or self.eval_batch_size > 0, "data.eval_batch_size",
                self.eval_batch_size, "> 0")
         from vitflow.data.splits import parse_split

@@ -94,16 +94,21 @@ class BatchDataset(torch.utils.data.Dataset):
         {"images": uint8 (B, 3, S, S), "labels": int64 (B,), "epoch": int, "index": int,
          "bad": [(name, reason), ...]}
 
-    ``B`` is the batch size minus any unreadable images.
+    ``B`` is the batch size minus any unreadable images. With ``transform=None`` the source
+    must have ``fixed_size`` and the batch is one :meth:`ImageSource.load_batch` gather.
     """
 
-    def __init__(self, source: ImageSource, transform: Transform, seed: int = 0):
+    def __init__(self, source: ImageSource, transform: Transform | None, seed: int = 0):
         self.source, self.transform, self.seed = source, transform, seed
 
     def __len__(self) -> int:
         return len(self.source)
 
     def __getitem__(self, ref: BatchRef) -> dict:
+        if self.transform is None:  # images already at the output size: one gather, no per-image work
+            return {"images": self.source.load_batch(ref.indices),
+                    "labels": torch.from_numpy(self.source.labels[ref.indices]), "epoch": ref.epoch,
+                    "index": ref.index, "bad": []}
         images, labels, bad = [], [], []
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(mix_seed(self.seed, ref.epoch, ref.index))
@@ -113,17 +118,30 @@ class BatchDataset(torch.utils.data.Dataset):
                     labels.append(int(self.source.labels[i]))
                 except CorruptImageError as e:
                     bad.append((e.path, e.reason))
-        stacked = torch.stack(images) if images else torch.empty(0, 3, 0, 0, dtype=torch.uint8)
-        return {"images": stacked, "labels": torch.tensor(labels, dtype=torch.int64), "epoch": ref.epoch,
-                "index": ref.index, "bad": bad}
+        return {"images": stack_images(images), "labels": torch.tensor(labels, dtype=torch.int64),
+                "epoch": ref.epoch, "index": ref.index, "bad": bad}
+
+
+def stack_images(images: list[torch.Tensor]) -> torch.Tensor:
+    """Stack ``uint8 (3, S, S)`` images into ``(B, 3, S, S)``. In a loader worker the batch is
+    written straight into shared memory (as ``default_collate`` does), so handing it to the main
+    process copies nothing."""
+    if not images:
+        return torch.empty(0, 3, 0, 0, dtype=torch.uint8)
+    shape = (len(images), *images[0].shape)
+    if torch.utils.data.get_worker_info() is None:
+        return torch.stack(images)
+    storage = torch.UntypedStorage._new_shared(int(np.prod(shape)) * images[0].element_size())
+    out = torch.empty(0, dtype=images[0].dtype).set_(storage).view(shape)
+    return torch.stack(images, out=out)
 
 
 def _identity(batch: dict) -> dict:
     return batch
 
 
-def make_loader(source: ImageSource, transform: Transform, sampler: EpochSampler, num_workers: int,
-                prefetch: int = 2, seed: int = 0, pin_memory: bool = False) -> torch.utils.data.DataLoader:
+def make_loader(source: ImageSource, transform: Transform | None, sampler: EpochSampler, num_workers: int,
+                prefetch: int = 2, seed: int = 0) -> torch.utils.data.DataLoader:
     """A DataLoader over whole batches (see :class:`BatchDataset`).
 
     ``prefetch`` batches per worker are kept ready. Workers persist across epochs. A private
@@ -131,7 +149,7 @@ def make_loader(source: ImageSource, transform: Transform, sampler: EpochSampler
     """
     kwargs = dict(prefetch_factor=prefetch, persistent_workers=True) if num_workers > 0 else {}
     return torch.utils.data.DataLoader(BatchDataset(source, transform, seed), batch_size=None, sampler=sampler,
-                                       num_workers=num_workers, collate_fn=_identity, pin_memory=pin_memory,
+                                       num_workers=num_workers, collate_fn=_identity,
                                        generator=torch.Generator(), **kwargs)
 
 

@@ -21,7 +21,6 @@ import logging
 import os
 import tarfile
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -128,62 +127,98 @@ class TarReader:
 # sources
 
 
-@dataclass
 class ImageSource:
     """The images of one split.
 
     Attributes:
         classes: class names; label ``i`` is ``classes[i]``.
         labels: ``int64`` array ``(n,)``.
-        names: a display name per image (file path, ``tar:member`` or ``digits[i]``).
+        fixed_size: ``(H, W)`` when every image has that size and :meth:`load_batch` can gather
+            a batch in one op (in-memory and packed raw sources), else ``None``.
+
+    Per-image metadata lives in NumPy arrays, never in Python lists of objects, so forked loader
+    workers do not copy them page by page as reference counts change.
     """
 
     classes: list[str]
     labels: np.ndarray
-    names: list[str]
+    fixed_size: tuple[int, int] | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def name(self, i: int) -> str:
+        """A display name for image ``i`` (file path, ``archive.tar:member``, ``digits[i]``)."""
+        raise NotImplementedError
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name(i) for i in range(len(self))]
 
     def load(self, i: int) -> torch.Tensor:
         """Image ``i`` as ``uint8`` ``(3, H, W)``. Raises CorruptImageError."""
         raise NotImplementedError
 
+    def load_batch(self, idx: np.ndarray) -> torch.Tensor:
+        """Images ``idx`` as one ``uint8`` ``(B, 3, H, W)`` tensor (only when ``fixed_size``)."""
+        return torch.stack([self.load(int(i)) for i in idx])
+
     def subset(self, idx: np.ndarray) -> "ImageSource":
         raise NotImplementedError
 
 
-@dataclass
 class FileSource(ImageSource):
-    """Encoded image files read through a :class:`FolderReader` or :class:`TarReader`."""
+    """Encoded image files read through a :class:`FolderReader` (``keys`` are paths relative to
+    the root) or a :class:`TarReader` (``keys`` are member names, ``spans`` their
+    ``(offset, size)``)."""
 
-    reader: FolderReader | TarReader = None  # type: ignore[assignment]
-    locators: list[object] = field(default_factory=list)
+    def __init__(self, classes: list[str], labels: np.ndarray, reader: "FolderReader | TarReader",
+                 keys: np.ndarray, spans: np.ndarray | None = None):
+        self.classes, self.labels, self.reader, self.keys, self.spans = classes, labels, reader, keys, spans
+
+    def name(self, i: int) -> str:
+        return self.reader.describe(self.keys[i].decode())
+
+    def read(self, i: int) -> bytes:
+        """The encoded bytes of image ``i``. Raises CorruptImageError when unreadable."""
+        try:
+            if self.spans is not None:
+                return self.reader.read((int(self.spans[i, 0]), int(self.spans[i, 1])))
+            return self.reader.read(self.keys[i].decode())
+        except OSError as e:
+            raise CorruptImageError(self.name(i), f"cannot read: {e}") from None
 
     def load(self, i: int) -> torch.Tensor:
-        try:
-            data = self.reader.read(self.locators[i])
-        except OSError as e:
-            raise CorruptImageError(self.names[i], f"cannot read: {e}") from None
-        return decode_image(data, self.names[i])
+        return decode_image(self.read(i), self.name(i))
 
     def subset(self, idx: np.ndarray) -> "FileSource":
-        return FileSource(self.classes, self.labels[idx], [self.names[i] for i in idx], self.reader,
-                          [self.locators[i] for i in idx])
+        return FileSource(self.classes, self.labels[idx], self.reader, self.keys[idx],
+                          None if self.spans is None else self.spans[idx])
 
 
-@dataclass
 class TensorSource(ImageSource):
-    """Images already decoded in memory: ``images`` is ``uint8`` ``(n, 3, H, W)``."""
+    """Images already decoded in memory: ``images`` is ``uint8`` ``(n, 3, H, W)``; ``ids`` are
+    the images' indices in the original collection, named ``prefix[id]`` or, when the images were
+    decoded from another source ``base``, by that source's names."""
 
-    images: torch.Tensor = None  # type: ignore[assignment]
+    def __init__(self, classes: list[str], labels: np.ndarray, images: torch.Tensor, prefix: str,
+                 ids: np.ndarray | None = None, base: ImageSource | None = None):
+        self.classes, self.labels, self.images, self.prefix, self.base = classes, labels, images, prefix, base
+        self.ids = np.arange(len(labels)) if ids is None else ids
+        self.fixed_size = (images.shape[-2], images.shape[-1])
+
+    def name(self, i: int) -> str:
+        return self.base.name(int(self.ids[i])) if self.base is not None else f"{self.prefix}[{self.ids[i]}]"
 
     def load(self, i: int) -> torch.Tensor:
         return self.images[i]
 
+    def load_batch(self, idx: np.ndarray) -> torch.Tensor:
+        return self.images[torch.from_numpy(np.asarray(idx, dtype=np.int64))]
+
     def subset(self, idx: np.ndarray) -> "TensorSource":
-        return TensorSource(self.classes, self.labels[idx], [self.names[i] for i in idx],
-                            self.images[torch.as_tensor(idx, dtype=torch.long)])
+        return TensorSource(self.classes, self.labels[idx], self.load_batch(idx), self.prefix, self.ids[idx],
+                            self.base)
 
 
 def digits_source() -> TensorSource:
@@ -195,8 +230,7 @@ def digits_source() -> TensorSource:
     d = load_digits()
     gray = torch.from_numpy(np.round(d.images * (255.0 / 16.0))).to(torch.uint8)
     images = gray.unsqueeze(1).expand(-1, 3, -1, -1).contiguous()
-    return TensorSource([str(c) for c in range(10)], d.target.astype(np.int64),
-                        [f"digits[{i}]" for i in range(len(d.target))], images)
+    return TensorSource([str(c) for c in range(10)], d.target.astype(np.int64), images, "digits")
 
 
 def export_samples(source: ImageSource, folder: str | Path, n: int = 10) -> list[Path]:
@@ -208,7 +242,7 @@ def export_samples(source: ImageSource, folder: str | Path, n: int = 10) -> list
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for i in range(min(n, len(source))):
-        path = folder / f"{i:02d}_{source.classes[source.labels[i]]}.png"
+        path = folder / f"{i:02d}_{source.classes[int(source.labels[i])]}.png"
         Image.fromarray(source.load(i).permute(1, 2, 0).numpy()).save(path)
         paths.append(path)
     return paths
@@ -216,6 +250,13 @@ def export_samples(source: ImageSource, folder: str | Path, n: int = 10) -> list
 
 # ---------------------------------------------------------------------------------------------
 # building a split
+
+
+def _relabel(src: ImageSource, classes: list[str] | None) -> ImageSource:
+    """Check that a source with its own class list matches the training classes."""
+    if classes is not None and list(classes) != list(src.classes):
+        raise DataError(f"the data's classes {src.classes[:5]}... differ from the training classes {classes[:5]}...")
+    return src
 
 
 def _split_prefix(files: dict[str, object], dirs: set[str], split: str, where: str) -> str:
@@ -238,14 +279,36 @@ def _split_prefix(files: dict[str, object], dirs: set[str], split: str, where: s
     raise DataError(f"split {split!r} not found in {where}: expected a folder {split}/<class>/<image>{hint}")
 
 
+def open_images(path: str | Path) -> FileSource:
+    """Every image file under a folder or in a tar, in path order, without class folders: one
+    class ``"images"``, label 0 (for throughput measurements and packing unlabeled sets).
+
+    Raises:
+        DataError: missing path or no images.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"{p} does not exist")
+    reader: FolderReader | TarReader = FolderReader(p) if p.is_dir() else TarReader(p)
+    files, _ = reader.list()
+    rels = sorted(r for r in files if is_image_name(r))
+    if not rels:
+        raise DataError(f"no images in {p}")
+    spans = np.array([files[r] for r in rels], dtype=np.int64).reshape(-1, 2) if isinstance(reader, TarReader) else None
+    return FileSource(["images"], np.zeros(len(rels), dtype=np.int64), reader, np.array([r.encode() for r in rels]),
+                      spans)
+
+
 def open_split(path: str | Path | None, split: str | Split, source: str = "auto",
                classes: list[str] | None = None) -> ImageSource:
     """Open one split of a dataset.
 
     Args:
-        path: an image folder or an uncompressed ``.tar`` (ignored for ``source="digits"``).
+        path: an image folder, an uncompressed ``.tar``, a packed dataset (``vitflow prepare``)
+            or a CIFAR-10/100 python-batches folder (ignored for ``source="digits"``).
         split: a split expression (see :mod:`vitflow.data.splits`).
-        source: ``auto`` (folder or tar from ``path``), ``folder``, ``tar`` or ``digits``.
+        source: ``auto`` (detected from ``path``), ``folder``, ``tar``, ``packed``, ``cifar`` or
+            ``digits``.
         classes: the class list to label with (from the train split or a checkpoint); ``None``
             uses this split's sorted class folders.
     Returns:
@@ -266,6 +329,16 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"data.path {p} does not exist")
+    from vitflow.data.packed import cifar_batches_source, is_cifar_batches, is_packed, open_packed
+
+    if source in ("auto", "packed") and is_packed(p):
+        src = _relabel(open_packed(p, sp.name), classes)
+        return src.subset(sp.select(len(src)))
+    if source in ("auto", "cifar") and is_cifar_batches(p):
+        src = _relabel(cifar_batches_source(p, sp.name), classes)
+        return src.subset(sp.select(len(src)))
+    if source in ("packed", "cifar"):
+        raise DataError(f"data.path {p} is not a {'vitflow packed dataset' if source == 'packed' else 'CIFAR batches folder'}")
     kind = source if source != "auto" else ("folder" if p.is_dir() else "tar")
     if kind == "folder" and not p.is_dir():
         raise DataError(f"data.path {p} is not a directory (data.source=folder)")
@@ -289,8 +362,6 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
             skipped["non-image files"] += 1
         else:
             per_class[parts[0]].append(rel)
-    if skipped:
-        log.warning("%s split %r: ignored %s", p, sp.name, ", ".join(f"{n} {what}" for what, n in skipped.items()))
     empty = [c for c, items in per_class.items() if not items]
     if empty:
         raise DataError(f"class folder(s) with no images in {reader.describe(prefix + empty[0])}"
@@ -298,15 +369,16 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
                         + ": add images or remove the folder")
     if not per_class:
         raise DataError(f"no class folders in {reader.describe(prefix) or p}: expected <class>/<image> folders")
+    if skipped:
+        log.warning("%s split %r: ignored %s", p, sp.name, ", ".join(f"{n} {what}" for what, n in skipped.items()))
     if classes is None:
         classes = list(per_class)
     unknown = sorted(set(per_class) - set(classes))
     if unknown:
         raise DataError(f"{p} split {sp.name!r} has class folders not in the training classes: {unknown[:5]}")
     index = {c: i for i, c in enumerate(classes)}
-    rels = [r for c in per_class for r in per_class[c]]
-    labels = np.array([index[c] for c in per_class for _ in per_class[c]], dtype=np.int64)
-    order = np.argsort(np.array(rels, dtype=object), kind="stable")
-    rels, labels = [rels[i] for i in order], labels[order]
-    src = FileSource(list(classes), labels, [reader.describe(r) for r in rels], reader, [files[r] for r in rels])
+    rels = sorted(r for c in per_class for r in per_class[c])
+    labels = np.array([index[r[len(prefix):].split("/", 1)[0]] for r in rels], dtype=np.int64)
+    spans = np.array([files[r] for r in rels], dtype=np.int64).reshape(-1, 2) if kind == "tar" else None
+    src = FileSource(list(classes), labels, reader, np.array([r.encode() for r in rels]), spans)
     return src.subset(sp.select(len(src)))

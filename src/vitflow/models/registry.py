@@ -53,7 +53,7 @@ def model_kwargs(name: str, **overrides: Any) -> dict[str, Any]:
         import difflib
 
         close = difflib.get_close_matches(name, MODELS, n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else f"; see vitflow.list_models()"
+        hint = f"; did you mean {', '.join(close)}?" if close else "; see vitflow.list_models()"
         raise ValueError(f"unknown model {name!r}{hint}")
     return {**MODELS[name], **{k: v for k, v in overrides.items() if v is not None}}
 

@@ -1,0 +1,159 @@
+"""``vitflow bench data``: input-pipeline throughput, side by side in one run.
+
+Paths measured (images/s over full passes, same image size, augmentation and worker count):
+
+- ``decode_limit``: decoding alone (the decoder vitflow uses, bytes already in RAM), 1 process
+  and one process per core;
+- ``baseline``: torchvision ``ImageFolder`` + ``DataLoader`` (PIL decode, transforms v1 with
+  ``ToTensor`` + ``Normalize`` in the workers), on a copy of the images extracted to a temporary
+  folder (page cache warm), in a fresh Python process as a user's script;
+- ``vitflow``: vitflow's loader reading the folder or tar in place (no RAM cache), finished by
+  its device pipeline (normalised float32 batches, like the baseline's);
+- ``packed``: vitflow's loader on a packed copy (``vitflow prepare``: raw for images <= 64 px,
+  else JPEG at ``max_side``).
+
+Paths are interleaved across repeats; the medians are reported with their ratio to the baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from vitflow.config import DataConfig
+from vitflow.data.decode import decode_image
+from vitflow.data.packed import FORMAT, VERSION, open_packed, write_split
+from vitflow.data.pipeline import train_loader
+from vitflow.data.sources import DataError, ImageSource, open_images, open_split
+from vitflow.data.transforms import resolve_augment
+from vitflow.runtime import configure_allocator
+
+_BYTES: list[bytes] = []
+
+
+def _decode_range(bounds: tuple[int, int]) -> int:
+    torch.set_num_threads(1)
+    for data in _BYTES[bounds[0]:bounds[1]]:
+        decode_image(data)
+    return bounds[1] - bounds[0]
+
+
+def decode_limit(source: ImageSource, processes: int) -> float:
+    """Images/s of :func:`decode_image` alone over ``source``'s encoded bytes held in RAM."""
+    global _BYTES
+    _BYTES = [source.read(i) for i in range(len(source))]
+    n = len(_BYTES)
+    t0 = time.perf_counter()
+    if processes <= 1:
+        _decode_range((0, n))
+    else:
+        step = -(-n // (processes * 4))
+        with mp.get_context("fork").Pool(processes) as pool:
+            t0 = time.perf_counter()  # pool start-up excluded: this is the decoder's own limit
+            sum(pool.map(_decode_range, [(a, min(a + step, n)) for a in range(0, n, step)]))
+    return n / (time.perf_counter() - t0)
+
+
+def _extract(source: ImageSource, folder: Path) -> Path:
+    for i in range(len(source)):
+        d = folder / source.classes[int(source.labels[i])]
+        d.mkdir(parents=True, exist_ok=True)
+        name = source.name(i)
+        (d / f"{i:07d}{os.path.splitext(name)[1] or '.jpg'}").write_bytes(source.read(i))
+    return folder
+
+
+def baseline_ips(folder: Path, image_size: int, batch_size: int, workers: int, passes: int, mean, std) -> float:
+    """torchvision ImageFolder + DataLoader images/s (workers re-forked each pass, the default),
+    measured in a fresh Python process, as a user's script would run (no vitflow settings)."""
+    import subprocess
+    import sys
+
+    args = json.dumps([str(folder), image_size, batch_size, workers, passes, list(mean), list(std)])
+    out = subprocess.run([sys.executable, "-c", f"from vitflow.data.bench import _baseline; _baseline({args!r})"],
+                         capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _baseline(args: str) -> None:
+    folder, image_size, batch_size, workers, passes, mean, std = json.loads(args)
+    import torchvision
+    from torchvision import transforms as T
+
+    if image_size <= 64:
+        aug = [T.RandomCrop(image_size, padding=4), T.RandomHorizontalFlip()]
+    else:
+        aug = [T.RandomResizedCrop(image_size), T.RandomHorizontalFlip()]
+    ds = torchvision.datasets.ImageFolder(str(folder), T.Compose(aug + [T.ToTensor(), T.Normalize(mean, std)]))
+    loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=True)
+    n, t0 = 0, time.perf_counter()
+    for _ in range(passes):
+        for x, _y in loader:
+            n += len(x)
+    print(n / (time.perf_counter() - t0))
+
+
+def vitflow_ips(source: ImageSource, cfg: DataConfig, image_size: int, batch_size: int, passes: int) -> float:
+    """vitflow loader + device pipeline (CPU) images/s over ``passes`` epochs."""
+    tl = train_loader(source, cfg, image_size, batch_size, seed=0, device=torch.device("cpu"), num_classes=1000)
+    per_epoch = (len(source) // batch_size)
+    n, t0 = 0, time.perf_counter()
+    it = iter(tl)
+    for _ in range(passes * per_epoch):
+        x, _y = tl.pipeline(next(it))
+        n += len(x)
+    elapsed = time.perf_counter() - t0
+    tl.close()
+    return n / elapsed
+
+
+def _open(path: str) -> ImageSource:
+    try:
+        return open_split(path, "train")
+    except DataError:
+        return open_images(path)  # a flat folder of images (e.g. the ImageNet sample)
+
+
+def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, passes: int | None = None,
+        batch_size: int | None = None, max_side: int | None = None, emit=print) -> dict[str, float]:
+    """Measure the four paths; returns the medians ``{"decode_limit_ips", "baseline_ips",
+    "vitflow_ips", "packed_ips"}`` and prints a table with ratios to the baseline."""
+    configure_allocator()
+    source = _open(path)
+    small = image_size <= 64
+    batch_size = batch_size or (256 if small else 64)
+    passes = passes or (1 if len(source) > 20_000 else 3)
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    cfg = DataConfig(path=path, num_workers=workers, max_in_memory=0, train_augment="auto",
+                     interpolation="bilinear", mean=mean, std=std)  # bilinear: as the baseline's RandomResizedCrop
+    emit(f"{path}: {len(source)} images, {image_size}px, {resolve_augment('auto', image_size)} + flip, "
+         f"{workers} workers, batch {batch_size}, {passes} pass(es) per repeat, {repeats} repeats")
+    results: dict[str, list[float]] = {"baseline": [], "vitflow": [], "packed": []}
+    with tempfile.TemporaryDirectory(prefix="vitflow-bench-") as tmp:
+        folder = _extract(source, Path(tmp) / "folder")
+        info = write_split(source, Path(tmp) / "packed" / "train", "raw" if small else "jpeg",
+                            max_side or (None if small else 256), 90, os.cpu_count() or 1, "pack")
+        meta = {"format": FORMAT, "version": VERSION, "classes": source.classes, "splits": {"train": info}}
+        (Path(tmp) / "packed" / "meta.json").write_text(json.dumps(meta))
+        packed = open_packed(Path(tmp) / "packed", "train")
+        dec1 = decode_limit(source, 1)
+        decn = decode_limit(source, os.cpu_count() or 1)
+        for r in range(repeats):
+            results["baseline"].append(baseline_ips(folder, image_size, batch_size, workers, passes, mean, std))
+            results["vitflow"].append(vitflow_ips(source, cfg, image_size, batch_size, passes))
+            results["packed"].append(vitflow_ips(packed, cfg, image_size, batch_size, passes))
+            emit(f"  repeat {r + 1}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in results.items()) + " img/s")
+    med = {k: statistics.median(v) for k, v in results.items()}
+    base = med["baseline"]
+    emit(f"decode limit     {dec1:9.0f} img/s (1 process)  {decn:9.0f} img/s ({os.cpu_count()} processes)")
+    for k, label in (("baseline", "torchvision"), ("vitflow", "vitflow"), ("packed", "vitflow packed")):
+        emit(f"{label:16s} {med[k]:9.0f} img/s  {med[k] / base:5.2f}x baseline  "
+             f"(min {min(results[k]):.0f}, max {max(results[k]):.0f})")
+    return {"decode_limit_ips": decn, "baseline_ips": base, "vitflow_ips": med["vitflow"], "packed_ips": med["packed"]}

@@ -1,0 +1,129 @@
+"""The device end of the pipeline: background prefetch (pinned, non-blocking copies on a side
+CUDA stream) and the batched per-step work done on the device (crop/flip, normalise, mix)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from vitflow.data.augment import MixupCutmix, batch_generator, pad_crop_flip
+from vitflow.data.loader import mix_seed
+from vitflow.data.transforms import normalize
+
+
+class Prefetcher:
+    """Iterate ``batches`` in a background thread, keeping up to ``depth`` ready.
+
+    On CUDA each batch's tensors are pinned and copied with ``non_blocking=True`` on a side stream,
+    so the copy of batch ``k + 1`` overlaps the compute of batch ``k``; the consumer's stream waits
+    on the copy's event. On the CPU the thread only runs the producer ahead (the producer must not
+    use the global torch RNG: vitflow's batched path and worker processes do not).
+    Exceptions raised by the producer are re-raised in the consumer.
+    """
+
+    _END = object()
+
+    def __init__(self, batches: Iterable[dict], device: torch.device, depth: int = 2):
+        self.device, self.depth = device, max(1, depth)
+        self._it = iter(batches)
+        self._queue: queue.Queue = queue.Queue(maxsize=self.depth)
+        self._stop = threading.Event()
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._run, name="vitflow-prefetch", daemon=True)
+        self._thread.start()
+
+    def _to_device(self, batch: dict) -> dict:
+        if self._stream is None:
+            return batch
+        with torch.cuda.stream(self._stream):
+            for key in ("images", "labels"):
+                batch[key] = batch[key].pin_memory().to(self.device, non_blocking=True)
+            batch["ready"] = torch.cuda.Event()
+            batch["ready"].record(self._stream)
+        return batch
+
+    def _run(self) -> None:
+        try:
+            for batch in self._it:
+                if self._stop.is_set():
+                    return
+                item = self._to_device(batch)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._queue.put(self._END)
+        except BaseException as e:  # handed to the consumer
+            self._queue.put(e)
+
+    def __iter__(self) -> Iterator[dict]:
+        return self
+
+    def __next__(self) -> dict:
+        item = self._queue.get()
+        if item is self._END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        if "ready" in item:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(item.pop("ready"))
+            for key in ("images", "labels"):
+                item[key].record_stream(stream)
+        return item
+
+    def close(self) -> None:
+        """Stop the producer thread and wait for it (it finishes the batch in hand), so no
+        thread is mid-operation when the interpreter exits."""
+        self._stop.set()
+        while self._thread.is_alive():
+            try:  # unblock a producer waiting on a full queue
+                self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.05)
+
+
+class DevicePipeline:
+    """Turns a ``uint8`` batch into model input on ``device``.
+
+    ``__call__(batch)`` -> ``(x, targets)``: ``x`` float32 ``(B, 3, S, S)`` normalised with
+    ``mean`` / ``std``; ``targets`` int64 ``(B,)`` or, with Mixup/CutMix, float32
+    ``(B, num_classes)``. Optional batched pad-crop-flip runs first on the ``uint8`` batch.
+    Setting ``resolution`` (pixels) resizes the batch to ``resolution x resolution``
+    (antialiased bilinear) for progressive resizing; ``None`` keeps the loader's size.
+    All randomness is seeded from ``(seed, batch["epoch"], batch["index"])``.
+    """
+
+    def __init__(self, device: torch.device, mean, std, seed: int = 0, crop_padding: int | None = None,
+                 hflip: bool = False, mix: MixupCutmix | None = None):
+        self.device, self.mean, self.std, self.seed = device, tuple(mean), tuple(std), seed
+        self.crop_padding, self.hflip, self.mix = crop_padding, hflip, mix
+        self.resolution: int | None = None
+
+    @property
+    def batched_augment(self) -> bool:
+        return self.crop_padding is not None
+
+    def __call__(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        images = batch["images"].to(self.device, non_blocking=True)
+        y = batch["labels"].to(self.device, non_blocking=True)
+        key = (self.seed, batch.get("epoch", 0), batch.get("index", 0))
+        if self.batched_augment:
+            images = pad_crop_flip(images, self.crop_padding, self.hflip,
+                                   batch_generator(self.device, mix_seed(*key, 1)))
+        x = normalize(images, self.mean, self.std)
+        if self.resolution is not None and self.resolution != x.shape[-1]:
+            x = torch.nn.functional.interpolate(x, size=(self.resolution, self.resolution), mode="bilinear",
+                                                antialias=True, align_corners=False)
+        if self.mix is not None:
+            x, y = self.mix(x, y, np.random.default_rng(mix_seed(*key, 2)))
+        return x, y
