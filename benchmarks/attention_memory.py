@@ -1,7 +1,7 @@
 """Peak memory of the exact attention backends at long sequences, and what gradient
 checkpointing saves on vit_small_patch16_224 (and what it costs in time).
 
-    python benchmarks/attention_memory.py [--json] [--quick] [--repeats 3]
+    python benchmarks/attention_memory.py [--json] [--quick] [--repeats 3] [--part attention|checkpointing]
 
 Part 1 (attention): one attention call, forward + backward, batch 1, 6 heads of 64 (vit_small's
 attention), N = 1025 (32x32 grid + class token) and N = 4097 (64x64 + class token), for the
@@ -10,7 +10,8 @@ Part 2 (checkpointing): vit_small_patch16_224, batch 64, 224 px, fp32, ``attenti
 forward + cross-entropy + backward with grad checkpointing ``none``, ``every:2`` and ``all``.
 
 Every cell runs in a fresh Python process, so allocations of one cell cannot hide in another's
-peak. Memory figures:
+peak, and each cell first runs its code once on a small input (batch 1 / N = 65), so that lazily
+loaded libraries and thread buffers are not counted. Memory figures:
 - ``peak_mib``: on CPU the growth of the process's peak resident set (``VmHWM``, reset through
   ``/proc/self/clear_refs`` just before the measured call) over the resident set before it; on
   CUDA ``torch.cuda.max_memory_allocated`` growth. It includes transient buffers
@@ -81,6 +82,8 @@ def attention_cell(backend: str, n: int, repeats: int, device: torch.device) -> 
     side = int(round((n - 1) ** 0.5))
     kernel = make_kernel(backend, seq_len=n, head_dim=HEAD_DIM, block_size=128).to(device)
     ctx = AttentionContext((side, side), 1)
+    warm = torch.randn(1, 65, 3 * HEADS * HEAD_DIM, device=device, requires_grad=True)
+    kernel(warm, HEADS, AttentionContext((8, 8), 1)).sum().backward()
     qkv = torch.randn(1, n, 3 * HEADS * HEAD_DIM, device=device, requires_grad=True)
     upstream = torch.randn(1, n, HEADS * HEAD_DIM, device=device)
 
@@ -100,6 +103,9 @@ def checkpoint_cell(mode: str, batch: int, repeats: int, device: torch.device) -
     torch.manual_seed(0)
     model = vitflow.create_model("vit_small_patch16_224", attention="math").to(device)
     model.set_grad_checkpointing(mode)
+    torch.nn.functional.cross_entropy(model(torch.randn(1, 3, 224, 224, device=device)),
+                                      torch.zeros(1, dtype=torch.long, device=device)).backward()
+    model.zero_grad(set_to_none=True)
     x = torch.randn(batch, 3, 224, 224, device=device)
     y = torch.randint(0, 1000, (batch,), device=device)
     params = list(model.parameters())
@@ -129,6 +135,7 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--quick", action="store_true", help="N = 1025 only, checkpointing at batch 8, 1 repeat")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--part", choices=["all", "attention", "checkpointing"], default="all")
     p.add_argument("--cell", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -146,7 +153,7 @@ def main() -> None:
     result = {"device": str(device), "attention": [], "checkpointing": []}
     print(f"attention, fwd+bwd, batch 1, {HEADS} heads x {HEAD_DIM}, fp32, {device}")
     print(f"{'backend':>10} {'tokens':>6} {'peak MiB':>9} {'saved MiB':>9} {'s/call':>7}")
-    for n in lengths:
+    for n in lengths if args.part != "checkpointing" else ():
         for backend in ("math", "sdpa", "blockwise"):
             r = run_cell(["attention", backend, str(n), str(repeats)])
             result["attention"].append(r)
@@ -154,7 +161,7 @@ def main() -> None:
     batch = 8 if args.quick else 64
     print(f"\nvit_small_patch16_224, batch {batch}, fwd+loss+bwd, fp32, attention=math, {device}")
     print(f"{'checkpoint':>10} {'peak MiB':>9} {'saved MiB':>9} {'s/step':>7} {'time x':>6}")
-    for mode in ("none", "every:2", "all"):
+    for mode in ("none", "every:2", "all") if args.part != "attention" else ():
         r = run_cell(["checkpoint", mode, str(batch), str(repeats)])
         result["checkpointing"].append(r)
         base = result["checkpointing"][0]
