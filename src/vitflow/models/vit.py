@@ -46,19 +46,22 @@ class Attention(nn.Module):
     """Multi-head self-attention with a fused qkv projection.
 
     Input and output ``(B, N, D)``. ``backend`` names a function in
-    :mod:`vitflow.models.attention`.
+    :mod:`vitflow.models.attention`. ``head_dim`` defaults to ``dim // num_heads``; giving it
+    explicitly allows ``num_heads * head_dim != dim`` (a head-pruned block, see
+    :mod:`vitflow.infer.prune`): qkv is then ``D -> 3 * H * head_dim`` and proj ``H * head_dim -> D``.
     """
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_drop: float = 0.0,
-                 proj_drop: float = 0.0, backend: str = "sdpa"):
+                 proj_drop: float = 0.0, backend: str = "sdpa", head_dim: int | None = None):
         super().__init__()
-        if dim % num_heads:
+        if head_dim is None and dim % num_heads:
             raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
         self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.head_dim = head_dim or dim // num_heads
+        inner = num_heads * self.head_dim
+        self.qkv = nn.Linear(dim, inner * 3, bias=qkv_bias)
         self.attn_drop = attn_drop
-        self.proj = nn.Linear(dim, dim)
+        self.proj = nn.Linear(inner, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         self.set_backend(backend)
 
@@ -73,10 +76,10 @@ class Attention(nn.Module):
         return qkv.unbind(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, d = x.shape
+        b, n, _ = x.shape
         q, k, v = self.qkv_heads(x)
         x = self._attend(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
-        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(b, n, d)))
+        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim)))
 
 
 class Mlp(nn.Module):
@@ -114,16 +117,20 @@ class DropPath(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer encoder block: ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``."""
+    """Pre-norm transformer encoder block: ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``.
+
+    ``head_dim`` and ``mlp_hidden`` override ``dim // num_heads`` and ``int(dim * mlp_ratio)``
+    (pruned blocks)."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
-                 drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0, attention: str = "sdpa"):
+                 drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0, attention: str = "sdpa",
+                 head_dim: int | None = None, mlp_hidden: int | None = None):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=LN_EPS)
-        self.attn = Attention(dim, num_heads, qkv_bias, attn_drop, drop, attention)
+        self.attn = Attention(dim, num_heads, qkv_bias, attn_drop, drop, attention, head_dim)
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(dim, eps=LN_EPS)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
+        self.mlp = Mlp(dim, mlp_hidden or int(dim * mlp_ratio), drop)
         self.drop_path2 = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,6 +153,10 @@ class VisionTransformer(nn.Module):
         drop_rate, attn_drop_rate: dropout on activations and on attention probabilities.
         drop_path_rate: stochastic-depth rate of the last block, rising linearly from 0.
         attention: attention backend name (see :mod:`vitflow.models.attention`).
+        block_heads, block_mlp_hidden: per-block head counts and MLP hidden sizes (length
+            ``depth``) for pruned models (:mod:`vitflow.infer.prune`); ``None`` gives every block
+            ``num_heads`` heads of ``embed_dim // num_heads`` and ``int(embed_dim * mlp_ratio)``
+            hidden units (the timm layout). Pruned blocks keep the unpruned head dimension.
 
     ``forward(x)``: ``(B, in_chans, H, W)`` float -> logits ``(B, num_classes)``.
     """
@@ -153,7 +164,8 @@ class VisionTransformer(nn.Module):
     def __init__(self, img_size: int = 224, patch_size: int = 16, in_chans: int = 3, num_classes: int = 1000,
                  embed_dim: int = 768, depth: int = 12, num_heads: int = 12, mlp_ratio: float = 4.0,
                  qkv_bias: bool = True, global_pool: Literal["token", "avg"] = "token", drop_rate: float = 0.0,
-                 attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0, attention: str = "sdpa"):
+                 attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0, attention: str = "sdpa",
+                 block_heads: list[int] | None = None, block_mlp_hidden: list[int] | None = None):
         super().__init__()
         if global_pool not in ("token", "avg"):
             raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
@@ -170,8 +182,13 @@ class VisionTransformer(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, self.grid_size**2 + self.num_prefix_tokens, embed_dim))
         self.pos_drop = nn.Dropout(drop_rate)
         dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
+        for name, per_block in (("block_heads", block_heads), ("block_mlp_hidden", block_mlp_hidden)):
+            if per_block is not None and (len(per_block) != depth or min(per_block) < 1):
+                raise ValueError(f"{name} needs {depth} positive entries (one per block), got {list(per_block)}")
+        head_dim = embed_dim // num_heads if block_heads is not None else None
         self.blocks = nn.Sequential(*[
-            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, dpr[i], attention)
+            Block(embed_dim, block_heads[i] if block_heads else num_heads, mlp_ratio, qkv_bias, drop_rate,
+                  attn_drop_rate, dpr[i], attention, head_dim, block_mlp_hidden[i] if block_mlp_hidden else None)
             for i in range(depth)
         ])
         use_fc_norm = global_pool == "avg"
