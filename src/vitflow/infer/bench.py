@@ -189,6 +189,8 @@ def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = PATHS, batch_si
     with tempfile.TemporaryDirectory() as tmp:
         runners, notes = build_paths(model, info, tmp, paths)
         timings = time_paths(runners, info.preprocess.image_size, batch_size, repeats, latency_calls, min_time, log)
+    for k, t in timings.items():
+        notes[k] += f"; rounds {min(t.throughputs):.0f}-{max(t.throughputs):.0f} img/s"
     return {k: timings[k].summary() for k in PATHS if k in timings}, notes
 
 
