@@ -182,17 +182,19 @@ def prune_model(model: nn.Module, importance: Importance, heads: float = 0.25, m
     return m, sizes
 
 
-def distill_finetune(student: nn.Module, teacher: nn.Module, batches: Iterable[dict], pp: Preprocess, steps: int,
-                     lr: float = 5e-4, weight_decay: float = 0.05, alpha: float = 0.5, temperature: float = 2.0,
-                     label_smoothing: float = 0.1, precision=None, device: torch.device | str = "cpu",
-                     log_every: int = 50) -> list[float]:
+def distill_finetune(student: nn.Module, teacher: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                     steps: int, lr: float = 5e-4, weight_decay: float = 0.05, alpha: float = 0.5,
+                     temperature: float = 2.0, label_smoothing: float = 0.1, precision=None,
+                     device: torch.device | str = "cpu", log_every: int = 50) -> list[float]:
     """Fine-tune ``student`` in place for ``steps`` batches with knowledge distillation (Hinton,
     Vinyals & Dean 2015): ``loss = alpha * T^2 * KL(p_teacher^T || p_student^T) + (1 - alpha) *
     CE(student, labels)``. AdamW over vitflow's parameter groups, linear warmup over 5% of the
     steps then cosine decay to 0 (:mod:`vitflow.train.optim`), gradient clipping at 1.0.
 
     Args:
-        batches: an endless iterator of training batches (``images`` uint8, ``labels``).
+        batches: an endless iterator of ``(x, targets)`` on ``device``: normalised ``float32
+            (B, 3, S, S)`` and class indices ``int64 (B,)`` or soft targets ``(B, C)`` (Mixup),
+            e.g. a vitflow train loader finished by its ``pipeline``.
         precision: a :class:`vitflow.train.amp.Precision` (autocast); ``None`` for fp32.
     Returns:
         The loss of every step.
@@ -208,11 +210,7 @@ def distill_finetune(student: nn.Module, teacher: nn.Module, batches: Iterable[d
     autocast = precision.autocast if precision is not None else contextlib.nullcontext
     losses, it, t0 = [], iter(batches), time.perf_counter()
     for step in range(steps):
-        batch = next(it)
-        while not len(batch["labels"]):
-            batch = next(it)
-        x = normalize(batch["images"].to(device), pp.mean, pp.std)
-        y = batch["labels"].to(device)
+        x, y = next(it)
         with torch.no_grad(), autocast():
             t_logits = teacher(x).float()
         with autocast():
@@ -291,12 +289,17 @@ def prune_checkpoint(checkpoint, out, heads: float = 0.25, mlp: float = 0.0, dat
         result["top1_pruned"] = accuracy(pruned, test, pp)["top1"]
         log(f"top-1 on {len(test)} images: {result['top1_before']:.2%} before, {result['top1_pruned']:.2%} pruned")
     if finetune_steps:
+        cpu = torch.device("cpu")
         train = checkpoint_split(state, data, cfg.data.train_split)
-        loader, _ = train_loader(train, cfg.data, pp.image_size, batch_size, cfg.train.seed)
-        precision = resolve_precision(cfg.train.precision, torch.device("cpu"))
+        loader = train_loader(train, cfg.data, pp.image_size, batch_size, cfg.train.seed, cpu, len(state["classes"]))
+        pairs = (loader.pipeline(b) for b in loader if len(b["labels"]))
         t0 = time.perf_counter()
-        distill_finetune(pruned, model, loader, pp, finetune_steps, lr, alpha=alpha, temperature=temperature,
-                         label_smoothing=cfg.train.label_smoothing, precision=precision)
+        try:
+            distill_finetune(pruned, model, pairs, finetune_steps, lr, alpha=alpha, temperature=temperature,
+                             label_smoothing=cfg.train.label_smoothing,
+                             precision=resolve_precision(cfg.train.precision, cpu))
+        finally:
+            loader.close()
         result.update(finetune_steps=finetune_steps, finetune_s=round(time.perf_counter() - t0, 1))
         if test is not None:
             result["top1_after"] = accuracy(pruned, test, pp)["top1"]
