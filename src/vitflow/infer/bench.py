@@ -16,7 +16,8 @@ Paths (the keys of the JSON result):
 =====================  ==========================================================================
 
 Protocol: every path is warmed up (compilation happens there), then ``repeats`` rounds run
-all paths in turn, so slow drift of a shared machine hits all of them alike. In each round a
+all paths in turn, so slow drift of a shared machine hits all of them alike; a 0.2 s pause
+before each path lets the previous one's spinning worker threads (OpenMP, ONNX Runtime) go idle. In each round a
 path makes ``latency_calls`` batch-1 calls (each timed) and batch-``batch_size`` calls for at
 least ``min_time`` seconds. Latency: median and 90th percentile over all batch-1 calls (ms).
 Throughput: median over rounds of images / second. Inputs are random normal tensors (speed
@@ -41,6 +42,7 @@ from vitflow.train.amp import cpu_bf16_supported
 PATHS = ("timm_eager_fp32", "timm_eager_bf16", "eager_fp32", "eager_bf16", "compiled", "onnxruntime_fp32",
          "onnxruntime_int8")
 BASELINE = "timm_eager_fp32"
+IDLE_GAP_S = 0.2  # pause before each path: OpenMP / ONNX Runtime workers spin a while after a call
 Runner = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -147,6 +149,7 @@ def time_paths(runners: dict[str, Runner], image_size: int, batch_size: int = 32
     timings = {name: Timing() for name in runners}
     for r in range(repeats):
         for name, run in runners.items():
+            time.sleep(IDLE_GAP_S)  # let the previous path's spinning worker threads go idle
             t = timings[name]
             for _ in range(latency_calls):
                 t0 = time.perf_counter()
