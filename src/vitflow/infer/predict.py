@@ -21,6 +21,7 @@ from vitflow.data.decode import CorruptImageError, decode_image, is_image_name
 from vitflow.data.sources import TarReader, is_hidden
 from vitflow.data.transforms import Preprocess, eval_transform
 from vitflow.infer.runtime import OnnxModel, is_onnx
+from vitflow.runtime import configure_allocator
 from vitflow.train.amp import resolve_device, resolve_precision
 from vitflow.train.checkpoint import load_checkpoint, model_from_checkpoint
 
@@ -85,6 +86,7 @@ class Predictor:
 
     def __init__(self, model: torch.nn.Module, classes: list[str], pp: Preprocess, device: str = "auto",
                  precision: str = "fp32", name: str = "model"):
+        configure_allocator()
         onnx = isinstance(model, OnnxModel)
         self.device = torch.device("cpu") if onnx else resolve_device(device)
         self.dtype = resolve_precision(precision, self.device).dtype or torch.float32

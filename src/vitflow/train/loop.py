@@ -21,8 +21,10 @@ from tqdm import tqdm
 
 from vitflow.config import Config, parse_duration, to_yaml
 from vitflow.data import Datasets, SkipReport, eval_loader, open_datasets, train_loader
+from vitflow.data.augment import progressive_resolution
 from vitflow.data.sources import TensorSource, export_samples
 from vitflow.models import MODELS, create_model
+from vitflow.runtime import configure_allocator
 from vitflow.train import checkpoint as ckpt
 from vitflow.train.amp import resolve_device, resolve_precision
 from vitflow.train.evaluate import evaluate
@@ -61,8 +63,10 @@ def find_resume(cfg: Config) -> Path | None:
 def model_args(cfg: Config, num_classes: int) -> dict[str, Any]:
     """Arguments of :func:`vitflow.create_model` for this config (saved in checkpoints)."""
     m = cfg.model
-    return {"name": m.name, "img_size": m.image_size, "num_classes": num_classes, "global_pool": m.global_pool,
-            "attention": m.attention, "drop_rate": m.drop_rate, "drop_path_rate": m.drop_path_rate}
+    return {"name": m.name, "img_size": m.image_size, "num_classes": num_classes, "embed_dim": m.embed_dim,
+            "depth": m.depth, "num_heads": m.num_heads, "mlp_ratio": m.mlp_ratio, "patch_size": m.patch_size,
+            "global_pool": m.global_pool, "attention": m.attention, "drop_rate": m.drop_rate,
+            "drop_path_rate": m.drop_path_rate}
 
 
 @dataclass
@@ -92,6 +96,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         t = cfg.train
+        configure_allocator()
         if t.threads:
             torch.set_num_threads(t.threads)
         self.device = resolve_device(t.device)
@@ -181,6 +186,7 @@ class Trainer:
     def train_step(self, batches: list[dict]) -> tuple[float, float]:
         """Forward/backward over the micro-batches, clip, optimizer step. Returns (loss, grad norm)."""
         accum = len(batches)
+        self._set_resolution()
         total = torch.zeros((), device=self.device)
         for batch in batches:
             x, y = self.loader.pipeline(batch)
@@ -238,29 +244,34 @@ class Trainer:
         t = self.cfg.train
         bar = tqdm(total=t.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    mininterval=1.0)
-        it, meter, images_seen, first_step_at = iter(self.loader), Meter(), 0, None
+        it, meter, images_seen, first_step_at, cost = iter(self.loader), Meter(), 0, None, 0.0
         self.model.train()
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             batches = [self.next_batch(it) for _ in range(t.accum_steps)]
             meter.data_wait += time.perf_counter() - t0
+            step_cost = self._step_cost(self.step, self.total_steps)
             loss, grad_norm = self.train_step(batches)
             n = sum(len(b["labels"]) for b in batches)
             meter.steps, meter.images, meter.loss = meter.steps + 1, meter.images + n, meter.loss + loss
             images_seen += n
-            first_step_at = first_step_at or time.perf_counter()
+            if first_step_at is None:  # the first step (warm-up, allocations) is not timed
+                first_step_at = time.perf_counter()
+            else:
+                cost += step_cost
             bar.update(1)
             if self.step % t.log_every == 0:
                 ips, stall = meter.rate()
                 lr = self.scheduler.get_last_lr()[0]
                 self.metrics.write("train", step=self.step, loss=meter.loss / meter.steps, lr=lr, grad_norm=grad_norm,
-                                   images_per_s=ips, data_stall=stall, epoch=self.position[0])
+                                   images_per_s=ips, data_stall=stall, epoch=self.position[0],
+                                   resolution=self.loader.pipeline.resolution or self.data.preprocess.image_size)
                 bar.set_postfix(loss=f"{meter.loss / meter.steps:.3f}", lr=f"{lr:.2e}", img_s=f"{ips:.0f}",
                                 stall=f"{stall:.0%}")
                 meter = Meter()
                 self._maybe_hint(stall)
-                if budget:
-                    self._fit_budget(budget, started, first_step_at)
+                if budget and cost > 0:
+                    self._fit_budget(budget, started, first_step_at, cost)
                     bar.total = self.total_steps
             if budget and time.perf_counter() - started > budget:
                 log.info("time budget %s reached at step %d", t.time_budget, self.step)
@@ -276,18 +287,44 @@ class Trainer:
     def total_steps(self) -> int:
         return self.scheduler.lr_lambdas[0].total_steps
 
-    def _fit_budget(self, budget: float, started: float, first_step_at: float) -> None:
-        """Shrink the schedule so that the run ends within ``budget`` seconds, keeping time for
-        the final evaluation (estimated at a third of the training cost per image)."""
-        steps_done = self.step
-        per_step = (time.perf_counter() - first_step_at) / max(steps_done, 1)
-        per_image = per_step / self.cfg.train.batch_size
-        reserve = len(self.data.test) * per_image / 3 + 5.0
-        remaining = budget - (time.perf_counter() - started) - reserve
-        fit = self.step + max(0, int(remaining / per_step))
-        if fit < self.cfg.train.total_steps and abs(fit - self.total_steps) > 0.01 * self.total_steps:
-            self.scheduler.lr_lambdas[0].total_steps = max(fit, self.step + 1)
-            log.info("time budget: schedule set to %d steps", self.total_steps)
+    def _step_cost(self, step: int, total: int) -> float:
+        """Compute of ``step`` (of ``total``) relative to a full-resolution step, by tokens per
+        image (progressive resizing makes early steps cheaper)."""
+        d = self.cfg.data
+        if not d.progressive_min_size:
+            return 1.0
+        p, full, prefix = self.model.patch_size, self.data.preprocess.image_size, self.model.num_prefix_tokens
+        r = progressive_resolution(step, total, d.progressive_min_size, full, d.progressive_ramp, p)
+        return ((r // p) ** 2 + prefix) / ((full // p) ** 2 + prefix)
+
+    def _fit_budget(self, budget: float, started: float, first_step_at: float, cost_since_first: float) -> None:
+        """Set the schedule's length to the most steps that end within ``budget`` seconds, keeping
+        time for the final evaluation (a third of the training cost per image). The cost of a
+        step is measured so far per full-resolution step and follows the resolution schedule."""
+        now = time.perf_counter()
+        per_unit = (now - first_step_at) / max(cost_since_first, 1e-9)
+        remaining = budget - (now - started) - len(self.data.test) * per_unit / self.cfg.train.batch_size / 3 - 5.0
+
+        def fits(total: int) -> bool:
+            return sum(self._step_cost(s, total) for s in range(self.step, total)) * per_unit <= remaining
+
+        lo, hi = self.step + 1, self.cfg.train.total_steps
+        if fits(hi):
+            lo = hi
+        while lo < hi:  # the largest total that fits
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        if abs(lo - self.total_steps) > 0.01 * self.total_steps:
+            self.scheduler.lr_lambdas[0].total_steps = lo
+            log.info("time budget: schedule set to %d steps", lo)
+
+    def _set_resolution(self) -> None:
+        """Progressive resizing: the step's training resolution (eval stays at full size)."""
+        d = self.cfg.data
+        if d.progressive_min_size:
+            self.loader.pipeline.resolution = progressive_resolution(
+                self.step, self.total_steps, d.progressive_min_size, self.data.preprocess.image_size,
+                d.progressive_ramp, self.model.patch_size)
 
     def _maybe_hint(self, stall: float) -> None:
         if stall > 0.1 and not self._stall_hint_shown and self.step >= 3 * self.cfg.train.log_every:
