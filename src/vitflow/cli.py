@@ -122,7 +122,6 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, help="torch and ONNX Runtime threads (default: torch's default)")
     b.add_argument("--json", action="store_true", help="end with one JSON line {path: {latency_ms_p50, ...}}")
 
-
     p = sub.add_parser("presets", help="list presets, or print one resolved")
     p.add_argument("name", nargs="?")
 
