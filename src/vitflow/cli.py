@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import logging
 import os
@@ -34,13 +35,60 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.path=... data.test_split=test")
 
     p = sub.add_parser("predict", help="classify images, folders or tars")
-    p.add_argument("checkpoint", help="checkpoint file or run directory")
+    p.add_argument("checkpoint", help="checkpoint file, run directory, or an exported .onnx model")
     p.add_argument("inputs", nargs="+", metavar="IMAGE_OR_DIR", help="image files, folders or .tar archives")
     p.add_argument("--topk", type=int, default=5, help="classes to show per image (default 5)")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--workers", type=int, default=2, help="image decoding threads (default 2)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="bf16/fp16: run a PyTorch model with its weights cast to that dtype (fp16 needs CUDA)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--json", action="store_true", help="one JSON object per image")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="one JSON object per image")
+    fmt.add_argument("--csv", action="store_true", help="CSV: path,rank,class,index,prob,error (one row per class)")
+
+    p = sub.add_parser("export", help="export a checkpoint (ONNX, TorchScript, ExportedProgram, TensorRT), verified")
+    p.add_argument("checkpoint", help="checkpoint file or run directory")
+    p.add_argument("--format", default="onnx", choices=["onnx", "torchscript", "exported-program", "tensorrt"])
+    p.add_argument("-o", "--output", required=True, help="output file (.onnx, .ts, .pt2, .engine)")
+    p.add_argument("--optimize", action="store_true", help="ONNX: apply ONNX Runtime's transformer fusions")
+    p.add_argument("--target", choices=["cpu", "gpu"], help="--optimize for this target (default: gpu if CUDA "
+                   "is available, else cpu)")
+    p.add_argument("--opset", type=int, default=18, help="ONNX opset (>= 17; default 18)")
+    p.add_argument("--verify-data", metavar="PATH", help="real images (file, folder or tar) to verify on; "
+                   "default: the checkpoint's test split")
+    p.add_argument("--tolerance", type=float, help="max |logit difference| (default 1e-4; 0.1 for FP16 TensorRT)")
+    p.add_argument("--fp32", action="store_true", help="TensorRT: build an FP32 engine (default FP16)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+
+    p = sub.add_parser("quantize", help="INT8 (ONNX Runtime or PyTorch) or FP16/BF16 weights, with an accuracy guard")
+    p.add_argument("model", help="checkpoint, run directory, or a vitflow .onnx model (onnxruntime backend)")
+    p.add_argument("-o", "--output", required=True, help="output: .onnx (onnxruntime) or .pt (torch)")
+    p.add_argument("--backend", choices=["onnxruntime", "torch"], default="onnxruntime")
+    p.add_argument("--dtype", choices=["int8", "fp16", "bf16"], default="int8",
+                   help="int8 (default); fp16/bf16 weight casting for GPU inference (torch backend)")
+    p.add_argument("--data", metavar="PATH", help="image folder or tar to measure top-1 before and after")
+    p.add_argument("--split", default="test", help="split of --data (default test; e.g. 'test[:2000]')")
+    p.add_argument("--max-drop", type=float, default=1.0, help="max top-1 drop in points (default 1.0)")
+    p.add_argument("--force", action="store_true", help="write the model even if top-1 dropped more")
+    p.add_argument("--per-tensor", action="store_true", help="ONNX: one weight scale per tensor (default per channel)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+
+    p = sub.add_parser("prune", help="remove attention heads / MLP units, optionally fine-tune with distillation")
+    p.add_argument("checkpoint", help="checkpoint file or run directory")
+    p.add_argument("-o", "--output", required=True, help="pruned checkpoint (.pt)")
+    p.add_argument("--heads", type=float, default=0.25, help="fraction of all attention heads to remove (0.25)")
+    p.add_argument("--mlp", type=float, default=0.0, help="fraction of all MLP hidden units to remove (0)")
+    p.add_argument("--data", metavar="PATH", help="dataset folder or tar (default: the checkpoint's data.path)")
+    p.add_argument("--calib-images", type=int, default=1024, help="images for the importance scores (1024)")
+    p.add_argument("--finetune-steps", type=int, default=0, help="distillation fine-tune steps (default 0: none)")
+    p.add_argument("--batch-size", type=int, default=128, help="fine-tune batch size (128)")
+    p.add_argument("--lr", type=float, default=5e-4, help="fine-tune peak learning rate (5e-4)")
+    p.add_argument("--alpha", type=float, default=0.5, help="weight of the distillation loss (0.5)")
+    p.add_argument("--temperature", type=float, default=2.0, help="distillation temperature (2)")
+    p.add_argument("--no-eval", action="store_true", help="skip the top-1 measurements")
+    p.add_argument("--eval-split", help="split to measure top-1 on (default: the checkpoint's test split)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
 
     p = sub.add_parser("attention", help="draw a checkpoint's attention maps and rollout on an image")
     p.add_argument("checkpoint", help="checkpoint file or run directory")
@@ -61,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: cores)")
     p.add_argument("--force", action="store_true", help="replace an existing packed dataset at OUT")
 
-    p = sub.add_parser("bench", help="measure throughput against baselines")
+    p = sub.add_parser("bench", help="measure throughput against baselines (data, infer)")
     bench = p.add_subparsers(dest="what", required=True)
     b = bench.add_parser("data", help="input pipeline: decode limit, torchvision baseline, vitflow, packed")
     b.add_argument("--data", required=True, help="image folder or tar (class folders, or a flat folder of images)")
@@ -72,6 +120,16 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", type=int, help="default 64, or 256 at <= 64 px")
     b.add_argument("--max-side", type=int, help="packed JPEG longer side (default 256)")
     b.add_argument("--json", action="store_true", help="end with one JSON line of images/s")
+    b = bench.add_parser("infer", help="inference latency / throughput of every deployment path vs timm")
+    b.add_argument("checkpoint", help="checkpoint file or run directory")
+    b.add_argument("--paths", help="comma-separated subset of the paths (default: all seven, see README)")
+    b.add_argument("--batch-size", type=int, default=32, help="throughput batch size (32)")
+    b.add_argument("--repeats", type=int, default=3, help="interleaved rounds (3)")
+    b.add_argument("--latency-calls", type=int, default=20, help="batch-1 calls per path per round (20)")
+    b.add_argument("--min-time", type=float, default=1.0, help="seconds of batch calls per path per round (1)")
+    b.add_argument("--attention", help="attention backend of the vitflow eager/compiled paths (default: the checkpoint's)")
+    b.add_argument("--threads", type=int, help="torch and ONNX Runtime threads (default: torch's default)")
+    b.add_argument("--json", action="store_true", help="end with one JSON line {path: {latency_ms_p50, ...}}")
 
     p = sub.add_parser("presets", help="list presets, or print one resolved")
     p.add_argument("name", nargs="?")
@@ -115,15 +173,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     from vitflow.infer import Predictor, collect_images
 
-    predictor = Predictor.from_checkpoint(args.checkpoint, args.device, args.precision)
+    predictor = Predictor.load(args.checkpoint, args.device, args.precision)
     refs = collect_images(args.inputs)
     if not refs:
         raise FileNotFoundError(f"no images found in {' '.join(args.inputs)}")
     failed = 0
-    for r in predictor.predict_refs(refs, args.topk, args.batch_size):
+    writer = csv.writer(sys.stdout, lineterminator="\n") if args.csv else None
+    if writer:
+        writer.writerow(["path", "rank", "class", "index", "prob", "error"])
+    for r in predictor.predict_refs(refs, args.topk, args.batch_size, args.workers):
         failed += "error" in r
         if args.json:
             print(json.dumps(r))
+        elif writer:
+            rows = [[r["path"], "", "", "", "", r["error"]]] if "error" in r else [
+                [r["path"], i + 1, t["class"], t["index"], t["prob"], ""] for i, t in enumerate(r["top"])]
+            writer.writerows(rows)
         elif "error" in r:
             print(f"{r['path']}: ERROR {r['error']}", file=sys.stderr)
         else:
@@ -154,12 +219,85 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from vitflow.data.bench import run
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
 
-    result = run(args.data, args.image_size, args.workers, args.repeats, args.passes, args.batch_size, args.max_side)
+    from vitflow.infer.export import export_checkpoint
+
+    target = args.target or ("gpu" if torch.cuda.is_available() else "cpu")
+    r = export_checkpoint(args.checkpoint, args.output, args.format, args.optimize, target, args.opset,
+                          args.verify_data, args.tolerance, fp16=not args.fp32)
+    print(f"exported {r['format']} to {r['path']} ({r['bytes'] / 2**20:.1f} MiB, {r['export_s']:.1f} s)")
+    if r["fused"]:
+        print(f"fused ({target}): " + ", ".join(f"{k} {v}" for k, v in r["fused"].items()))
+    print(f"verified on {r['images']} real images: {r['summary']}")
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps({k: v for k, v in r.items() if k != "summary"}))
+    return 0 if r["ok"] else 1
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from vitflow.infer.quantize import AccuracyDropError, quantize_file
+
+    try:
+        r = quantize_file(args.model, args.output, args.backend, args.dtype, args.data, args.split, args.max_drop,
+                          args.force, per_channel=not args.per_tensor)
+    except AccuracyDropError as e:
+        print(f"refused: {e}", file=sys.stderr)
+        return 1
+    if "top1_before" in r:
+        print(f"top-1 on {r['images']} images: {r['top1_before']:.2%} -> {r['top1_after']:.2%} "
+              f"(drop {r['drop_points']:.2f} points, allowed {args.max_drop:g})")
+    ops = ", ".join(f"{k} {v}" for k, v in r.get("ops", {}).items())
+    print(f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB{'; ' + ops if ops else ''})")
+    if args.json:
+        print(json.dumps(r))
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from vitflow.infer.prune import prune_checkpoint
+
+    r = prune_checkpoint(args.checkpoint, args.output, args.heads, args.mlp, args.data, args.calib_images,
+                         args.finetune_steps, args.batch_size, args.lr, args.alpha, args.temperature,
+                         not args.no_eval, args.eval_split)
+    print(f"heads {r['heads_before']} -> {r['heads_after']}, parameters {r['params_before'] / 1e6:.2f} M -> "
+          f"{r['params_after'] / 1e6:.2f} M")
+    if "top1_before" in r:
+        after = f", after fine-tune {r['top1_after']:.2%}" if "top1_after" in r else ""
+        print(f"top-1 {r['top1_before']:.2%} unpruned, {r['top1_pruned']:.2%} pruned{after}")
+    print(f"speed (fp32 eager, same process): batch-32 throughput x{r['speedup_throughput']:.2f}, "
+          f"batch-1 latency x{r['speedup_latency']:.2f} faster")
+    print(f"wrote {r['path']}")
+    if args.json:
+        print(json.dumps(r))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "data":
+        from vitflow.data.bench import run
+
+        result = run(args.data, args.image_size, args.workers, args.repeats, args.passes, args.batch_size,
+                     args.max_side)
+        if args.json:
+            print(json.dumps(result))
+        return 0
+    import torch
+
+    from vitflow.infer.bench import PATHS, bench_infer, format_table
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    paths = tuple(p.strip() for p in args.paths.split(",")) if args.paths else PATHS
+    results, notes = bench_infer(args.checkpoint, paths, args.batch_size, args.repeats, args.latency_calls,
+                                 args.min_time, args.attention, log=lambda m: print(m, file=sys.stderr))
+    print(f"{args.checkpoint}: {torch.get_num_threads()} threads, batch-1 latency over "
+          f"{args.repeats * args.latency_calls} calls, batch-{args.batch_size} throughput median of {args.repeats} "
+          f"rounds; ratios are speed-ups over timm_eager_fp32")
+    print(format_table(results, notes, args.batch_size))
+    if args.json:
+        print(json.dumps(results))
     return 0
 
 
@@ -184,7 +322,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "attention": cmd_attention,
-            "prepare": cmd_prepare, "bench": cmd_bench, "presets": cmd_presets, "models": cmd_models}
+            "export": cmd_export, "quantize": cmd_quantize, "prune": cmd_prune, "prepare": cmd_prepare,
+            "bench": cmd_bench, "presets": cmd_presets, "models": cmd_models}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -197,6 +336,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from vitflow.infer.runtime import UnavailableError  # a target this machine cannot serve
+
+        if not isinstance(e, UnavailableError) or args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -1,13 +1,15 @@
-"""Prediction on image files, folders and tars with a trained checkpoint.
+"""Prediction on image files, folders and tars with a trained checkpoint or an exported ONNX
+model.
 
-The preprocessing is the one saved in the checkpoint (decode with EXIF orientation, resize,
-center crop, normalisation), exactly as in evaluation. An image that cannot be decoded does not
-stop the others: its result carries an ``error`` naming the file.
+The preprocessing is the one saved in the checkpoint or in the ONNX file's metadata (decode with
+EXIF orientation, resize, center crop, normalisation), exactly as in evaluation. An image that
+cannot be decoded does not stop the others: its result carries an ``error`` naming the file.
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -18,6 +20,7 @@ from vitflow.data import normalize
 from vitflow.data.decode import CorruptImageError, decode_image, is_image_name
 from vitflow.data.sources import TarReader, is_hidden
 from vitflow.data.transforms import Preprocess, eval_transform
+from vitflow.infer.runtime import OnnxModel, is_onnx
 from vitflow.runtime import configure_allocator
 from vitflow.train.amp import resolve_device, resolve_precision
 from vitflow.train.checkpoint import load_checkpoint, model_from_checkpoint
@@ -68,17 +71,29 @@ def _tar_reader(reader: TarReader, loc):
 
 
 class Predictor:
-    """A model with its class names and preprocessing.
+    """A model with its class names and preprocessing: a PyTorch model or an ONNX Runtime
+    session (:class:`vitflow.infer.runtime.OnnxModel`).
 
     ``predict(images)``: ``uint8 (B, 3, S, S)`` -> probabilities ``float32 (B, num_classes)``.
+
+    ``precision``: ``fp32``, or ``bf16`` / ``fp16`` to run a PyTorch model with its weights cast
+    to that dtype (pure half-precision inference; ``fp16`` needs CUDA). ONNX models run in the
+    precision they were exported / quantised in (``precision`` must be ``fp32``).
+
+    Raises:
+        ValueError: fp16 without CUDA, or a half precision asked of an ONNX / INT8 model.
     """
 
     def __init__(self, model: torch.nn.Module, classes: list[str], pp: Preprocess, device: str = "auto",
-                 precision: str = "fp32"):
+                 precision: str = "fp32", name: str = "model"):
         configure_allocator()
-        self.device = resolve_device(device)
-        self.precision = resolve_precision(precision, self.device)
-        self.model, self.classes, self.pp = model.to(self.device).eval(), classes, pp
+        onnx = isinstance(model, OnnxModel)
+        self.device = torch.device("cpu") if onnx else resolve_device(device)
+        self.dtype = resolve_precision(precision, self.device).dtype or torch.float32
+        if self.dtype != torch.float32 and (onnx or _is_quantized(model)):
+            raise ValueError(f"{name} runs in the precision it was exported or quantized in: use --precision fp32")
+        self.model = model.to(self.device).eval() if onnx else model.to(self.device, self.dtype).eval()
+        self.classes, self.pp = classes, pp
         self.transform = eval_transform(pp)
 
     @classmethod
@@ -86,32 +101,63 @@ class Predictor:
         """Raises FileNotFoundError / ValueError for a missing, corrupt or incompatible checkpoint."""
         state = load_checkpoint(path)
         return cls(model_from_checkpoint(state), list(state["classes"]), Preprocess.from_dict(state["preprocess"]),
-                   device, precision)
+                   device, precision, state["path"])
+
+    @classmethod
+    def from_onnx(cls, path: str | Path, threads: int | None = None) -> "Predictor":
+        """An ONNX model exported by ``vitflow export`` (class names and preprocessing read from
+        its metadata). Raises FileNotFoundError / ValueError naming the file."""
+        model = OnnxModel(path, threads)
+        info = model.info()
+        return cls(model, info.classes, info.preprocess, "cpu", "fp32", str(path))
+
+    @classmethod
+    def load(cls, path: str | Path, device: str = "auto", precision: str = "fp32") -> "Predictor":
+        """:meth:`from_onnx` for a ``.onnx`` file, else :meth:`from_checkpoint`."""
+        if is_onnx(path):
+            if precision != "fp32":
+                raise ValueError(f"{path} runs in the precision it was exported or quantized in: use --precision fp32")
+            return cls.from_onnx(path)
+        return cls.from_checkpoint(path, device, precision)
 
     @torch.no_grad()
     def predict(self, images: torch.Tensor) -> torch.Tensor:
-        x = normalize(images.to(self.device), self.pp.mean, self.pp.std)
-        with self.precision.autocast():
-            logits = self.model(x)
-        return logits.float().softmax(dim=-1).cpu()
+        x = normalize(images.to(self.device), self.pp.mean, self.pp.std).to(self.dtype)
+        return self.model(x).float().softmax(dim=-1).cpu()
 
-    def predict_refs(self, refs: list[ImageRef], topk: int = 5, batch_size: int = 32) -> Iterator[dict]:
+    def _decode(self, ref: ImageRef) -> torch.Tensor | str:
+        try:
+            return self.transform(decode_image(ref.read(), ref.name))
+        except (CorruptImageError, OSError) as e:
+            return str(e)
+
+    def predict_refs(self, refs: list[ImageRef], topk: int = 5, batch_size: int = 32,
+                     workers: int = 2) -> Iterator[dict]:
         """Yield per image ``{"path", "top": [{"class", "index", "prob"}, ...]}`` or
-        ``{"path", "error"}`` when it cannot be read or decoded, in input order."""
+        ``{"path", "error"}`` when it cannot be read or decoded, in input order.
+
+        Images are decoded by ``workers`` threads (libjpeg-turbo and the resize release the
+        GIL), the next batch while the model runs on the current one.
+        """
         k = min(topk, len(self.classes))
-        for start in range(0, len(refs), batch_size):
-            chunk, tensors, results = refs[start:start + batch_size], [], []
-            for ref in chunk:
-                try:
-                    tensors.append(self.transform(decode_image(ref.read(), ref.name)))
-                    results.append({"path": ref.name})
-                except (CorruptImageError, OSError) as e:
-                    results.append({"path": ref.name, "error": str(e)})
-            if tensors:
-                probs = self.predict(torch.stack(tensors))
-                top = probs.topk(k, dim=1)
-                ok = iter(r for r in results if "error" not in r)
-                for vals, idx in zip(top.values.tolist(), top.indices.tolist()):
-                    next(ok)["top"] = [{"class": self.classes[i], "index": i, "prob": round(v, 6)}
-                                       for v, i in zip(vals, idx)]
-            yield from results
+        chunks = [refs[i:i + batch_size] for i in range(0, len(refs), batch_size)]
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            pending = [pool.map(self._decode, c) for c in chunks[:1]]
+            for i, chunk in enumerate(chunks):
+                decoded = list(pending.pop(0))
+                if i + 1 < len(chunks):
+                    pending.append(pool.map(self._decode, chunks[i + 1]))
+                results = [{"path": r.name, "error": d} if isinstance(d, str) else {"path": r.name}
+                           for r, d in zip(chunk, decoded)]
+                tensors = [d for d in decoded if not isinstance(d, str)]
+                if tensors:
+                    top = self.predict(torch.stack(tensors)).topk(k, dim=1)
+                    ok = iter(r for r in results if "error" not in r)
+                    for vals, idx in zip(top.values.tolist(), top.indices.tolist()):
+                        next(ok)["top"] = [{"class": self.classes[i], "index": i, "prob": round(v, 6)}
+                                           for v, i in zip(vals, idx)]
+                yield from results
+
+
+def _is_quantized(model: torch.nn.Module) -> bool:
+    return any("quantized" in type(m).__module__ for m in model.modules())

@@ -54,20 +54,25 @@ class Attention(nn.Module):
     Input and output ``(B, N, D)``. ``backend`` names a kernel of
     :mod:`vitflow.models.attention` (built by :func:`~vitflow.models.attention.make_kernel` with
     ``backend_options``); ``rel_pos`` adds a per-head relative position bias to the logits.
+    ``head_dim`` defaults to ``dim // num_heads``; giving it explicitly allows
+    ``num_heads * head_dim != dim`` (a head-pruned block, see :mod:`vitflow.infer.prune`): qkv is
+    then ``D -> 3 * H * head_dim`` and proj ``H * head_dim -> D``.
     """
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, backend: str = "sdpa", grid: tuple[int, int] = (14, 14),
-                 num_prefix_tokens: int = 1, rel_pos: bool = False, backend_options: dict | None = None):
+                 num_prefix_tokens: int = 1, rel_pos: bool = False, backend_options: dict | None = None,
+                 head_dim: int | None = None):
         super().__init__()
-        if dim % num_heads:
+        if head_dim is None and dim % num_heads:
             raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
         self.num_heads = num_heads
-        self.head_dim = dim // num_heads
+        self.head_dim = head_dim or dim // num_heads
+        inner = num_heads * self.head_dim
         self.grid, self.num_prefix_tokens = tuple(grid), num_prefix_tokens
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.qkv = nn.Linear(dim, inner * 3, bias=qkv_bias)
         self.attn_drop = attn_drop
-        self.proj = nn.Linear(dim, dim)
+        self.proj = nn.Linear(inner, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         self.rel_pos = RelativePositionBias(num_heads, self.grid, num_prefix_tokens) if rel_pos else None
         self.set_backend(backend, **(backend_options or {}))
@@ -87,9 +92,12 @@ class Attention(nn.Module):
         return AttentionContext(grid, self.num_prefix_tokens, bias, self.attn_drop if self.training else 0.0)
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
-        # the qkv bias goes to the kernel, which adds it while laying out q, k, v (one pass less)
-        qkv = F.linear(x, self.qkv.weight)
-        return self.proj_drop(self.proj(self.kernel(qkv, self.num_heads, self.context(grid), self.qkv.bias)))
+        if type(self.qkv) is nn.Linear:
+            # the qkv bias goes to the kernel, which adds it while laying out q, k, v (one pass less)
+            qkv, qkv_bias = F.linear(x, self.qkv.weight), self.qkv.bias
+        else:  # a replaced projection (e.g. dynamically quantised INT8): its own forward
+            qkv, qkv_bias = self.qkv(x), None
+        return self.proj_drop(self.proj(self.kernel(qkv, self.num_heads, self.context(grid), qkv_bias)))
 
     def probs(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
         """Attention probabilities ``(B, H, N, N)`` float32 computed explicitly (the math path,
@@ -157,18 +165,19 @@ class LayerScale(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm transformer encoder block: ``x + ls1(attn(norm1(x)))`` then ``x + ls2(mlp(norm2(x)))``
-    (each branch through stochastic depth)."""
+    (each branch through stochastic depth). ``mlp_hidden`` overrides ``int(dim * mlp_ratio)`` and
+    ``attn_kwargs`` may carry ``head_dim`` (pruned blocks, :mod:`vitflow.infer.prune`)."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
                  drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0, attention: str = "sdpa",
-                 layer_scale_init: float | None = None, **attn_kwargs):
+                 layer_scale_init: float | None = None, mlp_hidden: int | None = None, **attn_kwargs):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=LN_EPS)
         self.attn = Attention(dim, num_heads, qkv_bias, attn_drop, drop, attention, **attn_kwargs)
         self.ls1 = LayerScale(dim, layer_scale_init) if layer_scale_init is not None else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=LN_EPS)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
+        self.mlp = Mlp(dim, mlp_hidden or int(dim * mlp_ratio), drop)
         self.ls2 = LayerScale(dim, layer_scale_init) if layer_scale_init is not None else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
@@ -200,6 +209,10 @@ class VisionTransformer(nn.Module):
         attn_window: ``local`` window radius in patches.
         linformer_k: Linformer projected length (default tokens // 4).
         performer_features: Performer random features (default ``round(d ln d)``).
+        block_heads, block_mlp_hidden: per-block head counts and MLP hidden sizes (length
+            ``depth``) for pruned models (:mod:`vitflow.infer.prune`); ``None`` gives every block
+            ``num_heads`` heads of ``embed_dim // num_heads`` and ``int(embed_dim * mlp_ratio)``
+            hidden units (the timm layout). Pruned blocks keep the unpruned head dimension.
 
     ``forward(x)``: ``(B, in_chans, H, W)`` float -> logits ``(B, num_classes)``; H and W may
     differ from ``img_size`` (multiples of the patch size): the position encoding follows.
@@ -210,7 +223,8 @@ class VisionTransformer(nn.Module):
                  qkv_bias: bool = True, global_pool: Literal["token", "avg"] = "token", drop_rate: float = 0.0,
                  attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0, attention: str = "sdpa",
                  pos_embed: str = "learned", layer_scale_init: float | None = None, attn_block_size: int = 128,
-                 attn_window: int = 3, linformer_k: int | None = None, performer_features: int | None = None):
+                 attn_window: int = 3, linformer_k: int | None = None, performer_features: int | None = None,
+                 block_heads: list[int] | None = None, block_mlp_hidden: list[int] | None = None):
         super().__init__()
         if global_pool not in ("token", "avg"):
             raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
@@ -238,10 +252,16 @@ class VisionTransformer(nn.Module):
             self.pos_embed = None
         self.pos_drop = nn.Dropout(drop_rate)
         dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
+        for name, per_block in (("block_heads", block_heads), ("block_mlp_hidden", block_mlp_hidden)):
+            if per_block is not None and (len(per_block) != depth or min(per_block) < 1):
+                raise ValueError(f"{name} needs {depth} positive entries (one per block), got {list(per_block)}")
+        head_dim = embed_dim // num_heads if block_heads is not None else None
         self.blocks = nn.Sequential(*[
-            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, dpr[i], attention,
-                  layer_scale_init, grid=grid, num_prefix_tokens=self.num_prefix_tokens,
-                  rel_pos=pos_embed == "relative", backend_options=self.attention_options)
+            Block(embed_dim, block_heads[i] if block_heads else num_heads, mlp_ratio, qkv_bias, drop_rate,
+                  attn_drop_rate, dpr[i], attention, layer_scale_init,
+                  block_mlp_hidden[i] if block_mlp_hidden else None, head_dim=head_dim, grid=grid,
+                  num_prefix_tokens=self.num_prefix_tokens, rel_pos=pos_embed == "relative",
+                  backend_options=self.attention_options)
             for i in range(depth)
         ])
         use_fc_norm = global_pool == "avg"

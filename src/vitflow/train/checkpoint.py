@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,10 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # INT8 checkpoints: torch flags quantized tensors as deprecated
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise ValueError(f"cannot read checkpoint {path} (truncated or corrupt?): {e}") from e
     if not isinstance(state, dict) or state.get("format") != FORMAT:
@@ -117,8 +121,33 @@ def _tuples(x: Any) -> Any:
     return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
+QUANTIZATIONS = ("dynamic-int8",)
+
+
+def apply_quantization(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
+    """Turn a float CPU model into the quantised form a checkpoint's ``quantization`` key names.
+
+    ``dynamic-int8``: ``torch.ao.quantization.quantize_dynamic`` of every ``nn.Linear`` to
+    ``qint8`` weights with one scale per output channel (activations quantised per batch at run
+    time).
+
+    Raises:
+        ValueError: unknown scheme.
+    """
+    if scheme != "dynamic-int8":
+        raise ValueError(f"unknown quantization {scheme!r}; this vitflow reads {list(QUANTIZATIONS)}")
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization announces its move to torchao
+        return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+
+
 def model_from_checkpoint(state: dict[str, Any]) -> torch.nn.Module:
     """Rebuild the model a checkpoint was trained with and load its weights (eval mode, CPU).
+
+    ``model_args`` may carry per-block head counts / MLP sizes (pruned models); a
+    ``quantization`` key (see :func:`apply_quantization`) rebuilds the quantised form.
 
     Raises:
         ValueError: the weights do not fit the saved model arguments.
@@ -127,6 +156,8 @@ def model_from_checkpoint(state: dict[str, Any]) -> torch.nn.Module:
 
     args = dict(state["model_args"])
     model = create_model(args.pop("name"), **args)
+    if state.get("quantization"):
+        model = apply_quantization(model.eval(), state["quantization"])
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:

@@ -65,7 +65,10 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None) -> dict:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     dev = resolve_device(device or cfg.train.device)
-    precision = resolve_precision(cfg.train.precision, dev)
+    # an INT8 (dynamic quantized) checkpoint runs in fp32 on the CPU
+    quantized = bool(state.get("quantization"))
+    dev = torch.device("cpu") if quantized else dev
+    precision = resolve_precision("fp32" if quantized else cfg.train.precision, dev)
     pp = Preprocess.from_dict(state["preprocess"])
     test = open_split(cfg.data.path, cfg.data.test_split, cfg.data.source, classes=list(state["classes"]))
     loader = eval_loader(test, pp, cfg.data.eval_batch_size or 256, cfg.data.num_workers)

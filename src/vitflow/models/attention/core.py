@@ -137,8 +137,11 @@ def _pack(qkv: torch.Tensor, num_heads: int, qkv_bias: torch.Tensor | None = Non
     b, n, c = qkv.shape
     d = c // (3 * num_heads)
     src = qkv.view(b, n, 3, num_heads, d).permute(2, 0, 3, 1, 4)
-    packed = qkv.new_empty(3, b, num_heads, n, d)
     scale, scaled_bias = _part_scales(qkv, num_heads, qkv_bias)
+    if torch.compiler.is_compiling():  # inductor fuses the functional form; out= would keep src's strides
+        packed = (src * scale if scaled_bias is None else torch.addcmul(scaled_bias, src, scale)).contiguous()
+        return packed.view(3, b * num_heads, n, d)
+    packed = qkv.new_empty(3, b, num_heads, n, d)
     if scaled_bias is None:
         torch.mul(src, scale, out=packed)
     else:
@@ -151,9 +154,13 @@ def _unpack_grad(dpacked: torch.Tensor, b: int, num_heads: int, qkv_bias: torch.
     (one pass: layout copy times the scale) and the qkv bias gradient (summed in fp32) or ``None``."""
     _, bh, n, d = dpacked.shape
     scale = dpacked.new_tensor([d ** -0.5, 1.0, 1.0]).view(3, 1, 1)
-    dqkv = dpacked.new_empty(b, n, 3, num_heads, d)
-    torch.mul(dpacked.view(3, b, num_heads, n, d).permute(1, 3, 0, 2, 4), scale, out=dqkv)
-    dqkv = dqkv.view(b, n, 3 * num_heads * d)
+    grad_src = dpacked.view(3, b, num_heads, n, d).permute(1, 3, 0, 2, 4)
+    if torch.compiler.is_compiling():
+        dqkv = (grad_src * scale).reshape(b, n, 3 * num_heads * d)
+    else:
+        dqkv = dpacked.new_empty(b, n, 3, num_heads, d)
+        torch.mul(grad_src, scale, out=dqkv)
+        dqkv = dqkv.view(b, n, 3 * num_heads * d)
     dbias = None if qkv_bias is None else dqkv.sum((0, 1), dtype=torch.float32).to(qkv_bias.dtype)
     return dqkv, dbias
 

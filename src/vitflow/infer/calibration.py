@@ -1,0 +1,77 @@
+"""Real images for the inference tools: export verification, pruning calibration and the
+accuracy checks of quantisation and pruning, all with the model's own eval preprocessing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vitflow.data import eval_loader, normalize, open_split
+from vitflow.data.decode import CorruptImageError, decode_image
+from vitflow.data.sources import ImageSource
+from vitflow.data.transforms import Preprocess, eval_transform
+
+
+def checkpoint_split(state: dict, path: str | Path | None = None, split: str | None = None) -> ImageSource:
+    """A split of the data a checkpoint was trained on (its config's ``data.path`` /
+    ``data.source`` / ``data.test_split``), or of ``path`` / ``split`` when given, labelled with
+    the checkpoint's classes.
+
+    Raises:
+        vitflow.data.DataError: the data cannot be found or does not match the classes.
+    """
+    data = state.get("config", {}).get("data", {})
+    source = "auto" if path is not None else data.get("source", "auto")
+    return open_split(path if path is not None else data.get("path"), split or data.get("test_split", "test"),
+                      source, classes=list(state["classes"]))
+
+
+def sample_images(source: ImageSource, pp: Preprocess, n: int = 8) -> torch.Tensor:
+    """The first ``n`` readable images of ``source`` after the eval transform, normalised:
+    ``float32 (n', 3, S, S)`` with ``n' <= n``.
+
+    Raises:
+        ValueError: none of them can be decoded.
+    """
+    tf, images = eval_transform(pp), []
+    for i in range(len(source)):
+        if len(images) == n:
+            break
+        try:
+            images.append(tf(source.load(i)))
+        except CorruptImageError:
+            continue
+    if not images:
+        raise ValueError("no readable image for verification")
+    return normalize(torch.stack(images), pp.mean, pp.std)
+
+
+def images_from_files(paths: list[str], pp: Preprocess, n: int = 8) -> torch.Tensor:
+    """Like :func:`sample_images` for image files, folders or tars (see
+    :func:`vitflow.infer.predict.collect_images`)."""
+    from vitflow.infer.predict import collect_images
+
+    tf, images = eval_transform(pp), []
+    for ref in collect_images(paths):
+        if len(images) == n:
+            break
+        try:
+            images.append(tf(decode_image(ref.read(), ref.name)))
+        except (CorruptImageError, OSError):
+            continue
+    if not images:
+        raise ValueError(f"no readable image in {' '.join(map(str, paths))}")
+    return normalize(torch.stack(images), pp.mean, pp.std)
+
+
+def accuracy(model: torch.nn.Module, source: ImageSource, pp: Preprocess, batch_size: int = 256,
+             num_workers: int = 2) -> dict[str, float]:
+    """Top-1 / top-5 / loss of ``model`` (PyTorch or :class:`~vitflow.infer.runtime.OnnxModel`,
+    fp32 on the CPU) over ``source`` with :func:`vitflow.train.evaluate.evaluate`."""
+    from vitflow.train.amp import resolve_precision
+    from vitflow.train.evaluate import evaluate
+
+    cpu = torch.device("cpu")
+    loader = eval_loader(source, pp, batch_size, num_workers)
+    return evaluate(model, loader, cpu, resolve_precision("fp32", cpu), pp)

@@ -1,0 +1,469 @@
+"""Export a trained ViT for deployment: ONNX (dynamic batch, self-verifying, optionally fused),
+TorchScript, ``torch.export`` ExportedProgram, and TensorRT engines built from the ONNX model.
+
+Every export is verified: the exported artefact and the PyTorch model run the same real images
+at two batch sizes from one export, and the largest absolute logit difference is reported (see
+:func:`verify`).
+
+The ONNX graph is exported from a *deployment copy* of the model (:func:`deployable`) whose
+attention uses separate q/k/v projections and an explicit ``softmax(q k^T / sqrt(d)) v``. The
+weights are the same (the fused qkv matrix split in three), the numbers agree to float rounding,
+and the graph has the layout that ONNX Runtime's transformer optimizer (``--optimize``) and
+TensorRT's attention fusion recognise. The model itself is never modified.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from vitflow.infer.runtime import (INPUT_NAME, OUTPUT_NAME, ModelInfo, OnnxModel, UnavailableError, copy_metadata,
+                                   quiet, require, set_metadata)
+from vitflow.models.attention import EXACT_BACKENDS
+
+log = logging.getLogger(__name__)
+
+OPSET = 18  # the dynamo exporter's minimum; LayerNormalization is native from 17
+FORMATS = ("onnx", "torchscript", "exported-program", "tensorrt")
+EXTRA_FILE = "vitflow.json"  # ModelInfo inside TorchScript / ExportedProgram archives
+_TWO_GB = 2 * 1024**3
+
+
+class SplitQKVAttention(nn.Module):
+    """Export form of :class:`vitflow.models.vit.Attention`: the fused ``qkv`` projection split
+    into ``q``, ``k``, ``v`` linears and explicit attention (Vaswani et al. 2017, eq. 1), written
+    in the op order of Hugging Face's ViT, which ONNX Runtime's ``FusionAttention`` matches.
+
+    ``(B, N, D)`` -> ``(B, N, D)``; equal to the source module up to float rounding.
+    """
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        self.num_heads, self.head_dim = attn.num_heads, attn.head_dim
+        inner = self.num_heads * self.head_dim
+        dim = attn.qkv.in_features
+        w, b = attn.qkv.weight.detach(), attn.qkv.bias
+        self.q, self.k, self.v = (nn.Linear(dim, inner, bias=b is not None) for _ in range(3))
+        for i, lin in enumerate((self.q, self.k, self.v)):
+            lin.weight.data.copy_(w[i * inner:(i + 1) * inner])
+            if b is not None:
+                lin.bias.data.copy_(b.detach()[i * inner:(i + 1) * inner])
+        self.proj = attn.proj
+
+    def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        b, n, _ = x.shape
+        h, d = self.num_heads, self.head_dim
+        q = self.q(x).reshape(b, n, h, d).transpose(1, 2)
+        k = self.k(x).reshape(b, n, h, d).permute(0, 2, 3, 1)
+        v = self.v(x).reshape(b, n, h, d).transpose(1, 2)
+        attn = ((q @ k) / math.sqrt(d)).softmax(dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, n, h * d))
+
+
+def _plain_attention(attn: nn.Module) -> bool:
+    """True for an attention module holding only ``qkv`` and ``proj`` weights and computing exact
+    softmax attention over all tokens (no position bias, sparse pattern or approximation this
+    export form would drop)."""
+    names = {n for n, _ in attn.named_parameters()}
+    exact = getattr(attn, "backend", "sdpa") in (*EXACT_BACKENDS, "auto")
+    return exact and hasattr(attn, "qkv") and hasattr(attn, "head_dim") and names <= {
+        "qkv.weight", "qkv.bias", "proj.weight", "proj.bias"}
+
+
+def deployable(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` in eval mode with every plain attention module replaced by
+    :class:`SplitQKVAttention`; other attention modules run their ``math`` backend if they have
+    one. ``model`` is not modified."""
+    m = copy.deepcopy(model).eval().float()
+    for blk in getattr(m, "blocks", []):
+        if _plain_attention(blk.attn):
+            blk.attn = SplitQKVAttention(blk.attn)
+        elif hasattr(blk.attn, "set_backend"):
+            blk.attn.set_backend("math")
+    return m
+
+
+def _sample_input(info: ModelInfo, batch: int = 2) -> torch.Tensor:
+    s = info.preprocess.image_size
+    return torch.randn(batch, 3, s, s)
+
+
+def _param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def export_onnx(model: nn.Module, path: str | Path, info: ModelInfo, opset: int = OPSET) -> Path:
+    """Export ``model`` to ONNX with a dynamic batch dimension and ``info`` in its metadata.
+
+    Uses the ``torch.export``-based exporter (``torch.onnx.export(dynamo=True)``, needs
+    ``onnxscript``). Input ``pixel_values`` ``float32 (batch, 3, S, S)``, output ``logits``
+    ``float32 (batch, num_classes)``; see :mod:`vitflow.infer.runtime` for the metadata. Models
+    over 2 GiB get their weights in an external ``<path>.data`` file (the protobuf limit).
+
+    Raises:
+        ValueError: ``opset`` below 17 (LayerNormalization is not an ONNX op before 17).
+    """
+    if opset < 17:
+        raise ValueError(f"opset {opset} is too old: vitflow exports need opset >= 17 (native LayerNormalization)")
+    require("onnxscript")  # the torch.export-based exporter needs it
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    m = deployable(model)
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    with quiet(), torch.no_grad():
+        torch.onnx.export(m, (_sample_input(info),), str(path), dynamo=True, opset_version=max(opset, OPSET),
+                          input_names=[INPUT_NAME], output_names=[OUTPUT_NAME], dynamic_shapes=({0: batch},),
+                          external_data=_param_bytes(m) > _TWO_GB * 0.9, verbose=False, report=False)
+    set_metadata(path, info.to_metadata())
+    return path
+
+
+FUSED_OPS = ("Attention", "MultiHeadAttention", "SkipLayerNormalization", "LayerNormalization", "BiasGelu", "Gelu",
+             "FastGelu")
+TARGETS = ("cpu", "gpu")
+
+
+def optimize_onnx(src: str | Path, dst: str | Path, target: str = "cpu", num_heads: int = 0,
+                  hidden_size: int = 0) -> dict[str, int]:
+    """Apply ONNX Runtime's transformer graph fusions (``onnxruntime.transformers.optimizer``,
+    ``model_type="vit"``) for a target.
+
+    - ``gpu``: all of them: multi-head attention into one ``Attention`` op, residual add +
+      LayerNorm into ``SkipLayerNormalization``, LayerNorm, bias + GELU into ``BiasGelu``
+      (the kernels ONNX Runtime's CUDA / TensorRT providers are built around).
+    - ``cpu``: the LayerNorm and GELU fusions only. On the CPU provider (ONNX Runtime 1.32, AVX512,
+      measured with ``vitflow bench infer``) the fused ``Attention`` and ``SkipLayerNormalization``
+      kernels ran 10-20% slower than the plain graph that ONNX Runtime fuses itself at session
+      creation, so they are left out there.
+
+    ``num_heads`` / ``hidden_size`` are fallbacks; the optimizer reads each block's head count
+    from its reshape, so head-pruned models fuse too. Writes ``dst`` with ``src``'s vitflow
+    metadata.
+
+    Returns:
+        ``{op_type: count}`` of the fused nodes in ``dst`` (zero counts left out).
+    Raises:
+        ValueError: unknown target.
+    """
+    require("onnxruntime")
+    from onnxruntime.transformers import optimizer
+    from onnxruntime.transformers.fusion_options import FusionOptions
+
+    if target not in TARGETS:
+        raise ValueError(f"unknown optimisation target {target!r}; choose one of {list(TARGETS)}")
+    options = FusionOptions("vit")
+    if target == "cpu":
+        options.enable_attention = options.enable_skip_layer_norm = options.enable_bias_skip_layer_norm = False
+    with quiet():
+        opt = optimizer.optimize_model(str(src), model_type="vit", num_heads=num_heads, hidden_size=hidden_size,
+                                       optimization_options=options, opt_level=0)
+    stats = {k: v for k, v in opt.get_fused_operator_statistics().items() if v and k in FUSED_OPS}
+    opt.save_model_to_file(str(dst))
+    copy_metadata(src, dst)
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------
+# TorchScript and ExportedProgram
+
+
+def export_torchscript(model: nn.Module, path: str | Path, info: ModelInfo) -> Path:
+    """``torch.jit.trace`` of the model (batch-size independent: no data-dependent control flow)
+    saved with ``info`` as the extra file ``vitflow.json``. Load with :func:`load_exported`."""
+    m = deployable(model)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(m, _sample_input(info), check_trace=False)
+        torch.jit.save(traced, str(path), _extra_files={EXTRA_FILE: _info_json(info)})
+    return Path(path)
+
+
+def export_program(model: nn.Module, path: str | Path, info: ModelInfo) -> Path:
+    """``torch.export.export`` with a dynamic batch dimension, saved by ``torch.export.save``
+    (a ``.pt2`` archive) with ``info`` as the extra file ``vitflow.json``."""
+    m = deployable(model)
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(m, (_sample_input(info),), dynamic_shapes=({0: batch},))
+        torch.export.save(ep, str(path), extra_files={EXTRA_FILE: _info_json(info)})
+    return Path(path)
+
+
+def _info_json(info: ModelInfo) -> str:
+    return json.dumps({"classes": info.classes, "preprocess": info.preprocess.to_dict(),
+                       "model_args": info.model_args})
+
+
+def load_exported(path: str | Path, fmt: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], ModelInfo]:
+    """Load an export written by this module: ``fmt`` one of ``onnx``, ``torchscript``,
+    ``exported-program``. Returns ``(model, info)``; ``model(x)`` maps ``float32 (B, 3, S, S)``
+    to logits ``(B, num_classes)``.
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: unreadable or without vitflow metadata.
+    """
+    from vitflow.data.transforms import Preprocess
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"exported model not found: {path}")
+    if fmt == "onnx":
+        m = OnnxModel(path)
+        return m, m.info()
+    extra = {EXTRA_FILE: ""}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if fmt == "torchscript":
+                m = torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
+            else:
+                m = torch.export.load(str(path), extra_files=extra).module()
+        d = json.loads(extra[EXTRA_FILE])
+    except Exception as e:
+        raise ValueError(f"cannot load {fmt} export {path}: {type(e).__name__}: {str(e)[:300]}") from None
+    return m, ModelInfo(d["classes"], Preprocess.from_dict(d["preprocess"]), d["model_args"])
+
+
+# ---------------------------------------------------------------------------------------------
+# verification
+
+
+@dataclass
+class Verification:
+    """Result of :func:`verify`: ``max_abs_diff[batch_size]`` of the logits, the tolerance, and
+    whether every batch size stayed within it."""
+
+    max_abs_diff: dict[int, float]
+    tolerance: float
+    argmax_agree: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(d <= self.tolerance for d in self.max_abs_diff.values())
+
+    @property
+    def worst(self) -> float:
+        return max(self.max_abs_diff.values())
+
+    def summary(self) -> str:
+        parts = ", ".join(f"batch {b}: {d:.2e}" for b, d in self.max_abs_diff.items())
+        return f"max |logit diff| {parts} (tolerance {self.tolerance:g}) -> {'OK' if self.ok else 'FAILED'}"
+
+
+@torch.no_grad()
+def verify(reference: nn.Module, candidate: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+           batch_sizes: tuple[int, ...] = (1, 7), tolerance: float = 1e-4) -> Verification:
+    """Compare ``candidate(x[:b])`` with ``reference(x[:b])`` for every ``b`` in ``batch_sizes``.
+
+    Args:
+        reference: the PyTorch model (run in eval mode, fp32, on the CPU).
+        candidate: the exported model (ONNX Runtime session wrapper, TorchScript, ...).
+        x: ``float32 (N, 3, S, S)`` normalised real images; repeated when ``N`` is smaller than a
+            batch size.
+    Returns:
+        A :class:`Verification` with the max absolute logit difference per batch size.
+    """
+    reference = reference.eval()
+    diffs, agree = {}, {}
+    for b in batch_sizes:
+        xb = x.repeat((b + len(x) - 1) // len(x), 1, 1, 1)[:b].contiguous()
+        ref = reference(xb).float()
+        out = torch.as_tensor(candidate(xb)).float().cpu()
+        if out.shape != ref.shape:
+            raise ValueError(f"exported model returned shape {tuple(out.shape)} for batch {b}, expected "
+                             f"{tuple(ref.shape)}")
+        diffs[b] = float((out - ref).abs().max())
+        agree[b] = float((out.argmax(1) == ref.argmax(1)).float().mean())
+    return Verification(diffs, tolerance, agree)
+
+
+# ---------------------------------------------------------------------------------------------
+# TensorRT
+
+
+def tensorrt_available() -> str | None:
+    """``None`` when TensorRT engines can be built here, else the reason they cannot."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorrt") is None:
+        return "the tensorrt Python package is not installed (pip install tensorrt, on a machine with an NVIDIA GPU)"
+    if not torch.cuda.is_available():
+        return "no NVIDIA GPU is visible to PyTorch (torch.cuda.is_available() is False)"
+    return None
+
+
+def build_tensorrt_engine(onnx_path: str | Path, engine_path: str | Path, fp16: bool = True,
+                          batch_sizes: tuple[int, int, int] = (1, 32, 128), workspace_gib: float = 4.0) -> dict:
+    """Build a serialized TensorRT engine from a vitflow ONNX export (NVIDIA TensorRT 8.6+/10.x
+    Python API: ``OnnxParser`` -> builder config with an optimisation profile over the batch
+    dimension ``(min, opt, max) = batch_sizes``; FP16 kernels allowed when ``fp16``).
+
+    Returns:
+        ``{"engine": path, "build_s": seconds, "bytes": size, "fp16": bool}``.
+    Raises:
+        UnavailableError: no ``tensorrt`` package or no CUDA GPU (the message says which).
+        ValueError: the ONNX model cannot be parsed or the build fails.
+    """
+    reason = tensorrt_available()
+    if reason:
+        raise UnavailableError(f"cannot build a TensorRT engine: {reason}")
+    import tensorrt as trt
+
+    t0 = time.perf_counter()
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    flags = 0
+    if hasattr(trt.NetworkDefinitionCreationFlag, "EXPLICIT_BATCH") and int(trt.__version__.split(".")[0]) < 10:
+        flags = 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise ValueError(f"TensorRT cannot parse {onnx_path}: {errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * 1024**3))
+    if fp16:
+        config.set_flag(trt.BuilderFlag.FP16)
+    inp = network.get_input(0)
+    shape = tuple(inp.shape)[1:]
+    profile = builder.create_optimization_profile()
+    profile.set_shape(inp.name, *[(b, *shape) for b in batch_sizes])
+    config.add_optimization_profile(profile)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise ValueError(f"TensorRT failed to build an engine from {onnx_path} (see the TensorRT log above)")
+    data = bytes(serialized)
+    Path(engine_path).write_bytes(data)
+    return {"engine": str(engine_path), "build_s": time.perf_counter() - t0, "bytes": len(data), "fp16": fp16}
+
+
+class TensorRTModel(nn.Module):
+    """A TensorRT engine (from :func:`build_tensorrt_engine`) as a module (TensorRT 10 tensor API).
+
+    ``forward(x)``: ``float32 (B, 3, S, S)`` on the GPU or CPU -> logits ``float32 (B, C)`` on the
+    GPU. Raises UnavailableError without TensorRT or a GPU.
+    """
+
+    def __init__(self, engine_path: str | Path):
+        super().__init__()
+        reason = tensorrt_available()
+        if reason:
+            raise UnavailableError(f"cannot run a TensorRT engine: {reason}")
+        import tensorrt as trt
+
+        self.runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        self.engine = self.runtime.deserialize_cuda_engine(Path(engine_path).read_bytes())
+        if self.engine is None:
+            raise ValueError(f"cannot deserialize TensorRT engine {engine_path}")
+        self.context = self.engine.create_execution_context()
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        self.input_name = next(n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT)
+        self.output_name = next(n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to("cuda", torch.float32).contiguous()
+        self.context.set_input_shape(self.input_name, tuple(x.shape))
+        out = torch.empty(tuple(self.context.get_tensor_shape(self.output_name)), device="cuda", dtype=torch.float32)
+        self.context.set_tensor_address(self.input_name, x.data_ptr())
+        self.context.set_tensor_address(self.output_name, out.data_ptr())
+        stream = torch.cuda.current_stream()
+        if not self.context.execute_async_v3(stream.cuda_stream):
+            raise RuntimeError("TensorRT execution failed")
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the `vitflow export` pipeline
+
+
+def verification_images(state: dict, data: str | None, pp, n: int = 8) -> torch.Tensor:
+    """``n`` real images for verifying an export: from ``data`` (image files, a folder or a tar)
+    when given, else from the checkpoint's test split. ``float32 (n, 3, S, S)`` normalised.
+
+    Raises:
+        ValueError: no readable image there (the message says how to give some).
+    """
+    from vitflow.data import DataError
+    from vitflow.infer.calibration import checkpoint_split, images_from_files, sample_images
+
+    if data is not None:
+        return images_from_files([data], pp, n)
+    try:
+        return sample_images(checkpoint_split(state), pp, n)
+    except (DataError, ValueError) as e:
+        raise ValueError(f"cannot find the checkpoint's test images to verify the export ({e}); "
+                         "pass real images with --verify-data PATH") from None
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "onnx", optimize: bool = False,
+                      target: str = "cpu", opset: int = OPSET, verify_data: str | None = None,
+                      tolerance: float | None = None, batch_sizes: tuple[int, ...] = (1, 7), fp16: bool = True,
+                      log: Callable[[str], None] = print) -> dict:
+    """Export a checkpoint and verify the result against it on real images.
+
+    Args:
+        fmt: ``onnx``, ``torchscript``, ``exported-program`` or ``tensorrt`` (an FP16 engine when
+            ``fp16``, built from an ONNX export written next to ``out``).
+        optimize: ONNX only: apply :func:`optimize_onnx` for ``target``.
+        tolerance: max abs logit difference allowed (default 1e-4; 0.1 for FP16 TensorRT).
+    Returns:
+        ``{"format", "path", "bytes", "export_s", "max_abs_diff": {batch: diff}, "tolerance",
+        "ok", "fused"}``.
+    Raises:
+        FileNotFoundError / ValueError: unreadable or incompatible checkpoint, bad format, no
+        verification images. UnavailableError: TensorRT without tensorrt or a GPU.
+    """
+    from vitflow.train.checkpoint import load_checkpoint, model_from_checkpoint
+
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {list(FORMATS)}")
+    if fmt == "tensorrt":  # fail before any work when the machine cannot do it
+        reason = tensorrt_available()
+        if reason:
+            raise UnavailableError(f"cannot build a TensorRT engine: {reason}. Export ONNX here "
+                                   f"(--format onnx) and build the engine on the GPU machine")
+    state = load_checkpoint(checkpoint)
+    if state.get("quantization"):
+        raise ValueError(f"{state['path']} is an INT8 PyTorch checkpoint; export the float checkpoint "
+                         "(and quantize the ONNX model with `vitflow quantize`)")
+    model = model_from_checkpoint(state).float()
+    info = ModelInfo.from_checkpoint(state)
+    x = verification_images(state, verify_data, info.preprocess)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    fused: dict[str, int] = {}
+    if fmt in ("onnx", "tensorrt"):
+        onnx_path = out if fmt == "onnx" else out.with_suffix(".onnx")
+        export_onnx(model, onnx_path, info, opset)
+        if optimize:
+            fused = optimize_onnx(onnx_path, onnx_path, target, model.blocks[0].attn.num_heads, model.embed_dim)
+    if fmt == "onnx":
+        candidate = OnnxModel(out)
+    elif fmt == "tensorrt":
+        build = build_tensorrt_engine(onnx_path, out, fp16=fp16)
+        log(f"TensorRT engine built in {build['build_s']:.1f} s ({'FP16' if fp16 else 'FP32'})")
+        candidate = TensorRTModel(out)
+    elif fmt == "torchscript":
+        export_torchscript(model, out, info)
+        candidate, _ = load_exported(out, fmt)
+    else:
+        export_program(model, out, info)
+        candidate, _ = load_exported(out, fmt)
+    export_s = time.perf_counter() - t0
+    tol = tolerance if tolerance is not None else (0.1 if fmt == "tensorrt" and fp16 else 1e-4)
+    check = verify(model, candidate, x, batch_sizes, tol)
+    return {"format": fmt, "path": str(out), "bytes": out.stat().st_size, "export_s": round(export_s, 2),
+            "max_abs_diff": check.max_abs_diff, "tolerance": tol, "ok": check.ok, "fused": fused,
+            "images": len(x), "summary": check.summary()}

@@ -1,0 +1,203 @@
+"""Quantisation for deployment: INT8 with ONNX Runtime or PyTorch, FP16/BF16 weight casting,
+and the accuracy guard that refuses a quantised model that lost too much top-1.
+
+- ONNX Runtime dynamic INT8 (:func:`quantize_onnx`): weights of every MatMul/Gemm with a
+  constant weight matrix quantised to signed 8 bits per output channel ahead of time,
+  activations quantised per tensor at run time (``DynamicQuantizeLinear``); LayerNorm, softmax,
+  GELU, the attention products of two activations and the patch-embedding convolution stay in
+  float. On CPUs with AVX512-VNNI ONNX Runtime runs these as fused ``DynamicQuantizeMatMul`` int8
+  GEMMs. (Jacob et al. 2018 for the integer scheme; ONNX Runtime's ``quantize_dynamic``.)
+- PyTorch dynamic INT8 (:func:`quantize_torch`): ``torch.ao.quantization.quantize_dynamic`` on
+  every ``nn.Linear`` (per-channel int8 weights, fbgemm/onednn kernels). Saved as a vitflow
+  checkpoint tagged ``quantization: dynamic-int8`` that ``vitflow predict`` / ``eval`` load.
+- :func:`cast_checkpoint`: FP16/BF16 copies of the weights for GPU inference (half the file).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+import torch
+
+from vitflow.infer.runtime import copy_metadata, quiet, require
+
+log = logging.getLogger(__name__)
+
+
+def quantize_onnx(src: str | Path, dst: str | Path, per_channel: bool = True) -> dict[str, int]:
+    """Dynamic INT8 quantisation of an ONNX model (ONNX Runtime ``quant_pre_process`` for shape
+    inference, then ``quantize_dynamic`` with ``QInt8`` weights, ``MatMulConstBOnly``).
+
+    Args:
+        src: a float32 ONNX model (e.g. from :func:`vitflow.infer.export.export_onnx`; a graph
+            fused by ``optimize_onnx`` works too: fused ``Attention`` becomes ``QAttention``).
+        dst: output path; gets ``src``'s vitflow metadata.
+        per_channel: one scale per output channel of each weight matrix (else one per tensor).
+    Returns:
+        ``{op_type: count}`` of the integer ops in ``dst``.
+    """
+    onnx = require("onnx")
+    require("onnxruntime")
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    with tempfile.TemporaryDirectory() as tmp, quiet():
+        pre = Path(tmp) / "pre.onnx"
+        quant_pre_process(str(src), str(pre), skip_optimization=False, skip_symbolic_shape=False)
+        quantize_dynamic(pre, Path(dst), weight_type=QuantType.QInt8, per_channel=per_channel,
+                         op_types_to_quantize=["MatMul", "Gemm", "Attention"],
+                         extra_options={"MatMulConstBOnly": True})
+    copy_metadata(src, dst)
+    counts: dict[str, int] = {}
+    for node in onnx.load(str(dst), load_external_data=False).graph.node:
+        if "Integer" in node.op_type or node.op_type.startswith(("Q", "DynamicQuantize")):
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+def quantize_torch(model: torch.nn.Module) -> torch.nn.Module:
+    """PyTorch dynamic INT8 of every ``nn.Linear`` (``torch.ao.quantization.quantize_dynamic``,
+    ``qint8`` weights per output channel; activations quantised per batch at run time). Returns a
+    new CPU model; ``model`` is not modified. Loading: see
+    :func:`vitflow.train.checkpoint.model_from_checkpoint` (``quantization: dynamic-int8``)."""
+    from vitflow.train.checkpoint import apply_quantization
+
+    import copy
+
+    return apply_quantization(copy.deepcopy(model).cpu().eval(), "dynamic-int8")
+
+
+def cast_checkpoint(state: dict, dtype: str) -> dict:
+    """A checkpoint state whose floating-point weights are cast to ``dtype`` (``fp16`` or
+    ``bf16``), without optimizer / scheduler / RNG state (an inference checkpoint).
+
+    It loads like any checkpoint (weights are upcast into the fp32 model); run it in half
+    precision on a GPU with ``vitflow predict --precision fp16``.
+
+    Raises:
+        ValueError: unknown ``dtype``.
+    """
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(dtype)
+    if dt is None:
+        raise ValueError(f"cannot cast weights to {dtype!r}; choose fp16 or bf16")
+    model = {k: v.to(dt) if v.is_floating_point() else v for k, v in state["model"].items()}
+    return {**inference_state(state), "model": model, "weights_dtype": dtype}
+
+
+def inference_state(state: dict) -> dict:
+    """``state`` without what only training resumption needs (optimizer, scheduler, scaler, RNG,
+    loader position)."""
+    drop = {"optimizer", "scheduler", "scaler", "rng", "data", "path", "format", "version"}
+    return {k: v for k, v in state.items() if k not in drop}
+
+
+# ---------------------------------------------------------------------------------------------
+# the `vitflow quantize` pipeline
+
+
+class AccuracyDropError(RuntimeError):
+    """The quantised model lost more top-1 than allowed; nothing was written."""
+
+
+class _Cast(torch.nn.Module):
+    """Runs ``model`` (already cast to ``dtype``) on float32 input; returns float32 logits."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x.to(self.dtype)).float()
+
+
+def quantize_file(model_path: str | Path, out: str | Path, backend: str = "onnxruntime", dtype: str = "int8",
+                  data: str | None = None, split: str = "test", max_drop: float = 1.0, force: bool = False,
+                  per_channel: bool = True, log=print) -> dict:
+    """Quantise a checkpoint or ONNX model, optionally guarded by top-1 on real data.
+
+    Args:
+        model_path: a vitflow checkpoint, or (``onnxruntime`` backend) a vitflow ``.onnx``.
+        out: the quantised model: ``.onnx`` (onnxruntime) or a checkpoint ``.pt`` (torch).
+        backend: ``onnxruntime`` (INT8 ONNX; a checkpoint is exported first) or ``torch``
+            (INT8 dynamic checkpoint, or an FP16/BF16 weight cast with ``dtype``).
+        dtype: ``int8``; ``fp16`` / ``bf16`` (torch backend: weight casting).
+        data, split: an image folder / tar and split (``test``, ``test[:2000]``, ...) to measure
+            top-1 before and after; the output is written only if top-1 dropped by at most
+            ``max_drop`` percentage points, or with ``force``.
+    Returns:
+        ``{"path", "bytes", "ops", "top1_before", "top1_after", "drop_points",
+        "images", "written"}`` (accuracy keys only with ``data``).
+    Raises:
+        AccuracyDropError: the drop exceeds ``max_drop`` (and not ``force``); ``out`` not written.
+        FileNotFoundError / ValueError: unreadable model, unsupported combination, bad data.
+    """
+    import os
+
+    from vitflow.data import open_split
+    from vitflow.infer.calibration import accuracy
+    from vitflow.infer.runtime import ModelInfo, OnnxModel, is_onnx
+    from vitflow.train.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+
+    if backend not in ("onnxruntime", "torch"):
+        raise ValueError(f"unknown quantization backend {backend!r}; choose onnxruntime or torch")
+    if dtype not in ("int8", "fp16", "bf16"):
+        raise ValueError(f"unknown dtype {dtype!r}; choose int8, fp16 or bf16")
+    if backend == "onnxruntime" and dtype != "int8":
+        raise ValueError("the onnxruntime backend writes INT8 models; for FP16/BF16 weights use --backend torch "
+                         "(or build an FP16 TensorRT engine with `vitflow export --format tensorrt`)")
+    src_onnx = is_onnx(model_path)
+    if src_onnx and backend == "torch":
+        raise ValueError(f"{model_path} is an ONNX model; the torch backend needs a vitflow checkpoint")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    result: dict = {"path": str(out)}
+    with tempfile.TemporaryDirectory() as workdir:
+        if backend == "onnxruntime":
+            if src_onnx:
+                reference = OnnxModel(model_path)
+                info, src = reference.info(), Path(model_path)
+            else:
+                from vitflow.infer.export import export_onnx
+
+                state = load_checkpoint(model_path)
+                info, src = ModelInfo.from_checkpoint(state), Path(workdir) / "fp32.onnx"
+                export_onnx(model_from_checkpoint(state), src, info)
+                reference = OnnxModel(src)
+            result["ops"] = quantize_onnx(src, tmp, per_channel)
+            candidate = OnnxModel(tmp)
+        else:
+            state = load_checkpoint(model_path)
+            if state.get("quantization"):
+                raise ValueError(f"{state['path']} is already quantized ({state['quantization']})")
+            info, reference = ModelInfo.from_checkpoint(state), model_from_checkpoint(state)
+            if dtype == "int8":
+                qmodel = quantize_torch(reference)
+                new_state = {**inference_state(state), "model": qmodel.state_dict(), "quantization": "dynamic-int8"}
+                candidate = qmodel
+            else:
+                new_state = cast_checkpoint(state, dtype)
+                dt = torch.float16 if dtype == "fp16" else torch.bfloat16
+                candidate = _Cast(model_from_checkpoint(state).to(dt), dt)
+            save_checkpoint(new_state, tmp)
+        try:
+            if data is not None:
+                source = open_split(data, split, "auto", classes=info.classes)
+                log(f"measuring top-1 on {len(source)} images of {data} [{split}] ...")
+                before = accuracy(reference, source, info.preprocess)
+                after = accuracy(candidate, source, info.preprocess)
+                drop = (before["top1"] - after["top1"]) * 100
+                result.update(top1_before=before["top1"], top1_after=after["top1"], drop_points=round(drop, 3),
+                              images=after["images"], max_drop=max_drop)
+                if drop > max_drop and not force:
+                    raise AccuracyDropError(
+                        f"top-1 fell from {before['top1']:.2%} to {after['top1']:.2%} ({drop:.2f} points > "
+                        f"--max-drop {max_drop:g}); {out} NOT written (use --force to write it anyway)")
+            os.replace(tmp, out)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+    result.update(bytes=out.stat().st_size, written=True)
+    return result

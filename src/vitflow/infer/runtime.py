@@ -1,0 +1,179 @@
+"""ONNX Runtime as a drop-in model: an exported ``.onnx`` file behaves like the PyTorch model.
+
+An ONNX file written by :func:`vitflow.infer.export.export_onnx` carries everything prediction
+needs in its ``metadata_props`` (string key/value pairs of the ONNX ``ModelProto``)::
+
+    vitflow.format      "1"
+    vitflow.classes     JSON list of class names, index i = logit i
+    vitflow.preprocess  JSON Preprocess.to_dict(): image_size, crop_pct, interpolation, mean, std
+    vitflow.model_args  JSON create_model arguments of the exported model (informational)
+
+The graph has one input ``pixel_values`` ``float32 (batch, 3, S, S)`` (normalised with ``mean``
+and ``std``; ``batch`` is dynamic) and one output ``logits`` ``float32 (batch, num_classes)``.
+Keeping this in the file (not a sidecar) means the ``.onnx`` can be copied alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vitflow.data.transforms import Preprocess
+
+INPUT_NAME, OUTPUT_NAME = "pixel_values", "logits"
+META_PREFIX = "vitflow."
+META_FORMAT = "1"
+
+
+class UnavailableError(RuntimeError):
+    """A deployment target needs software or hardware this machine does not have (the message
+    says what to install or where to run)."""
+
+
+def require(module: str):
+    """Import ``module`` (``onnx``, ``onnxruntime``, ``onnxscript``, ...) or raise
+    :class:`UnavailableError` naming the ``vitflow[export]`` extra."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UnavailableError(f"{module} is not installed: pip install 'vitflow[export]' "
+                               "(onnx, onnxruntime, onnxscript)") from None
+
+
+@dataclass
+class ModelInfo:
+    """What prediction needs beside the network: class names, preprocessing, model arguments."""
+
+    classes: list[str]
+    preprocess: Preprocess
+    model_args: dict
+
+    def to_metadata(self) -> dict[str, str]:
+        """The ``vitflow.*`` ONNX metadata entries (all values are strings)."""
+        return {f"{META_PREFIX}format": META_FORMAT, f"{META_PREFIX}classes": json.dumps(self.classes),
+                f"{META_PREFIX}preprocess": json.dumps(self.preprocess.to_dict()),
+                f"{META_PREFIX}model_args": json.dumps(self.model_args)}
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str], path: str | Path) -> "ModelInfo":
+        """Raises ValueError naming ``path`` when the vitflow entries are missing or malformed."""
+        try:
+            return cls(json.loads(meta[f"{META_PREFIX}classes"]),
+                       Preprocess.from_dict(json.loads(meta[f"{META_PREFIX}preprocess"])),
+                       json.loads(meta.get(f"{META_PREFIX}model_args", "{}")))
+        except (KeyError, ValueError, TypeError) as e:
+            raise ValueError(f"{path} has no vitflow metadata (class names and preprocessing): export it with "
+                             f"`vitflow export` ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def from_checkpoint(cls, state: dict) -> "ModelInfo":
+        return cls(list(state["classes"]), Preprocess.from_dict(state["preprocess"]), dict(state["model_args"]))
+
+
+@contextlib.contextmanager
+def quiet():
+    """Silence the INFO logging, warnings and prints of the ONNX tool chain (exporter, optimizer,
+    quantizer) for the duration of the block; warnings and errors of vitflow's own code are not
+    affected outside it."""
+    logging.disable(logging.INFO)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def is_onnx(path: str | Path) -> bool:
+    """True when ``path`` names an ONNX model (by its ``.onnx`` suffix)."""
+    return Path(path).suffix.lower() == ".onnx"
+
+
+def session_options(threads: int | None = None):
+    """ONNX Runtime session options: all graph optimisations, ``threads`` intra-op threads (default
+    ``torch.get_num_threads()``, so ONNX Runtime and PyTorch use the same cores), one inter-op thread."""
+    ort = require("onnxruntime")
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = threads or torch.get_num_threads()
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return so
+
+
+def open_session(path: str | Path, threads: int | None = None, providers: list[str] | None = None):
+    """An ``onnxruntime.InferenceSession`` on the CPU (or ``providers``).
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: truncated, corrupt or not an ONNX model
+            (the message names the file).
+    """
+    ort = require("onnxruntime")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"ONNX model not found: {path}")
+    try:
+        return ort.InferenceSession(str(path), session_options(threads), providers=providers or ["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own InvalidProtobuf / Fail / InvalidGraph types
+        raise ValueError(f"cannot load ONNX model {path} (truncated or corrupt?): {type(e).__name__}: "
+                         f"{str(e).strip()[:300]}") from None
+
+
+class OnnxModel(torch.nn.Module):
+    """An ONNX Runtime session wrapped as a ``torch.nn.Module`` so that evaluation, prediction and
+    benchmarks treat it like the PyTorch model.
+
+    ``forward(x)``: ``float32 (B, 3, S, S)`` (CPU or any device; copied to host) -> logits
+    ``float32 (B, num_classes)`` on the CPU. Gradients are not supported.
+
+    Raises (at construction): FileNotFoundError / ValueError, see :func:`open_session`.
+    """
+
+    def __init__(self, path: str | Path, threads: int | None = None):
+        super().__init__()
+        self.path = str(path)
+        self.session = open_session(path, threads)
+        self.input_name = self.session.get_inputs()[0].name
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return dict(self.session.get_modelmeta().custom_metadata_map)
+
+    def info(self) -> ModelInfo:
+        """The class names and preprocessing stored in the file (raises ValueError if absent)."""
+        return ModelInfo.from_metadata(self.metadata, self.path)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        feed = np.ascontiguousarray(x.detach().float().cpu().numpy())
+        return torch.from_numpy(self.session.run(None, {self.input_name: feed})[0])
+
+
+def copy_metadata(src: str | Path, dst: str | Path) -> None:
+    """Copy the ``vitflow.*`` metadata of ONNX file ``src`` into ``dst`` (in place), e.g. after a
+    tool (optimizer, quantizer) rewrote the graph without it."""
+    onnx = require("onnx")
+    meta = {p.key: p.value for p in onnx.load(str(src), load_external_data=False).metadata_props
+            if p.key.startswith(META_PREFIX)}
+    set_metadata(dst, meta)
+
+
+def set_metadata(path: str | Path, meta: dict[str, str]) -> None:
+    """Set ``metadata_props`` entries of the ONNX file at ``path`` (in place; other entries kept)."""
+    onnx = require("onnx")
+    model = onnx.load(str(path), load_external_data=False)
+    keep = [p for p in model.metadata_props if p.key not in meta]
+    del model.metadata_props[:]
+    model.metadata_props.extend(keep)
+    for k, v in meta.items():
+        model.metadata_props.add(key=k, value=v)
+    onnx.save(model, str(path))
