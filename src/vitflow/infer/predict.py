@@ -80,11 +80,13 @@ class Predictor:
         self.transform = eval_transform(pp)
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, device: str = "auto", precision: str = "fp32") -> "Predictor":
-        """Raises FileNotFoundError / ValueError for a missing, corrupt or incompatible checkpoint."""
+    def from_checkpoint(cls, path: str | Path, device: str = "auto", precision: str = "fp32",
+                        weights: str = "auto") -> "Predictor":
+        """``weights``: ``auto`` (the EMA weights when the checkpoint has them), ``ema`` or ``raw``.
+        Raises FileNotFoundError / ValueError for a missing, corrupt or incompatible checkpoint."""
         state = load_checkpoint(path)
-        return cls(model_from_checkpoint(state), list(state["classes"]), Preprocess.from_dict(state["preprocess"]),
-                   device, precision)
+        return cls(model_from_checkpoint(state, weights), list(state["classes"]),
+                   Preprocess.from_dict(state["preprocess"]), device, precision)
 
     @torch.no_grad()
     def predict(self, images: torch.Tensor) -> torch.Tensor:

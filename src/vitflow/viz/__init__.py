@@ -1,0 +1,1 @@
+"""Visualisation: training curves, learning-rate schedules and run reports (matplotlib, Agg)."""
