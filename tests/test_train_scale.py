@@ -375,3 +375,28 @@ def test_compiled_training_step_matches_eager(tmp_path):
         tr.loader.close()
     for (loss_e, norm_e), (loss_c, norm_c) in zip(*results):
         assert loss_c == pytest.approx(loss_e, rel=1e-4) and norm_c == pytest.approx(norm_e, rel=1e-4)
+
+
+def test_patch_dropout_keeps_a_random_subset_in_training_only():
+    model = create_model("vit_digits_patch2_8", num_classes=10, global_pool="token", patch_drop_rate=0.5)
+    x = torch.randn(4, 17, 64)  # class token + 16 patches
+    torch.manual_seed(0)
+    kept = model.patch_drop.train()(x, 1)
+    assert kept.shape == (4, 9, 64) and torch.equal(kept[:, 0], x[:, 0])
+    for b in range(4):  # every kept token is one of this sample's patch tokens, none twice
+        match = (kept[b, 1:, None, :] == x[b, None, 1:, :]).all(-1)
+        assert match.sum(1).tolist() == [1] * 8 and match.sum(0).max() == 1
+    assert not torch.equal(kept[0, 1:], kept[1, 1:])  # a different subset per sample
+    assert model.patch_drop.eval()(x, 1) is x
+    model.eval()
+    torch.testing.assert_close(model(torch.randn(2, 3, 8, 8)).shape, torch.Size([2, 10]))
+
+
+def test_time_budget_is_kept_with_ema_and_patch_dropout(tmp_path):
+    """The schedule is fitted to the budget with time kept for the final evaluations (timed, not
+    guessed: eval runs all tokens while training runs half of them)."""
+    r = Trainer(digits(tmp_path / "run", "train.time_budget=8s", "train.total_steps=100000", "train.ema_decay=0.99",
+                       "model.patch_drop_rate=0.5", "train.log_every=10")).fit()
+    assert 6.0 < r["elapsed_s"] < 9.0 and 50 < r["step"] < 100000
+    lrs = [x["lr"] for x in read_metrics(tmp_path / "run" / "metrics.jsonl") if x["kind"] == "train"]
+    assert lrs[-1] < 0.1 * max(lrs)  # the cosine ran to (nearly) its end within the budget

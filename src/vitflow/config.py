@@ -43,6 +43,7 @@ class ModelConfig:
     attention: Literal["sdpa", "math"] = "sdpa"
     drop_rate: float = 0.0
     drop_path_rate: float = 0.0
+    patch_drop_rate: float = 0.0  # PatchDropout: fraction of patch tokens dropped per image in training
     grad_checkpointing: bool = False
     distill_token: bool = False  # DeiT distillation token + head_dist (needs global_pool=token)
 
@@ -57,6 +58,7 @@ class ModelConfig:
         _check(self.num_classes is None or self.num_classes > 0, "model.num_classes", self.num_classes, "> 0")
         _check(0 <= self.drop_rate < 1, "model.drop_rate", self.drop_rate, "in [0, 1)")
         _check(0 <= self.drop_path_rate < 1, "model.drop_path_rate", self.drop_path_rate, "in [0, 1)")
+        _check(0 <= self.patch_drop_rate < 1, "model.patch_drop_rate", self.patch_drop_rate, "in [0, 1)")
         _check(not self.distill_token or self.global_pool in (None, "token"), "model.global_pool", self.global_pool,
                "token (or unset) with model.distill_token=true")
 

@@ -113,6 +113,28 @@ class DropPath(nn.Module):
         return f"p={self.p}"
 
 
+class PatchDropout(nn.Module):
+    """PatchDropout (Liu et al. 2022; timm's ``patch_drop_rate``): in training, each sample keeps
+    a random ``1 - p`` of its patch tokens (the prefix tokens always), so every block costs about
+    ``1 - p`` as much; the identity in eval mode. ``(B, P + N, D) -> (B, P + K, D)``,
+    ``K = max(1, int(N * (1 - p)))``; uses the global torch RNG."""
+
+    def __init__(self, p: float = 0.0):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
+        if self.p == 0.0 or not self.training:
+            return x
+        prefix, patches = x[:, :num_prefix_tokens], x[:, num_prefix_tokens:]
+        b, n, d = patches.shape
+        keep = torch.rand(b, n, device=x.device).argsort(dim=1)[:, :max(1, int(n * (1 - self.p)))]
+        return torch.cat([prefix, patches.gather(1, keep.unsqueeze(-1).expand(-1, -1, d))], dim=1)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
 class Block(nn.Module):
     """Pre-norm transformer encoder block: ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``."""
 
@@ -146,6 +168,7 @@ class VisionTransformer(nn.Module):
         drop_rate, attn_drop_rate: dropout on activations and on attention probabilities.
         drop_path_rate: stochastic-depth rate of the last block, rising linearly from 0.
         attention: attention backend name (see :mod:`vitflow.models.attention`).
+        patch_drop_rate: fraction of patch tokens dropped per sample in training (:class:`PatchDropout`).
 
     ``forward(x)``: ``(B, in_chans, H, W)`` float -> logits ``(B, num_classes)``.
     """
@@ -153,7 +176,8 @@ class VisionTransformer(nn.Module):
     def __init__(self, img_size: int = 224, patch_size: int = 16, in_chans: int = 3, num_classes: int = 1000,
                  embed_dim: int = 768, depth: int = 12, num_heads: int = 12, mlp_ratio: float = 4.0,
                  qkv_bias: bool = True, global_pool: Literal["token", "avg"] = "token", drop_rate: float = 0.0,
-                 attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0, attention: str = "sdpa"):
+                 attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0, attention: str = "sdpa",
+                 patch_drop_rate: float = 0.0):
         super().__init__()
         if global_pool not in ("token", "avg"):
             raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
@@ -169,6 +193,7 @@ class VisionTransformer(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if self.num_prefix_tokens else None
         self.pos_embed = nn.Parameter(torch.zeros(1, self.grid_size**2 + self.num_prefix_tokens, embed_dim))
         self.pos_drop = nn.Dropout(drop_rate)
+        self.patch_drop = PatchDropout(patch_drop_rate)
         dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
         self.blocks = nn.Sequential(*[
             Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, dpr[i], attention)
@@ -223,7 +248,7 @@ class VisionTransformer(nn.Module):
         """``(B, C, H, W)`` -> tokens ``(B, N, D)`` after the final norm (class token first when
         ``global_pool == "token"``)."""
         grid_hw = (x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size)
-        x = self._pos_embed(self.patch_embed(x), grid_hw)
+        x = self.patch_drop(self._pos_embed(self.patch_embed(x), grid_hw), self.num_prefix_tokens)
         if self.grad_checkpointing and torch.is_grad_enabled():
             for blk in self.blocks:
                 x = checkpoint(blk, x, use_reentrant=False)

@@ -74,6 +74,8 @@ def model_args(cfg: Config, num_classes: int) -> dict[str, Any]:
             "attention": m.attention, "drop_rate": m.drop_rate, "drop_path_rate": m.drop_path_rate}
     if m.distill_token:
         args.update(distilled=True, global_pool="token")
+    if m.patch_drop_rate:
+        args["patch_drop_rate"] = m.patch_drop_rate
     return args
 
 
@@ -153,6 +155,7 @@ class Trainer:
         self._stall_hint_shown = False
         self.metrics = MetricsLog(self.run_dir, t.tensorboard, enabled=self.dist.is_main)
         self.last_eval: dict[str, Any] | None = None
+        self._eval_seconds: float | None = None
         self.stop = StopSignals()
         # last, so nothing in set-up consumes the model's random stream (dropout, drop-path)
         if self.state:
@@ -362,20 +365,34 @@ class Trainer:
 
     def _fit_budget(self, budget: float, started: float, first_step_at: float) -> None:
         """Shrink the schedule so that the run ends within ``budget`` seconds, keeping time for
-        the final evaluation (estimated at a third of the training cost per image, twice with an
-        EMA) and checkpoint. Rank 0 decides for all ranks."""
+        the final evaluation (timed on a few test batches; twice with an EMA) and checkpoint.
+        Rank 0 decides for all ranks."""
+        if self._eval_seconds is None:  # every rank: FSDP forwards are collective
+            self._eval_seconds = self._time_eval()
         fit = None
         if self.dist.is_main:
             per_step = (time.perf_counter() - first_step_at) / max(self.step, 1)
-            per_image = per_step / self.cfg.train.batch_size
             evals = 2 if self.ema is not None else 1
-            reserve = evals * len(self.data.test) * per_image / 3 + 5.0
+            reserve = evals * self._eval_seconds + 5.0
             remaining = budget - (time.perf_counter() - started) - reserve
             fit = self.step + max(0, int(remaining / per_step))
         fit = self.dist.broadcast(fit)
         if fit < self.cfg.train.total_steps and abs(fit - self.total_steps) > 0.01 * self.total_steps:
             set_total_steps(self.scheduler, max(fit, self.step + 1))
             log.info("time budget: schedule set to %d steps", self.total_steps)
+
+    def _time_eval(self) -> float:
+        """Estimated seconds of one evaluation of this rank's share of the test split, from
+        timing two eval batches after an untimed one (a new shape's first call is slow on CPU)."""
+        bs = self.cfg.data.eval_batch_size or self.micro_batch
+        seconds, n = 0.0, 0
+        for part in (np.arange(min(len(self.data.test), bs)), np.arange(min(len(self.data.test), 2 * bs))):
+            loader = eval_loader(self.data.test.subset(part), self.data.preprocess, bs, self.cfg.data.num_workers)
+            t0 = time.perf_counter()
+            evaluate(self.model, loader, self.device, self.precision, self.data.preprocess)
+            seconds, n = time.perf_counter() - t0, len(part)
+        share = len(self.data.test) / (self.dist.world_size if self.parallel.kind == "ddp" else 1)
+        return seconds / n * share
 
     def _maybe_hint(self, stall: float) -> None:
         if stall > 0.1 and not self._stall_hint_shown and self.step >= 3 * self.cfg.train.log_every:
