@@ -309,3 +309,18 @@ def test_bench_data_json_line(tmp_path, capsys):
     assert set(r) == {"decode_limit_ips", "baseline_ips", "vitflow_ips", "packed_ips"}
     assert all(v > 0 for v in r.values())
     assert any("x baseline" in line for line in out)
+
+
+def test_random_resized_crop_matches_torchvision():
+    from torchvision.transforms import InterpolationMode, v2
+
+    from vitflow.data.transforms import RandomResizedCrop
+
+    for shape in ((3, 120, 150), (3, 600, 500)):  # crops enlarged / mostly shrunk
+        img = torch.randint(0, 256, shape, dtype=torch.uint8)
+        for interp in (InterpolationMode.BILINEAR, InterpolationMode.BICUBIC):
+            for seed in range(20):
+                torch.manual_seed(seed)
+                ref = v2.RandomResizedCrop(64, interpolation=interp, antialias=True)(img)
+                torch.manual_seed(seed)
+                assert torch.equal(RandomResizedCrop(64, interpolation=interp)(img), ref)

@@ -146,3 +146,20 @@ def test_resume_rejects_other_classes(tmp_path):
                                   "data.test_split=train[50%:]"])
     with pytest.raises(ValueError, match="classes"):
         Trainer(cfg)
+
+
+def test_progressive_resizing_schedule_and_run(tmp_path):
+    from vitflow.data.augment import progressive_resolution
+
+    sizes = [progressive_resolution(s, 100, 16, 32, (0.2, 0.6), 4) for s in range(0, 101, 10)]
+    assert sizes == [16, 16, 16, 20, 24, 28, 32, 32, 32, 32, 32]
+    assert progressive_resolution(0, 10, 3, 8, (0.0, 1.0), 2) == 2  # rounded to the patch size, never below it
+    run = tmp_path / "run"
+    cfg = tiny(run, "train.total_steps=40", "data.progressive_min_size=4", "data.progressive_ramp=[0.25,0.75]")
+    tr = Trainer(cfg)
+    costs = [tr._step_cost(s, 40) for s in (0, 20, 39)]
+    assert costs == [4 / 16, 9 / 16, 1.0]  # 2x2, 3x3 and 4x4 patch grids of the 8 px digits (avg pool)
+    r = tr.fit()
+    res = [x["resolution"] for x in read_metrics(run / "metrics.jsonl") if x["kind"] == "train"]
+    assert res == sorted(res) and res[0] == 4 and res[-1] == 8
+    assert 0 <= r["test_top1"] <= 1

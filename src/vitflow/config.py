@@ -39,6 +39,11 @@ class ModelConfig:
     pretrained: str | None = None  # weights file in timm's layout; head/pos_embed adapted
     image_size: int | None = None  # input resolution; None = the variant's own
     num_classes: int | None = None  # None = number of classes found in the data
+    embed_dim: int | None = None  # None = the variant's width / depth / heads / MLP ratio / patch
+    depth: int | None = None
+    num_heads: int | None = None
+    mlp_ratio: float | None = None
+    patch_size: int | None = None
     global_pool: Literal["token", "avg"] | None = None  # None = the variant's (class token for most)
     attention: Literal["sdpa", "math"] = "sdpa"
     drop_rate: float = 0.0
@@ -54,7 +59,8 @@ class ModelConfig:
             close = difflib.get_close_matches(self.name, MODELS, n=3)
             raise ConfigError(f"model.name: unknown model {self.name!r}"
                               + (f"; did you mean {', '.join(close)}?" if close else "; see `vitflow models`"))
-        _check(self.image_size is None or self.image_size > 0, "model.image_size", self.image_size, "> 0")
+        for key in ("image_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "patch_size"):
+            _check(getattr(self, key) is None or getattr(self, key) > 0, f"model.{key}", getattr(self, key), "> 0")
         _check(self.num_classes is None or self.num_classes > 0, "model.num_classes", self.num_classes, "> 0")
         _check(0 <= self.drop_rate < 1, "model.drop_rate", self.drop_rate, "in [0, 1)")
         _check(0 <= self.drop_path_rate < 1, "model.drop_path_rate", self.drop_path_rate, "in [0, 1)")
@@ -86,6 +92,8 @@ class DataConfig:
     cutmix_alpha: float = 0.0
     mix_prob: float = 1.0  # probability a batch is mixed
     mix_switch_prob: float = 0.5  # CutMix instead of Mixup when both are on
+    progressive_min_size: int | None = None  # progressive resizing: start resolution in px (None = off)
+    progressive_ramp: tuple[float, float] = (0.0, 0.6)  # fractions of the run over which it rises to full
     num_workers: int | Literal["auto"] = "auto"  # auto: 0 on the batched path, else a probe decides
     prefetch: int = 2  # batches kept ready (per worker; and by the background thread)
     max_in_memory: int = 200_000  # decode a split into RAM once if it has at most this many images
@@ -104,6 +112,10 @@ class DataConfig:
                ">= 0 or auto")
         _check(self.prefetch >= 1, "data.prefetch", self.prefetch, ">= 1")
         _check(self.max_in_memory >= 0, "data.max_in_memory", self.max_in_memory, ">= 0")
+        _check(self.progressive_min_size is None or self.progressive_min_size > 0, "data.progressive_min_size",
+               self.progressive_min_size, "> 0")
+        _check(0 <= self.progressive_ramp[0] <= self.progressive_ramp[1] <= 1, "data.progressive_ramp",
+               self.progressive_ramp, "0 <= start <= end <= 1")
         _check(self.shuffle_buffer >= 1, "data.shuffle_buffer", self.shuffle_buffer, ">= 1")
         for key in ("color_jitter", "mixup_alpha", "cutmix_alpha"):
             _check(getattr(self, key) >= 0, f"data.{key}", getattr(self, key), ">= 0")

@@ -86,3 +86,15 @@ class MixupCutmix:
             lam = float(rng.beta(self.mixup_alpha, self.mixup_alpha))
             x = x * lam + flipped * (1.0 - lam)
         return x, one_hot * lam + one_hot.flip(0) * (1.0 - lam)
+
+
+def progressive_resolution(step: int, total_steps: int, start: int, end: int, ramp: tuple[float, float],
+                           multiple: int) -> int:
+    """Training resolution at ``step`` for progressive resizing (as in FFCV's ImageNet recipes
+    and fast.ai): ``start`` px until ``ramp[0] * total_steps``, rising linearly to ``end`` px at
+    ``ramp[1] * total_steps``, then ``end``; rounded down to a multiple of ``multiple`` (the patch
+    size) and never below it."""
+    a, b = ramp[0] * total_steps, ramp[1] * total_steps
+    frac = 0.0 if step <= a else 1.0 if step >= b or b <= a else (step - a) / (b - a)
+    size = start + frac * (end - start)
+    return max(multiple, int(size // multiple) * multiple)

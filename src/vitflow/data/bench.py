@@ -6,7 +6,7 @@ Paths measured (images/s over full passes, same image size, augmentation and wor
   and one process per core;
 - ``baseline``: torchvision ``ImageFolder`` + ``DataLoader`` (PIL decode, transforms v1 with
   ``ToTensor`` + ``Normalize`` in the workers), on a copy of the images extracted to a temporary
-  folder (page cache warm);
+  folder (page cache warm), in a fresh Python process as a user's script;
 - ``vitflow``: vitflow's loader reading the folder or tar in place (no RAM cache), finished by
   its device pipeline (normalised float32 batches, like the baseline's);
 - ``packed``: vitflow's loader on a packed copy (``vitflow prepare``: raw for images <= 64 px,
@@ -29,10 +29,11 @@ import torch
 
 from vitflow.config import DataConfig
 from vitflow.data.decode import decode_image
-from vitflow.data.packed import FORMAT, VERSION, _write_split, open_packed
+from vitflow.data.packed import FORMAT, VERSION, open_packed, write_split
 from vitflow.data.pipeline import train_loader
 from vitflow.data.sources import DataError, ImageSource, open_images, open_split
 from vitflow.data.transforms import resolve_augment
+from vitflow.runtime import configure_allocator
 
 _BYTES: list[bytes] = []
 
@@ -70,7 +71,19 @@ def _extract(source: ImageSource, folder: Path) -> Path:
 
 
 def baseline_ips(folder: Path, image_size: int, batch_size: int, workers: int, passes: int, mean, std) -> float:
-    """torchvision ImageFolder + DataLoader images/s (workers re-forked each pass, the default)."""
+    """torchvision ImageFolder + DataLoader images/s (workers re-forked each pass, the default),
+    measured in a fresh Python process, as a user's script would run (no vitflow settings)."""
+    import subprocess
+    import sys
+
+    args = json.dumps([str(folder), image_size, batch_size, workers, passes, list(mean), list(std)])
+    out = subprocess.run([sys.executable, "-c", f"from vitflow.data.bench import _baseline; _baseline({args!r})"],
+                         capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _baseline(args: str) -> None:
+    folder, image_size, batch_size, workers, passes, mean, std = json.loads(args)
     import torchvision
     from torchvision import transforms as T
 
@@ -84,7 +97,7 @@ def baseline_ips(folder: Path, image_size: int, batch_size: int, workers: int, p
     for _ in range(passes):
         for x, _y in loader:
             n += len(x)
-    return n / (time.perf_counter() - t0)
+    print(n / (time.perf_counter() - t0))
 
 
 def vitflow_ips(source: ImageSource, cfg: DataConfig, image_size: int, batch_size: int, passes: int) -> float:
@@ -112,18 +125,20 @@ def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, pa
         batch_size: int | None = None, max_side: int | None = None, emit=print) -> dict[str, float]:
     """Measure the four paths; returns the medians ``{"decode_limit_ips", "baseline_ips",
     "vitflow_ips", "packed_ips"}`` and prints a table with ratios to the baseline."""
+    configure_allocator()
     source = _open(path)
     small = image_size <= 64
     batch_size = batch_size or (256 if small else 64)
     passes = passes or (1 if len(source) > 20_000 else 3)
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-    cfg = DataConfig(path=path, num_workers=workers, max_in_memory=0, train_augment="auto", mean=mean, std=std)
+    cfg = DataConfig(path=path, num_workers=workers, max_in_memory=0, train_augment="auto",
+                     interpolation="bilinear", mean=mean, std=std)  # bilinear: as the baseline's RandomResizedCrop
     emit(f"{path}: {len(source)} images, {image_size}px, {resolve_augment('auto', image_size)} + flip, "
          f"{workers} workers, batch {batch_size}, {passes} pass(es) per repeat, {repeats} repeats")
     results: dict[str, list[float]] = {"baseline": [], "vitflow": [], "packed": []}
     with tempfile.TemporaryDirectory(prefix="vitflow-bench-") as tmp:
         folder = _extract(source, Path(tmp) / "folder")
-        info = _write_split(source, Path(tmp) / "packed" / "train", "raw" if small else "jpeg",
+        info = write_split(source, Path(tmp) / "packed" / "train", "raw" if small else "jpeg",
                             max_side or (None if small else 256), 90, os.cpu_count() or 1, "pack")
         meta = {"format": FORMAT, "version": VERSION, "classes": source.classes, "splits": {"train": info}}
         (Path(tmp) / "packed" / "meta.json").write_text(json.dumps(meta))

@@ -39,13 +39,40 @@ def is_image_name(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)
 
 
+_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def _header_size(data: bytes) -> tuple[int, int] | None:
+    """``(width, height)`` read directly from a JPEG SOF or PNG IHDR header, else ``None``."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n") and data[12:16] == b"IHDR":
+        return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    if data.startswith(b"\xff\xd8"):
+        i, n = 2, len(data)
+        while i + 9 < n and data[i] == 0xFF:
+            marker = data[i + 1]
+            if marker in _SOF:
+                return int.from_bytes(data[i + 7:i + 9], "big"), int.from_bytes(data[i + 5:i + 7], "big")
+            if marker == 0xFF:  # fill byte
+                i += 1
+                continue
+            i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+    return None
+
+
 def image_size(data: bytes, path: str = "<bytes>") -> tuple[int, int]:
-    """``(width, height)`` from the header only.
+    """``(width, height)`` from the header only (JPEG and PNG parsed directly, other formats by
+    Pillow).
 
     Raises:
         CorruptImageError: not an image, or more pixels than Pillow's ``MAX_IMAGE_PIXELS``
             (the decompression-bomb limit).
     """
+    size = _header_size(data)
+    if size is not None:
+        limit = Image.MAX_IMAGE_PIXELS
+        if limit and size[0] * size[1] > limit:
+            raise CorruptImageError(path, f"over the decompression-bomb limit ({size[0]}x{size[1]} pixels > {limit})")
+        return size
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)

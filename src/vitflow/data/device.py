@@ -98,6 +98,8 @@ class DevicePipeline:
     ``__call__(batch)`` -> ``(x, targets)``: ``x`` float32 ``(B, 3, S, S)`` normalised with
     ``mean`` / ``std``; ``targets`` int64 ``(B,)`` or, with Mixup/CutMix, float32
     ``(B, num_classes)``. Optional batched pad-crop-flip runs first on the ``uint8`` batch.
+    Setting ``resolution`` (pixels) resizes the batch to ``resolution x resolution``
+    (antialiased bilinear) for progressive resizing; ``None`` keeps the loader's size.
     All randomness is seeded from ``(seed, batch["epoch"], batch["index"])``.
     """
 
@@ -105,6 +107,7 @@ class DevicePipeline:
                  hflip: bool = False, mix: MixupCutmix | None = None):
         self.device, self.mean, self.std, self.seed = device, tuple(mean), tuple(std), seed
         self.crop_padding, self.hflip, self.mix = crop_padding, hflip, mix
+        self.resolution: int | None = None
 
     @property
     def batched_augment(self) -> bool:
@@ -118,6 +121,9 @@ class DevicePipeline:
             images = pad_crop_flip(images, self.crop_padding, self.hflip,
                                    batch_generator(self.device, mix_seed(*key, 1)))
         x = normalize(images, self.mean, self.std)
+        if self.resolution is not None and self.resolution != x.shape[-1]:
+            x = torch.nn.functional.interpolate(x, size=(self.resolution, self.resolution), mode="bilinear",
+                                                antialias=True, align_corners=False)
         if self.mix is not None:
             x, y = self.mix(x, y, np.random.default_rng(mix_seed(*key, 2)))
         return x, y

@@ -118,9 +118,22 @@ class BatchDataset(torch.utils.data.Dataset):
                     labels.append(int(self.source.labels[i]))
                 except CorruptImageError as e:
                     bad.append((e.path, e.reason))
-        stacked = torch.stack(images) if images else torch.empty(0, 3, 0, 0, dtype=torch.uint8)
-        return {"images": stacked, "labels": torch.tensor(labels, dtype=torch.int64), "epoch": ref.epoch,
-                "index": ref.index, "bad": bad}
+        return {"images": stack_images(images), "labels": torch.tensor(labels, dtype=torch.int64),
+                "epoch": ref.epoch, "index": ref.index, "bad": bad}
+
+
+def stack_images(images: list[torch.Tensor]) -> torch.Tensor:
+    """Stack ``uint8 (3, S, S)`` images into ``(B, 3, S, S)``. In a loader worker the batch is
+    written straight into shared memory (as ``default_collate`` does), so handing it to the main
+    process copies nothing."""
+    if not images:
+        return torch.empty(0, 3, 0, 0, dtype=torch.uint8)
+    shape = (len(images), *images[0].shape)
+    if torch.utils.data.get_worker_info() is None:
+        return torch.stack(images)
+    storage = torch.UntypedStorage._new_shared(int(np.prod(shape)) * images[0].element_size())
+    out = torch.empty(0, dtype=images[0].dtype).set_(storage).view(shape)
+    return torch.stack(images, out=out)
 
 
 def _identity(batch: dict) -> dict:

@@ -195,8 +195,12 @@ def _work(args):
     return _encode_one(_WORKER_SOURCE, *args)
 
 
-def _encoded(source: ImageSource, kind: str, max_side: int | None, quality: int, workers: int,
-             desc: str) -> Iterator[tuple[int, object, str | None]]:
+def encode_images(source: ImageSource, kind: str, max_side: int | None, quality: int, workers: int,
+                  desc: str) -> Iterator[tuple[int, object, str | None]]:
+    """Decode every image of ``source`` (``kind="raw"``: ``uint8 (3, H, W)`` arrays) or also
+    re-encode it (``"jpeg"``: bytes at ``quality``, longer side <= ``max_side``) with ``workers``
+    processes and a progress bar; yields ``(index, payload or None, error message or None)`` in
+    index order."""
     jobs = [(i, kind, max_side, quality) for i in range(len(source))]
     bar = dict(total=len(jobs), desc=desc, unit="img", mininterval=1.0)
     if workers <= 1:
@@ -206,13 +210,18 @@ def _encoded(source: ImageSource, kind: str, max_side: int | None, quality: int,
         yield from tqdm(pool.imap(_work, jobs, chunksize=64), **bar)
 
 
-def _write_split(source: ImageSource, folder: Path, kind: str, max_side: int | None, quality: int,
-                 workers: int, desc: str) -> dict:
+def write_split(source: ImageSource, folder: Path, kind: str, max_side: int | None, quality: int,
+                workers: int, desc: str) -> dict:
+    """Write ``source`` as one packed split in ``folder`` (created); returns its ``meta.json`` entry.
+
+    Raises:
+        DataError: raw packing of images of different sizes.
+    """
     folder.mkdir(parents=True)
     labels, names, skipped, shape = [], [], [], None
     offsets = [0]
     with open(folder / ("images.u8" if kind == "raw" else "data.bin"), "wb") as out:
-        for i, payload, err in _encoded(source, kind, max_side, quality, workers, desc):
+        for i, payload, err in encode_images(source, kind, max_side, quality, workers, desc):
             if payload is None:
                 skipped.append(err)
                 log.warning("prepare: skipped %s", err)
@@ -290,7 +299,7 @@ def prepare(src: str | Path, out: str | Path, fmt: str = "auto", max_side: int |
     meta = {"format": FORMAT, "version": VERSION, "source": str(src), "classes": splits["train"].classes,
             "splits": {}}
     for name, source in splits.items():
-        meta["splits"][name] = _write_split(source, partial / name, fmt, max_side, quality, workers,
+        meta["splits"][name] = write_split(source, partial / name, fmt, max_side, quality, workers,
                                             f"prepare {name}")
     (partial / "meta.json").write_text(json.dumps(meta, indent=1))
     if out.exists():

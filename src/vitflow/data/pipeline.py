@@ -28,7 +28,7 @@ from vitflow.data.augment import MixupCutmix
 from vitflow.data.decode import CorruptImageError
 from vitflow.data.device import DevicePipeline, Prefetcher
 from vitflow.data.loader import EpochSampler, make_loader, mix_seed
-from vitflow.data.packed import PackedSource, _encoded
+from vitflow.data.packed import PackedSource, encode_images
 from vitflow.data.sources import DataError, FileSource, ImageSource, TensorSource, open_split
 from vitflow.data.stream import StreamBatches
 from vitflow.data.transforms import Preprocess, eval_transform, resolve_augment, train_transform
@@ -95,7 +95,7 @@ def cache_in_memory(source: ImageSource, max_images: int, workers: int = 1,
     t0 = time.perf_counter()
     images: list = [None] * len(source)
     bad: list[tuple[str, str]] = []
-    for i, arr, err in _encoded(source, "raw", None, 0, workers, desc):
+    for i, arr, err in encode_images(source, "raw", None, 0, workers, desc):
         if arr is None:
             bad.append((source.name(i), err))
         else:
@@ -110,7 +110,7 @@ def cache_in_memory(source: ImageSource, max_images: int, workers: int = 1,
     return ListSource(source, kept, keep), bad
 
 
-def open_datasets(cfg: DataConfig, image_size: int, cache: bool = True) -> Datasets:
+def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
     """Open ``cfg.train_split`` and ``cfg.test_split`` (the test split labelled with the train
     classes) and cache them in RAM when they fit ``cfg.max_in_memory`` (not in stream access).
 
@@ -123,7 +123,7 @@ def open_datasets(cfg: DataConfig, image_size: int, cache: bool = True) -> Datas
     if len(test) == 0:
         raise DataError(f"data.test_split={cfg.test_split!r} selects no images")
     bad: list[tuple[str, str]] = []
-    if cache and cfg.max_in_memory > 0:
+    if cfg.max_in_memory > 0:
         workers = os.cpu_count() or 1
         if cfg.access == "random":
             train, bad = cache_in_memory(train, cfg.max_in_memory, workers, "train")

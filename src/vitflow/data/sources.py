@@ -362,8 +362,6 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
             skipped["non-image files"] += 1
         else:
             per_class[parts[0]].append(rel)
-    if skipped:
-        log.warning("%s split %r: ignored %s", p, sp.name, ", ".join(f"{n} {what}" for what, n in skipped.items()))
     empty = [c for c, items in per_class.items() if not items]
     if empty:
         raise DataError(f"class folder(s) with no images in {reader.describe(prefix + empty[0])}"
@@ -371,6 +369,8 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
                         + ": add images or remove the folder")
     if not per_class:
         raise DataError(f"no class folders in {reader.describe(prefix) or p}: expected <class>/<image> folders")
+    if skipped:
+        log.warning("%s split %r: ignored %s", p, sp.name, ", ".join(f"{n} {what}" for what, n in skipped.items()))
     if classes is None:
         classes = list(per_class)
     unknown = sorted(set(per_class) - set(classes))

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from vitflow.data.decode import CorruptImageError, decode_image
-from vitflow.data.loader import mix_seed
+from vitflow.data.loader import mix_seed, stack_images
 from vitflow.data.sources import FileSource
 from vitflow.data.transforms import Transform
 
@@ -125,6 +125,5 @@ class StreamBatches(torch.utils.data.IterableDataset):
                     labels.append(int(self.source.labels[i]))
                 except CorruptImageError as e:
                     bad.append((e.path, e.reason))
-        stacked = torch.stack(images) if images else torch.empty(0, 3, 0, 0, dtype=torch.uint8)
-        return {"images": stacked, "labels": torch.tensor(labels, dtype=torch.int64), "epoch": epoch, "index": index,
-                "bad": bad}
+        return {"images": stack_images(images), "labels": torch.tensor(labels, dtype=torch.int64), "epoch": epoch,
+                "index": index, "bad": bad}

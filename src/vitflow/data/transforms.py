@@ -83,8 +83,7 @@ def train_transform(image_size: int, augment: str, scale: Sequence[float] = (0.0
     augment = resolve_augment(augment, image_size)
     ops: list[Transform]
     if augment == "random_resized_crop":
-        ops = [v2.RandomResizedCrop(image_size, scale=tuple(scale), interpolation=_interp(interpolation),
-                                    antialias=True)]
+        ops = [RandomResizedCrop(image_size, scale=tuple(scale), interpolation=_interp(interpolation))]
     elif augment == "pad_crop":
         ops = [_ResizeIfNeeded(image_size, _interp(interpolation), exact=True)]
         if padding:
@@ -104,6 +103,22 @@ def train_transform(image_size: int, augment: str, scale: Sequence[float] = (0.0
     if random_erasing > 0:
         ops.append(v2.RandomErasing(p=random_erasing, value=0))
     return v2.Compose(ops)
+
+
+class RandomResizedCrop(v2.RandomResizedCrop):
+    """torchvision's RandomResizedCrop (same parameters, draws and output) that, for bilinear
+    interpolation, skips the antialiasing kernel when the crop is enlarged: there it gives the
+    same pixels (tested) at half the cost, which matters for packed, reduced-size images whose
+    crops are mostly smaller than the output. Bicubic keeps the antialiased (PIL-like) kernel."""
+
+    def __init__(self, size: int, scale=(0.08, 1.0), interpolation=InterpolationMode.BILINEAR):
+        super().__init__(size, scale=scale, interpolation=interpolation, antialias=True)
+
+    def transform(self, inpt, params):
+        aa = (self.interpolation != InterpolationMode.BILINEAR or params["height"] > self.size[0]
+              or params["width"] > self.size[1])
+        return v2.functional.resized_crop(inpt, **params, size=self.size, interpolation=self.interpolation,
+                                          antialias=aa)
 
 
 class _ResizeIfNeeded(torch.nn.Module):
@@ -127,4 +142,4 @@ def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float])
     images' device."""
     m = torch.tensor(mean, device=images.device, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
     s = torch.tensor(std, device=images.device, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
-    return (images.float() - m) / s
+    return images.to(torch.float32).sub_(m).div_(s)  # one allocation, then in place

@@ -18,6 +18,7 @@ from vitflow.data import normalize
 from vitflow.data.decode import CorruptImageError, decode_image, is_image_name
 from vitflow.data.sources import TarReader, is_hidden
 from vitflow.data.transforms import Preprocess, eval_transform
+from vitflow.runtime import configure_allocator
 from vitflow.train.amp import resolve_device, resolve_precision
 from vitflow.train.checkpoint import load_checkpoint, model_from_checkpoint
 
@@ -74,6 +75,7 @@ class Predictor:
 
     def __init__(self, model: torch.nn.Module, classes: list[str], pp: Preprocess, device: str = "auto",
                  precision: str = "fp32"):
+        configure_allocator()
         self.device = resolve_device(device)
         self.precision = resolve_precision(precision, self.device)
         self.model, self.classes, self.pp = model.to(self.device).eval(), classes, pp

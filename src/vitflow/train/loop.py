@@ -25,9 +25,11 @@ from tqdm import tqdm
 
 from vitflow.config import Config, parse_duration, to_yaml
 from vitflow.data import Datasets, SkipReport, eval_loader, open_datasets, train_loader
+from vitflow.data.augment import progressive_resolution
 from vitflow.data.loader import mix_seed
 from vitflow.data.sources import TensorSource, export_samples
 from vitflow.models import MODELS, create_model
+from vitflow.runtime import configure_allocator
 from vitflow.train import checkpoint as ckpt
 from vitflow.train.amp import resolve_device, resolve_precision
 from vitflow.train.distill import build_criterion
@@ -70,8 +72,10 @@ def find_resume(cfg: Config) -> Path | None:
 def model_args(cfg: Config, num_classes: int) -> dict[str, Any]:
     """Arguments of :func:`vitflow.create_model` for this config (saved in checkpoints)."""
     m = cfg.model
-    args = {"name": m.name, "img_size": m.image_size, "num_classes": num_classes, "global_pool": m.global_pool,
-            "attention": m.attention, "drop_rate": m.drop_rate, "drop_path_rate": m.drop_path_rate}
+    args = {"name": m.name, "img_size": m.image_size, "num_classes": num_classes, "embed_dim": m.embed_dim,
+            "depth": m.depth, "num_heads": m.num_heads, "mlp_ratio": m.mlp_ratio, "patch_size": m.patch_size,
+            "global_pool": m.global_pool, "attention": m.attention, "drop_rate": m.drop_rate,
+            "drop_path_rate": m.drop_path_rate}
     if m.distill_token:
         args.update(distilled=True, global_pool="token")
     if m.patch_drop_rate:
@@ -109,6 +113,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         t = cfg.train
+        configure_allocator()
         if t.threads:
             torch.set_num_threads(t.threads)
         self.dist = init_distributed(t.device)
@@ -155,7 +160,8 @@ class Trainer:
         self._stall_hint_shown = False
         self.metrics = MetricsLog(self.run_dir, t.tensorboard, enabled=self.dist.is_main)
         self.last_eval: dict[str, Any] | None = None
-        self._eval_seconds: float | None = None
+        self._eval_seconds: float | None = None  # time budget: one final evaluation, timed once
+        self._probe_seconds = 0.0
         self.stop = StopSignals()
         # last, so nothing in set-up consumes the model's random stream (dropout, drop-path)
         if self.state:
@@ -228,8 +234,9 @@ class Trainer:
             log.warning("epoch %d: skipped %d unreadable image(s)", epoch, skipped)
 
     def train_step(self, batches: list[dict]) -> tuple[float, float, bool]:
-        """Forward, loss and backward over the micro-batches, clip, then the optimizer step,
-        schedule and EMA update unless the non-finite guard refuses the step.
+        """Forward, loss and backward over the micro-batches (at the progressive-resizing
+        resolution of this step), clip, then the optimizer step, schedule and EMA update unless
+        the non-finite guard refuses the step.
 
         Returns:
             ``(loss averaged over ranks, gradient norm before clipping, whether the step was taken)``.
@@ -237,6 +244,7 @@ class Trainer:
             NonFiniteError: ``train.max_nonfinite_steps`` refused steps in a row.
         """
         accum, inputs = len(batches), []
+        self._set_resolution()
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             x, y = self.loader.pipeline(batch)
@@ -318,24 +326,28 @@ class Trainer:
         t = self.cfg.train
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    mininterval=1.0, disable=not self.dist.is_main)
-        it, meter, images_seen, first_step_at = iter(self.loader), Meter(), 0, None
+        it, meter, images_seen, first_step_at, cost = iter(self.loader), Meter(), 0, None, 0.0
         self.net.train()
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             batches = [self.next_batch(it) for _ in range(t.accum_steps)]
             meter.data_wait += time.perf_counter() - t0
+            step_cost = self._step_cost(self.step, self.total_steps)
             loss, grad_norm, stepped = self.train_step(batches)
             n = sum(len(b["labels"]) for b in batches)
             meter.steps, meter.images, meter.loss = meter.steps + 1, meter.images + n, meter.loss + loss
             images_seen += n
-            first_step_at = first_step_at or time.perf_counter()
+            if first_step_at is None:  # the first step (warm-up, allocations) is not timed
+                first_step_at = time.perf_counter()
+            else:
+                cost += step_cost
             if stepped:
                 bar.update(1)
                 if self.step % t.log_every == 0:
                     self._log(meter, grad_norm, bar)
                     meter = Meter()
-                    if budget:
-                        self._fit_budget(budget, started, first_step_at)
+                    if budget and cost > 0:
+                        self._fit_budget(budget, started, first_step_at, cost)
                         bar.total = self.total_steps
             over_budget = budget is not None and time.perf_counter() - started > budget
             if self.dist.any(over_budget or self.stop.signum is not None, self.device):
@@ -355,7 +367,8 @@ class Trainer:
         loss, lr = meter.loss / meter.steps, max(self.scheduler.get_last_lr())
         self.metrics.write("train", step=self.step, loss=loss, lr=lr, grad_norm=grad_norm, images_per_s=ips,
                            data_stall=stall, memory_mb=memory_mb(self.device), skipped_steps=self.guard.skipped,
-                           epoch=self.position[0])
+                           epoch=self.position[0],
+                           resolution=self.loader.pipeline.resolution or self.data.preprocess.image_size)
         bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", img_s=f"{ips:.0f}", stall=f"{stall:.0%}")
         self._maybe_hint(stall)
 
@@ -363,23 +376,54 @@ class Trainer:
     def total_steps(self) -> int:
         return schedule_of(self.scheduler).total_steps
 
-    def _fit_budget(self, budget: float, started: float, first_step_at: float) -> None:
-        """Shrink the schedule so that the run ends within ``budget`` seconds, keeping time for
-        the final evaluation (timed on a few test batches; twice with an EMA) and checkpoint.
-        Rank 0 decides for all ranks."""
+    def _step_cost(self, step: int, total: int) -> float:
+        """Compute of ``step`` (of ``total``) relative to a full-resolution step, by tokens per
+        image (progressive resizing makes early steps cheaper)."""
+        d = self.cfg.data
+        if not d.progressive_min_size:
+            return 1.0
+        p, full, prefix = self.model.patch_size, self.data.preprocess.image_size, self.model.num_prefix_tokens
+        r = progressive_resolution(step, total, d.progressive_min_size, full, d.progressive_ramp, p)
+        return ((r // p) ** 2 + prefix) / ((full // p) ** 2 + prefix)
+
+    def _fit_budget(self, budget: float, started: float, first_step_at: float, cost_since_first: float) -> None:
+        """Set the schedule's length to the most steps that end within ``budget`` seconds, keeping
+        time for the final evaluation (timed on a few test batches; twice with an EMA) and the
+        checkpoint. The cost of a step is measured so far per full-resolution step and follows the
+        resolution schedule. Rank 0 decides for all ranks."""
         if self._eval_seconds is None:  # every rank: FSDP forwards are collective
+            probe = time.perf_counter()
             self._eval_seconds = self._time_eval()
+            self._probe_seconds = time.perf_counter() - probe
         fit = None
         if self.dist.is_main:
-            per_step = (time.perf_counter() - first_step_at) / max(self.step, 1)
+            now = time.perf_counter()
+            per_unit = (now - first_step_at - self._probe_seconds) / max(cost_since_first, 1e-9)
             evals = 2 if self.ema is not None else 1
-            reserve = evals * self._eval_seconds + 5.0
-            remaining = budget - (time.perf_counter() - started) - reserve
-            fit = self.step + max(0, int(remaining / per_step))
+            remaining = budget - (now - started) - evals * self._eval_seconds - 5.0
+
+            def fits(total: int) -> bool:
+                return sum(self._step_cost(s, total) for s in range(self.step, total)) * per_unit <= remaining
+
+            lo, hi = self.step + 1, self.cfg.train.total_steps
+            if fits(hi):
+                lo = hi
+            while lo < hi:  # the largest total that fits
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+            fit = lo
         fit = self.dist.broadcast(fit)
-        if fit < self.cfg.train.total_steps and abs(fit - self.total_steps) > 0.01 * self.total_steps:
-            set_total_steps(self.scheduler, max(fit, self.step + 1))
-            log.info("time budget: schedule set to %d steps", self.total_steps)
+        if abs(fit - self.total_steps) > 0.01 * self.total_steps:
+            set_total_steps(self.scheduler, fit)
+            log.info("time budget: schedule set to %d steps", fit)
+
+    def _set_resolution(self) -> None:
+        """Progressive resizing: the step's training resolution (eval stays at full size)."""
+        d = self.cfg.data
+        if d.progressive_min_size:
+            self.loader.pipeline.resolution = progressive_resolution(
+                self.step, self.total_steps, d.progressive_min_size, self.data.preprocess.image_size,
+                d.progressive_ramp, self.model.patch_size)
 
     def _time_eval(self) -> float:
         """Estimated seconds of one evaluation of this rank's share of the test split, from
