@@ -389,7 +389,7 @@ class Trainer:
     def _fit_budget(self, budget: float, started: float, first_step_at: float, cost_since_first: float) -> None:
         """Set the schedule's length to the most steps that end within ``budget`` seconds, keeping
         time for the final evaluation (timed on a few test batches; twice with an EMA) and the
-        checkpoint. The cost of a step is measured so far per full-resolution step and follows the
+        checkpoint (``min(5 s, 5% of the budget)``). The cost of a step is measured so far per full-resolution step and follows the
         resolution schedule. Rank 0 decides for all ranks."""
         if self._eval_seconds is None:  # every rank: FSDP forwards are collective
             probe = time.perf_counter()
@@ -400,13 +400,15 @@ class Trainer:
             now = time.perf_counter()
             per_unit = (now - first_step_at - self._probe_seconds) / max(cost_since_first, 1e-9)
             evals = 2 if self.ema is not None else 1
-            remaining = budget - (now - started) - evals * self._eval_seconds - 5.0
+            remaining = budget - (now - started) - evals * self._eval_seconds - min(5.0, 0.05 * budget)
 
             def fits(total: int) -> bool:
                 return sum(self._step_cost(s, total) for s in range(self.step, total)) * per_unit <= remaining
 
             lo, hi = self.step + 1, self.cfg.train.total_steps
-            if fits(hi):
+            if not self.cfg.data.progressive_min_size:  # every step costs one unit
+                lo = hi = min(hi, max(lo, self.step + int(remaining / per_unit)))
+            elif fits(hi):
                 lo = hi
             while lo < hi:  # the largest total that fits
                 mid = (lo + hi + 1) // 2
