@@ -95,7 +95,7 @@ def test_relative_model_layer_scale_and_weight_decay_names():
 
 
 def test_layer_scale_matches_timm():
-    timm = pytest.importorskip("timm")
+    pytest.importorskip("timm")
     from timm.models.vision_transformer import VisionTransformer as TimmViT
 
     torch.manual_seed(0)

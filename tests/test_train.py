@@ -13,7 +13,8 @@ from vitflow.config import build_config
 from vitflow.train import Trainer
 from vitflow.train import checkpoint as ckpt
 from vitflow.train.logging import read_metrics
-from vitflow.train.optim import WarmupDecay, param_groups
+from vitflow.train.optim import param_groups
+from vitflow.train.schedules import Schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,11 +52,11 @@ def test_param_groups_exclude_norms_biases_pos_and_cls():
 
 
 def test_warmup_cosine_values():
-    f = WarmupDecay(total_steps=110, warmup_steps=10, kind="cosine", min_ratio=0.1)
+    f = Schedule(total_steps=110, warmup_steps=10, kind="cosine", min_ratio=0.1)
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
     assert f(10) == pytest.approx(1.0) and f(60) == pytest.approx(0.1 + 0.9 * 0.5)
     assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
-    assert WarmupDecay(100, 0, "linear")(50) == pytest.approx(0.5)
+    assert Schedule(100, 0, "linear")(50) == pytest.approx(0.5)
 
 
 def test_accumulation_equals_one_large_batch(tmp_path):

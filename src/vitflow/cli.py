@@ -27,11 +27,15 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model (default: a small ViT on the embedded digits data)")
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="end with one JSON line of final metrics")
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="data-parallel on N local processes (runs torchrun --standalone --nproc-per-node N)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.total_steps=500")
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on its test split")
     p.add_argument("checkpoint", help="checkpoint file or run directory (newest checkpoint)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of metrics")
+    p.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
+                   help="auto: the EMA weights when the checkpoint has them (default), else the trained ones")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.path=... data.test_split=test")
 
     p = sub.add_parser("predict", help="classify images, folders or tars")
@@ -43,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="bf16/fp16: run a PyTorch model with its weights cast to that dtype (fp16 needs CUDA)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
+                   help="auto: the EMA weights when the checkpoint has them (default), else the trained ones")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="one JSON object per image")
     fmt.add_argument("--csv", action="store_true", help="CSV: path,rank,class,index,prob,error (one row per class)")
@@ -131,6 +137,15 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, help="torch and ONNX Runtime threads (default: torch's default)")
     b.add_argument("--json", action="store_true", help="end with one JSON line {path: {latency_ms_p50, ...}}")
 
+    p = sub.add_parser("lr-schedule", help="plot the learning-rate schedule a config will use")
+    _add_config_args(p)
+    p.add_argument("-o", "--output", default="lr.png", help="PNG to write (default lr.png)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.schedule=restarts")
+
+    p = sub.add_parser("report", help="write PNG curves and one self-contained HTML page for a run")
+    p.add_argument("run_dir", help="a run directory (metrics.jsonl, config.yaml, eval.json)")
+    p.add_argument("-o", "--output", help="HTML file (default RUN_DIR/report.html; PNGs beside it in report/)")
+
     p = sub.add_parser("presets", help="list presets, or print one resolved")
     p.add_argument("name", nargs="?")
 
@@ -144,9 +159,29 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    from vitflow.train import train
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:  # become torchrun; it starts the N ranks
+        from vitflow.train.distributed import torchrun_command
 
-    r = train(cfg)
+        argv = (["--debug"] if args.debug else []) + ["train"] + (["--preset", args.preset] if args.preset else []) + (
+            ["--config", args.config] if args.config else []) + (["--json"] if args.json else []) + args.overrides
+        cmd = torchrun_command(args.nproc, argv)
+        os.execv(cmd[0], cmd)
+    from vitflow.train import train
+    from vitflow.train.guards import NonFiniteError
+
+    try:
+        r = train(cfg)
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 reports
+        return 0
+    if "interrupted" in r:
+        print(f"{r['interrupted']}: stopped at step {r['step']}; checkpoint: {r['checkpoint']}\n"
+              f"continue with: vitflow train ... train.resume=auto train.run_dir={r['run_dir']}")
+        if args.json:
+            print(json.dumps(r))
+        return 128 + {"SIGTERM": 15, "SIGINT": 2}[r["interrupted"]]
     print(f"test top-1 {r['test_top1']:.2%}  top-5 {r['test_top5']:.2%}  loss {r['test_loss']:.4f}  "
           f"({r['step']} steps, {r['elapsed_s']:.0f} s, {r['train_images_per_s']:.0f} img/s)")
     if r["skipped_images"]:
@@ -162,9 +197,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from vitflow.train.evaluate import evaluate_checkpoint
 
-    r = evaluate_checkpoint(args.checkpoint, args.overrides)
+    r = evaluate_checkpoint(args.checkpoint, args.overrides, weights=args.weights)
     print(f"test top-1 {r['test_top1']:.2%}  top-5 {r['test_top5']:.2%}  loss {r['test_loss']:.4f}  "
-          f"({r['test_images']} images, {r['checkpoint']})")
+          f"({r['test_images']} images, {r['weights']} weights, {r['checkpoint']})")
     if args.json:
         print(json.dumps(r))
     return 0
@@ -173,7 +208,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     from vitflow.infer import Predictor, collect_images
 
-    predictor = Predictor.load(args.checkpoint, args.device, args.precision)
+    predictor = Predictor.load(args.checkpoint, args.device, args.precision, args.weights)
     refs = collect_images(args.inputs)
     if not refs:
         raise FileNotFoundError(f"no images found in {' '.join(args.inputs)}")
@@ -301,6 +336,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lr_schedule(args: argparse.Namespace) -> int:
+    cfg = build_config(args.preset, args.config, args.overrides)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    from vitflow.viz.curves import plot_schedule
+
+    for step, lr in plot_schedule(cfg, args.output):
+        print(f"step {step:>7d}  lr {lr:.3e}")
+    print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from vitflow.viz.report import write_report
+
+    print(f"wrote {write_report(args.run_dir, args.output)}")
+    return 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     if args.name:
         preset_tree(args.name)  # fails with the nearest names if unknown
@@ -323,12 +378,14 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "attention": cmd_attention,
             "export": cmd_export, "quantize": cmd_quantize, "prune": cmd_prune, "prepare": cmd_prepare,
-            "bench": cmd_bench, "presets": cmd_presets, "models": cmd_models}
+            "bench": cmd_bench, "lr-schedule": cmd_lr_schedule, "report": cmd_report, "presets": cmd_presets,
+            "models": cmd_models}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    quiet = os.environ.get("RANK", "0") != "0"  # other ranks of a torchrun job: warnings only
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, ValueError, FileNotFoundError) as e:

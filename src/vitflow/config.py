@@ -55,8 +55,10 @@ class ModelConfig:
     layer_scale: float | None = None  # LayerScale initial value (e.g. 1e-5); None = off
     drop_rate: float = 0.0
     drop_path_rate: float = 0.0
+    patch_drop_rate: float = 0.0  # PatchDropout: fraction of patch tokens dropped per image in training
     grad_checkpointing: str = "none"  # none | all | auto | every:K | block indices "0,3,6"
     grad_checkpointing_budget: str | None = None  # activation memory for auto, e.g. 2GiB
+    distill_token: bool = False  # DeiT distillation token + head_dist (needs global_pool=token)
 
     def validate(self) -> None:
         from vitflow.models import MODELS
@@ -84,6 +86,15 @@ class ModelConfig:
             CheckpointPlan.parse(self.grad_checkpointing, self.grad_checkpointing_budget)
         except ValueError as e:
             raise ConfigError(f"model.grad_checkpointing: {e}") from None
+        _check(0 <= self.patch_drop_rate < 1, "model.patch_drop_rate", self.patch_drop_rate, "in [0, 1)")
+        _check(not self.distill_token or self.global_pool in (None, "token"), "model.global_pool", self.global_pool,
+               "token (or unset) with model.distill_token=true")
+        exact = ("sdpa", "math", "blockwise", "auto")  # attend over any token set, no grid structure
+        for key, on in (("model.patch_drop_rate", self.patch_drop_rate > 0), ("model.distill_token", self.distill_token)):
+            _check(not on or self.attention in exact, "model.attention", self.attention,
+                   f"one of {', '.join(exact)} with {key} (sparse and linear kernels assume the full token grid)")
+            _check(not on or self.pos_embed != "relative", "model.pos_embed", self.pos_embed,
+                   f"learned or sincos2d with {key}")
 
 
 @dataclass
@@ -153,7 +164,14 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """Optimizer, learning-rate schedule (per step) and gradient clipping."""
+    """Optimizer, learning-rate schedule (per step; see :mod:`vitflow.train.schedules`) and
+    gradient clipping.
+
+    LR scaling rule: each preset states its ``lr`` for its ``train.batch_size`` (the global batch,
+    all ranks and micro-batches). For another batch size scale ``lr`` linearly with it (Goyal et
+    al. 2017; DeiT uses ``5e-4 * batch / 512`` with AdamW) and keep the warmup in images, i.e.
+    scale ``warmup_steps`` inversely.
+    """
 
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = 1e-3  # peak learning rate, reached at the end of warmup
@@ -161,9 +179,15 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)  # adamw
     momentum: float = 0.9  # sgd (Nesterov)
     eps: float = 1e-8
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    schedule: Literal["cosine", "linear", "step", "restarts", "constant"] = "cosine"
     warmup_steps: int = 0  # linear warmup from 0 to lr
-    min_lr: float = 0.0  # floor of the decay
+    min_lr: float = 0.0  # floor of cosine / linear / restarts
+    milestones: tuple[float, ...] = (0.5, 0.75)  # step: steps (>= 1) or fractions of total_steps (< 1)
+    gamma: float = 0.1  # step: factor at each milestone
+    cycles: int = 1  # restarts: cosine cycles filling the schedule (SGDR)
+    cycle_mult: float = 1.0  # restarts: each cycle this many times longer than the previous
+    cycle_decay: float = 1.0  # restarts: peak of cycle i is lr * cycle_decay ** i
+    layer_decay: float | None = None  # layer-wise lr decay (BEiT), e.g. 0.65 for fine-tuning
     clip_grad_norm: float | None = 1.0  # global L2 norm; None disables
 
     def validate(self) -> None:
@@ -174,13 +198,22 @@ class OptimConfig:
         _check(0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr, "in [0, optim.lr]")
         _check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "optim.clip_grad_norm",
                self.clip_grad_norm, "> 0 or null")
+        _check(all(m > 0 for m in self.milestones) and list(self.milestones) == sorted(self.milestones),
+               "optim.milestones", self.milestones, "positive and ascending")
+        _check(0 < self.gamma <= 1, "optim.gamma", self.gamma, "in (0, 1]")
+        _check(self.cycles >= 1, "optim.cycles", self.cycles, ">= 1")
+        _check(self.cycle_mult >= 1, "optim.cycle_mult", self.cycle_mult, ">= 1")
+        _check(0 < self.cycle_decay <= 1, "optim.cycle_decay", self.cycle_decay, "in (0, 1]")
+        _check(self.layer_decay is None or 0 < self.layer_decay <= 1, "optim.layer_decay", self.layer_decay,
+               "in (0, 1] or null")
 
 
 @dataclass
 class TrainConfig:
-    """The training loop: steps, batches, precision, evaluation, checkpoints, run directory."""
+    """The training loop: steps, batches, precision, evaluation, checkpoints, run directory,
+    EMA, compilation, the non-finite guard and data-parallel training."""
 
-    batch_size: int = 128  # images per optimizer step (all micro-batches together)
+    batch_size: int = 128  # images per optimizer step (all micro-batches of all ranks together)
     accum_steps: int = 1  # micro-batches per step; each holds batch_size / accum_steps images
     total_steps: int = 1000
     time_budget: str | None = None  # e.g. "15m": end cleanly (evaluate, checkpoint) by then
@@ -195,6 +228,12 @@ class TrainConfig:
     seed: int = 0
     run_dir: str | None = None  # None = runs/<preset>-<timestamp>
     resume: str = "none"  # none | auto | path to a checkpoint
+    ema_decay: float = 0.0  # EMA of the weights, e.g. 0.999; 0 = off
+    ema_warmup: bool = True  # effective decay min(ema_decay, (1 + n) / (10 + n)) after n updates
+    compile: bool = False  # torch.compile the training forward/backward
+    max_nonfinite_steps: int = 10  # this many non-finite steps in a row stop the run
+    distributed: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: DDP, or FSDP2 (fully_shard)
+    tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
 
     def validate(self) -> None:
         for key in ("batch_size", "accum_steps", "total_steps", "log_every", "keep_checkpoints"):
@@ -205,6 +244,8 @@ class TrainConfig:
         _check(self.eval_every >= 0, "train.eval_every", self.eval_every, ">= 0")
         _check(self.checkpoint_every >= 0, "train.checkpoint_every", self.checkpoint_every, ">= 0")
         _check(self.threads is None or self.threads > 0, "train.threads", self.threads, "> 0")
+        _check(0 <= self.ema_decay < 1, "train.ema_decay", self.ema_decay, "in [0, 1)")
+        _check(self.max_nonfinite_steps > 0, "train.max_nonfinite_steps", self.max_nonfinite_steps, "> 0")
         _check(re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device) is not None, "train.device",
                self.device, "auto, cpu, cuda, cuda:N or mps")
         if self.time_budget is not None:
@@ -212,6 +253,21 @@ class TrainConfig:
                 parse_duration(self.time_budget)
             except ValueError as e:
                 raise ConfigError(f"train.time_budget: {e}") from None
+
+
+@dataclass
+class DistillConfig:
+    """Knowledge distillation from a teacher checkpoint (Hinton et al. 2015; DeiT, Touvron et al.
+    2021). Off while ``teacher`` is unset."""
+
+    teacher: str | None = None  # a vitflow checkpoint (file or run directory) trained on the same classes
+    kind: Literal["soft", "hard"] = "hard"  # soft: KL at temperature tau; hard: CE on the teacher's argmax
+    alpha: float = 0.5  # weight of the distillation term; 1 - alpha on the label loss
+    tau: float = 1.0  # soft-distillation temperature
+
+    def validate(self) -> None:
+        _check(0 <= self.alpha <= 1, "distill.alpha", self.alpha, "in [0, 1]")
+        _check(self.tau > 0, "distill.tau", self.tau, "> 0")
 
 
 @dataclass
@@ -224,9 +280,10 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def validate(self) -> "Config":
-        for section in (self.model, self.data, self.optim, self.train):
+        for section in (self.model, self.data, self.optim, self.train, self.distill):
             section.validate()
         return self
 
@@ -302,6 +359,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is tuple:
         if isinstance(value, str):
             value = [v for v in re.split(r"[,\s]+", value.strip("()[] ")) if v]
+        if isinstance(value, (int, float)) and len(args) == 2 and args[1] is Ellipsis:
+            value = [value]
+        if isinstance(value, (list, tuple)) and len(args) == 2 and args[1] is Ellipsis:
+            args = (args[0],) * len(value)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key}={value!r} is invalid: expected {len(args)} values")
         return tuple(_coerce(v, a, key) for v, a in zip(value, args))

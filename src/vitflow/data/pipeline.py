@@ -27,7 +27,7 @@ from vitflow.config import DataConfig
 from vitflow.data.augment import MixupCutmix
 from vitflow.data.decode import CorruptImageError
 from vitflow.data.device import DevicePipeline, Prefetcher
-from vitflow.data.loader import EpochSampler, make_loader
+from vitflow.data.loader import EpochSampler, make_loader, mix_seed
 from vitflow.data.packed import PackedSource, encode_images
 from vitflow.data.sources import DataError, FileSource, ImageSource, TensorSource, open_split
 from vitflow.data.stream import StreamBatches
@@ -206,7 +206,8 @@ def train_loader(source: ImageSource, cfg: DataConfig, image_size: int, batch_si
                  device: torch.device, num_classes: int, start: tuple[int, int] = (0, 0), rank: int = 0,
                  world_size: int = 1) -> TrainLoader:
     """Training batches of ``batch_size`` images from ``start = (epoch, batch index)``, sharded
-    over ``(rank, world_size)``.
+    over ``(rank, world_size)``. Every rank shares the epoch order (``seed``); the augmentation
+    randomness of the random-access path and the device pipeline is seeded per rank.
 
     Raises:
         DataError: stream access on a source that is not a tar.
@@ -217,6 +218,7 @@ def train_loader(source: ImageSource, cfg: DataConfig, image_size: int, batch_si
         image_size, augment, cfg.scale, cfg.padding, cfg.hflip, cfg.interpolation, cfg.auto_augment,
         cfg.color_jitter, cfg.random_erasing)
     workers = choose_workers(cfg, source, transform, batched)
+    aug_seed = seed if world_size == 1 else mix_seed(seed, rank, world_size)
     if cfg.access == "stream":
         if not (isinstance(source, FileSource) and source.spans is not None):
             raise DataError("data.access=stream reads a .tar sequentially; data.path is not a tar")
@@ -228,11 +230,11 @@ def train_loader(source: ImageSource, cfg: DataConfig, image_size: int, batch_si
     else:
         sampler = EpochSampler(len(source), batch_size, shuffle=True, drop_last=True, seed=seed, start=start,
                                rank=rank, world_size=world_size)
-        loader = make_loader(source, transform, sampler, workers, cfg.prefetch, seed)
+        loader = make_loader(source, transform, sampler, workers, cfg.prefetch, aug_seed)
     mix = None
     if cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0:
         mix = MixupCutmix(num_classes, cfg.mixup_alpha, cfg.cutmix_alpha, cfg.mix_prob, cfg.mix_switch_prob)
-    pipeline = DevicePipeline(device, cfg.mean, cfg.std, seed, (cfg.padding if augment == "pad_crop" else 0)
+    pipeline = DevicePipeline(device, cfg.mean, cfg.std, aug_seed, (cfg.padding if augment == "pad_crop" else 0)
                               if batched else None, cfg.hflip, mix)
     threaded = workers > 0 or batched  # never with 0 workers per-image: it seeds the global RNG per batch
     return TrainLoader(loader, pipeline, device, cfg.prefetch, threaded, workers, batched)

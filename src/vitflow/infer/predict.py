@@ -97,11 +97,13 @@ class Predictor:
         self.transform = eval_transform(pp)
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, device: str = "auto", precision: str = "fp32") -> "Predictor":
-        """Raises FileNotFoundError / ValueError for a missing, corrupt or incompatible checkpoint."""
+    def from_checkpoint(cls, path: str | Path, device: str = "auto", precision: str = "fp32",
+                        weights: str = "auto") -> "Predictor":
+        """``weights``: ``auto`` (the EMA weights when the checkpoint has them), ``ema`` or ``raw``.
+        Raises FileNotFoundError / ValueError for a missing, corrupt or incompatible checkpoint."""
         state = load_checkpoint(path)
-        return cls(model_from_checkpoint(state), list(state["classes"]), Preprocess.from_dict(state["preprocess"]),
-                   device, precision, state["path"])
+        return cls(model_from_checkpoint(state, weights), list(state["classes"]),
+                   Preprocess.from_dict(state["preprocess"]), device, precision, state["path"])
 
     @classmethod
     def from_onnx(cls, path: str | Path, threads: int | None = None) -> "Predictor":
@@ -112,13 +114,14 @@ class Predictor:
         return cls(model, info.classes, info.preprocess, "cpu", "fp32", str(path))
 
     @classmethod
-    def load(cls, path: str | Path, device: str = "auto", precision: str = "fp32") -> "Predictor":
-        """:meth:`from_onnx` for a ``.onnx`` file, else :meth:`from_checkpoint`."""
+    def load(cls, path: str | Path, device: str = "auto", precision: str = "fp32", weights: str = "auto"
+             ) -> "Predictor":
+        """:meth:`from_onnx` for a ``.onnx`` file, else :meth:`from_checkpoint` (``weights`` as there)."""
         if is_onnx(path):
             if precision != "fp32":
                 raise ValueError(f"{path} runs in the precision it was exported or quantized in: use --precision fp32")
             return cls.from_onnx(path)
-        return cls.from_checkpoint(path, device, precision)
+        return cls.from_checkpoint(path, device, precision, weights)
 
     @torch.no_grad()
     def predict(self, images: torch.Tensor) -> torch.Tensor:

@@ -193,7 +193,7 @@ def distill_finetune(student: nn.Module, teacher: nn.Module, batches: Iterable[t
     """Fine-tune ``student`` in place for ``steps`` batches with knowledge distillation (Hinton,
     Vinyals & Dean 2015): ``loss = alpha * T^2 * KL(p_teacher^T || p_student^T) + (1 - alpha) *
     CE(student, labels)``. AdamW over vitflow's parameter groups, linear warmup over 5% of the
-    steps then cosine decay to 0 (:mod:`vitflow.train.optim`), gradient clipping at 1.0.
+    steps then cosine decay to 0 (:mod:`vitflow.train.schedules`), gradient clipping at 1.0.
 
     Args:
         batches: an endless iterator of ``(x, targets)`` on ``device``: normalised ``float32
@@ -204,7 +204,8 @@ def distill_finetune(student: nn.Module, teacher: nn.Module, batches: Iterable[t
         The loss of every step.
     """
     from vitflow.config import OptimConfig
-    from vitflow.train.optim import build_optimizer, build_scheduler
+    from vitflow.train.optim import build_optimizer
+    from vitflow.train.schedules import build_scheduler
 
     student.to(device).train()
     teacher = teacher.to(device).eval()

@@ -11,6 +11,7 @@ import fnmatch
 from pathlib import Path
 from typing import Any
 
+from vitflow.models.distilled import VisionTransformerDistilled
 from vitflow.models.vit import VisionTransformer
 
 _SIZES = {  # name: (embed_dim, depth, num_heads)
@@ -34,6 +35,11 @@ MODELS["vit_cifar_patch4_32"] = dict(img_size=32, patch_size=4, embed_dim=192, d
 # For 8x8 images (scikit-learn's handwritten digits, the embedded default): 4x4 grid of 2x2 patches.
 MODELS["vit_digits_patch2_8"] = dict(img_size=8, patch_size=2, embed_dim=64, depth=4, num_heads=2, mlp_ratio=2.0,
                                      global_pool="avg")
+# DeiT with the distillation token (Touvron et al. 2021), timm's names and sizes.
+for _size in ("tiny", "small", "base"):
+    _dim, _depth, _heads = _SIZES[_size]
+    MODELS[f"deit_{_size}_distilled_patch16_224"] = dict(img_size=224, patch_size=16, embed_dim=_dim, depth=_depth,
+                                                        num_heads=_heads, distilled=True)
 
 
 def list_models(pattern: str | None = None) -> list[str]:
@@ -68,10 +74,12 @@ def create_model(name: str, pretrained: str | Path | None = None, **overrides: A
             is reset; a position embedding of another grid is resampled bicubically.
         **overrides: constructor arguments of :class:`VisionTransformer` (``num_classes``,
             ``img_size``, ``drop_path_rate``, ``attention``, ...); ``None`` values are ignored.
+            ``distilled=True`` builds DeiT's :class:`~vitflow.models.distilled.VisionTransformerDistilled`.
     Raises:
         ValueError: unknown name or incompatible weights; FileNotFoundError: missing weights file.
     """
-    model = VisionTransformer(**model_kwargs(name, **overrides))
+    kwargs = model_kwargs(name, **overrides)
+    model = (VisionTransformerDistilled if kwargs.pop("distilled", False) else VisionTransformer)(**kwargs)
     if pretrained is not None:
         from vitflow.models.weights import load_pretrained
 

@@ -151,6 +151,28 @@ class DropPath(nn.Module):
         return f"p={self.p}"
 
 
+class PatchDropout(nn.Module):
+    """PatchDropout (Liu et al. 2022; timm's ``patch_drop_rate``): in training, each sample keeps
+    a random ``1 - p`` of its patch tokens (the prefix tokens always), so every block costs about
+    ``1 - p`` as much; the identity in eval mode. ``(B, P + N, D) -> (B, P + K, D)``,
+    ``K = max(1, int(N * (1 - p)))``; uses the global torch RNG."""
+
+    def __init__(self, p: float = 0.0):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
+        if self.p == 0.0 or not self.training:
+            return x
+        prefix, patches = x[:, :num_prefix_tokens], x[:, num_prefix_tokens:]
+        b, n, d = patches.shape
+        keep = torch.rand(b, n, device=x.device).argsort(dim=1)[:, :max(1, int(n * (1 - self.p)))]
+        return torch.cat([prefix, patches.gather(1, keep.unsqueeze(-1).expand(-1, -1, d))], dim=1)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
 class LayerScale(nn.Module):
     """Per-channel learned scale of a residual branch, initialised to a small constant
     (CaiT, Touvron et al. 2021). ``(..., D) -> (..., D)``; parameter ``gamma (D,)``."""
@@ -213,6 +235,8 @@ class VisionTransformer(nn.Module):
             ``depth``) for pruned models (:mod:`vitflow.infer.prune`); ``None`` gives every block
             ``num_heads`` heads of ``embed_dim // num_heads`` and ``int(embed_dim * mlp_ratio)``
             hidden units (the timm layout). Pruned blocks keep the unpruned head dimension.
+        patch_drop_rate: fraction of patch tokens dropped per sample in training (:class:`PatchDropout`;
+            needs an attention that takes any token set: no ``relative`` position bias, no sparse pattern).
 
     ``forward(x)``: ``(B, in_chans, H, W)`` float -> logits ``(B, num_classes)``; H and W may
     differ from ``img_size`` (multiples of the patch size): the position encoding follows.
@@ -224,7 +248,8 @@ class VisionTransformer(nn.Module):
                  attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0, attention: str = "sdpa",
                  pos_embed: str = "learned", layer_scale_init: float | None = None, attn_block_size: int = 128,
                  attn_window: int = 3, linformer_k: int | None = None, performer_features: int | None = None,
-                 block_heads: list[int] | None = None, block_mlp_hidden: list[int] | None = None):
+                 block_heads: list[int] | None = None, block_mlp_hidden: list[int] | None = None,
+                 patch_drop_rate: float = 0.0):
         super().__init__()
         if global_pool not in ("token", "avg"):
             raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
@@ -251,6 +276,7 @@ class VisionTransformer(nn.Module):
         else:
             self.pos_embed = None
         self.pos_drop = nn.Dropout(drop_rate)
+        self.patch_drop = PatchDropout(patch_drop_rate)
         dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
         for name, per_block in (("block_heads", block_heads), ("block_mlp_hidden", block_mlp_hidden)):
             if per_block is not None and (len(per_block) != depth or min(per_block) < 1):
@@ -368,6 +394,7 @@ class VisionTransformer(nn.Module):
         """``(B, C, H, W)`` -> tokens ``(B, N, D)`` after the final norm (class token first when
         ``global_pool == "token"``)."""
         x, grid = self._embed(x)
+        x = self.patch_drop(x, self.num_prefix_tokens)
         ckpt = self._checkpointed_blocks(x, grid)
         for i, blk in enumerate(self.blocks):
             x = checkpoint(blk, x, grid, use_reentrant=False) if i in ckpt else blk(x, grid)

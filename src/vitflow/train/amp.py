@@ -48,6 +48,29 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, through the fp16 loss scale when there is one."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def clip_grad_norm(self, optimizer: torch.optim.Optimizer, params, max_norm: float | None) -> float:
+        """Unscale the gradients (fp16), clip their global L2 norm to ``max_norm`` (``None``: no
+        clipping) and return the norm before clipping (``inf``/``nan`` when non-finite)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
+
+    def step(self, optimizer: torch.optim.Optimizer, take: bool = True) -> None:
+        """Apply the optimizer step when ``take`` (fp16: unless the scaler found an overflow) and
+        update the loss scale."""
+        if self.scaler is None:
+            if take:
+                optimizer.step()
+            return
+        if take:
+            self.scaler.step(optimizer)
+        self.scaler.update()
+
 
 def resolve_precision(name: str, device: torch.device) -> Precision:
     """``auto``: bf16 on CUDA with bf16 support (else fp16), bf16 on CPUs with native bf16,

@@ -4,6 +4,11 @@ A checkpoint is one ``torch.save`` file, ``RUN_DIR/checkpoints/step-XXXXXXXX.pt`
 
     format, version, step, model, optimizer, scheduler, scaler, rng, data (loader position),
     config, model_args, classes, preprocess, metrics
+    ema (``{"module": state_dict, "updates": n}`` or None), rng_ranks (one RNG state per rank
+    of a distributed run, or None), guard (non-finite step counters)
+
+``model`` always holds the trained weights (what training resumes from); ``ema`` the averaged
+ones, which inference uses when present (:func:`model_from_checkpoint`).
 
 It is written to a hidden temporary file in the same folder, flushed and fsync'ed, then renamed
 over the final name (``os.replace`` is atomic on POSIX) and the folder fsync'ed: a run killed at
@@ -143,23 +148,35 @@ def apply_quantization(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
         return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
 
 
-def model_from_checkpoint(state: dict[str, Any]) -> torch.nn.Module:
+WEIGHTS = ("auto", "ema", "raw")
+
+
+def model_from_checkpoint(state: dict[str, Any], weights: str = "auto") -> torch.nn.Module:
     """Rebuild the model a checkpoint was trained with and load its weights (eval mode, CPU).
 
     ``model_args`` may carry per-block head counts / MLP sizes (pruned models); a
     ``quantization`` key (see :func:`apply_quantization`) rebuilds the quantised form.
 
+    Args:
+        weights: ``auto``: the EMA weights when the checkpoint has them, else the trained ones;
+            ``ema``: the EMA weights (error without); ``raw``: the trained weights.
     Raises:
-        ValueError: the weights do not fit the saved model arguments.
+        ValueError: the weights do not fit the saved model arguments; ``ema`` asked for a
+            checkpoint without EMA; an unknown ``weights``.
     """
     from vitflow.models import create_model
 
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    ema = state.get("ema")
+    if weights == "ema" and not ema:
+        raise ValueError(f"checkpoint {state.get('path')} has no EMA weights (trained without train.ema_decay)")
     args = dict(state["model_args"])
     model = create_model(args.pop("name"), **args)
     if state.get("quantization"):
         model = apply_quantization(model.eval(), state["quantization"])
     try:
-        model.load_state_dict(state["model"])
+        model.load_state_dict(ema["module"] if ema and weights != "raw" else state["model"])
     except RuntimeError as e:
         raise ValueError(f"checkpoint {state.get('path')} does not fit its saved model arguments: {e}") from None
     return model.eval()

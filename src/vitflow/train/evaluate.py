@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any, Callable
+
 import torch
 
 from vitflow.data import SkipReport, normalize
@@ -12,22 +15,28 @@ from vitflow.train.losses import topk_correct
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Precision, pp: Preprocess,
-             skips: SkipReport | None = None) -> dict[str, float]:
+             skips: SkipReport | None = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+             num_classes: int | None = None) -> dict[str, Any]:
     """One pass over ``loader`` in eval mode.
 
+    Args:
+        reduce: sums a tensor over the ranks of a distributed evaluation (each rank passing a
+            loader over its own shard), e.g. :meth:`vitflow.train.distributed.DistEnv.all_reduce_sum`.
+        num_classes: the model's class count (default: the logits' width).
     Returns:
         ``{"loss": mean cross-entropy (no smoothing), "top1": fraction, "top5": fraction,
-        "images": images scored, "skipped": unreadable images}``.
+        "images": images scored, "skipped": unreadable images, "confusion": C x C counts (row:
+        true class, column: predicted class), "per_class_top1": C fractions (``None`` for a class
+        without images)}``.
     Raises:
-        ValueError: the loader yielded no readable image.
+        ValueError: no readable image (on every rank together).
     """
     was_training = model.training
     model.eval()
-    n = correct1 = correct5 = 0
-    loss_sum = 0.0
-    skipped = 0
+    totals = torch.zeros(5, dtype=torch.float64)  # loss sum, top-1, top-5, images, skipped
+    confusion = torch.zeros((num_classes or 0) ** 2, dtype=torch.int64, device=device)
     for batch in loader:
-        skipped += len(batch["bad"])
+        totals[4] += len(batch["bad"])
         if skips is not None:
             skips.add(-1, batch["bad"])
         if len(batch["labels"]) == 0:
@@ -36,21 +45,37 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
         y = batch["labels"].to(device, non_blocking=True)
         with precision.autocast():
             logits = model(x)
-        loss_sum += float(torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum"))
+        c = logits.shape[1]
+        if confusion.numel() != c * c:
+            confusion = torch.zeros(c * c, dtype=torch.int64, device=device)
+        confusion += torch.bincount(y * c + logits.argmax(dim=1), minlength=c * c)
+        totals[0] += float(torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum"))
         c1, c5 = topk_correct(logits, y)
-        correct1, correct5, n = correct1 + c1, correct5 + c5, n + len(y)
+        totals[1:4] += torch.tensor([c1, c5, len(y)], dtype=torch.float64)
     model.train(was_training)
+    if reduce is not None:
+        totals = reduce(totals.to(device)).cpu()
+        confusion = reduce(confusion)
+    loss_sum, c1, c5, n, skipped = totals.tolist()
     if n == 0:
         raise ValueError("evaluation found no readable images")
-    return {"loss": loss_sum / n, "top1": correct1 / n, "top5": correct5 / n, "images": n, "skipped": skipped}
+    c = math.isqrt(confusion.numel())
+    confusion = confusion.view(c, c).cpu()
+    counts = confusion.sum(dim=1).tolist()
+    per_class = [hits / count if count else None for hits, count in zip(confusion.diag().tolist(), counts)]
+    return {"loss": loss_sum / n, "top1": c1 / n, "top5": c5 / n, "images": int(n), "skipped": int(skipped),
+            "confusion": confusion.tolist(), "per_class_top1": per_class}
 
 
-def evaluate_checkpoint(path, overrides=(), device: str | None = None) -> dict:
+def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: str = "auto") -> dict:
     """Evaluate a checkpoint on its config's ``data.test_split`` (after ``key=value`` overrides,
     e.g. ``data.path=...`` or ``data.test_split=...``), labelling with the checkpoint's classes.
 
+    Args:
+        weights: ``auto`` (the EMA weights when saved, else the trained ones), ``ema`` or ``raw``.
     Returns:
-        :func:`evaluate`'s metrics prefixed ``test_`` plus ``checkpoint`` and ``step``.
+        :func:`evaluate`'s scalar metrics prefixed ``test_`` plus ``checkpoint``, ``step`` and
+        ``weights`` (``ema`` or ``raw``, the weights evaluated).
     Raises:
         FileNotFoundError / ValueError: unreadable checkpoint; ConfigError; DataError.
     """
@@ -72,5 +97,8 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None) -> dict:
     pp = Preprocess.from_dict(state["preprocess"])
     test = open_split(cfg.data.path, cfg.data.test_split, cfg.data.source, classes=list(state["classes"]))
     loader = eval_loader(test, pp, cfg.data.eval_batch_size or 256, cfg.data.num_workers)
-    result = evaluate(model_from_checkpoint(state).to(dev), loader, dev, precision, pp)
-    return {**{f"test_{k}": v for k, v in result.items()}, "checkpoint": state["path"], "step": state["step"]}
+    model = model_from_checkpoint(state, weights).to(dev)
+    result = evaluate(model, loader, dev, precision, pp)
+    used = "ema" if state.get("ema") and weights != "raw" else "raw"
+    return {**{f"test_{k}": v for k, v in result.items() if k not in ("confusion", "per_class_top1")},
+            "checkpoint": state["path"], "step": state["step"], "weights": used}

@@ -1,36 +1,120 @@
-"""Run metrics: one JSON object per line in ``RUN_DIR/metrics.jsonl``, flushed per record."""
+"""Run metrics, written as they happen to files a person or a tool can read at any time:
+
+- ``RUN_DIR/metrics.jsonl``: every record, one JSON object per line (``{"time": unix seconds,
+  "kind": ..., ...}``), flushed per record; the source of ``vitflow report``;
+- ``RUN_DIR/metrics_train.csv`` and ``RUN_DIR/metrics_eval.csv``: the ``train`` and ``eval``
+  records as CSV (columns fixed by the file's first record; a resumed run appends);
+- ``RUN_DIR/tb/``: TensorBoard event files with the same scalars, when the ``tensorboard``
+  package is installed (optional: ``pip install tensorboard``) and ``train.tensorboard`` is on.
+
+Non-finite floats are written as ``null`` / empty.
+"""
 
 from __future__ import annotations
 
+import csv
 import json
+import logging
 import math
+import os
+import resource
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+log = logging.getLogger(__name__)
+
+CSV_KINDS = ("train", "eval")
+
 
 class MetricsLog:
-    """Appends records ``{"time": unix seconds, "kind": ..., ...}`` to a JSONL file; a resumed
-    run appends to the same file. Non-finite floats are written as ``null``."""
+    """Appends records to the files above; a resumed run appends to the same files.
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", buffering=1)
+    Args:
+        run_dir: the run directory.
+        tensorboard: also write TensorBoard events if ``torch.utils.tensorboard`` imports.
+        enabled: ``False`` makes every call a no-op (ranks other than 0 of a distributed run).
+    """
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, enabled: bool = True):
+        self.run_dir, self.enabled = Path(run_dir), enabled
+        self._csv: dict[str, tuple[Any, csv.DictWriter]] = {}
+        self._tb = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+            except ImportError:
+                log.debug("tensorboard is not installed: no event files")
 
     def write(self, kind: str, **values: Any) -> dict:
+        """Record ``values`` under ``kind``; returns the record."""
         rec = {"time": round(time.time(), 3), "kind": kind, **{k: _clean(v) for k, v in values.items()}}
+        if not self.enabled:
+            return rec
         self._f.write(json.dumps(rec) + "\n")
+        if kind in CSV_KINDS:
+            self._csv_writer(kind, rec).writerow({k: v for k, v in rec.items() if _scalar(v)})
+        if self._tb is not None and kind in CSV_KINDS and "step" in rec:
+            for k, v in rec.items():
+                if k not in ("time", "kind", "step", "epoch") and isinstance(v, (int, float)) and v is not None:
+                    self._tb.add_scalar(f"{kind}/{k}", v, rec["step"])
         return rec
 
+    def _csv_writer(self, kind: str, rec: dict) -> csv.DictWriter:
+        if kind not in self._csv:
+            path = self.run_dir / f"metrics_{kind}.csv"
+            fields = None
+            if path.is_file() and path.stat().st_size:
+                with open(path, newline="") as f:
+                    fields = next(csv.reader(f), None)
+            f = open(path, "a", newline="", buffering=1)
+            writer = csv.DictWriter(f, fieldnames=fields or [k for k, v in rec.items() if _scalar(v)],
+                                    extrasaction="ignore")
+            if not fields:
+                writer.writeheader()
+            self._csv[kind] = (f, writer)
+        return self._csv[kind][1]
+
     def close(self) -> None:
+        if not self.enabled:
+            return
         self._f.close()
+        for f, _ in self._csv.values():
+            f.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 def read_metrics(path: str | Path) -> list[dict]:
     """All records of a ``metrics.jsonl`` file."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def memory_mb(device: torch.device) -> float:
+    """Memory in MiB since the last call: on CUDA the peak allocated by tensors (then the peak is
+    reset); elsewhere the process's resident set size now (Linux ``/proc``; else its peak)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**20
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (int, float, str, bool))
 
 
 def _clean(v: Any) -> Any:

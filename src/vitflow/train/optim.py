@@ -1,61 +1,57 @@
-"""Optimizers, parameter groups and per-step learning-rate schedules (the one place for them)."""
+"""Optimizers and their parameter groups: no weight decay on norms, biases, position embedding
+and tokens; layer-wise learning-rate decay for fine-tuning. Schedules: :mod:`vitflow.train.schedules`."""
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
 
 import torch
 
 from vitflow.config import OptimConfig
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: weight decay on weight matrices / kernels; none on norms, biases (all 1-D
-    parameters) and the names in ``model.no_weight_decay()`` (position embedding, class token)."""
+def layer_id(name: str, depth: int) -> int:
+    """Depth of parameter ``name`` for layer-wise lr decay (BEiT, Bao et al. 2022): 0 for the
+    patch embedding, position embedding and class / distillation tokens, ``i + 1`` for
+    ``blocks.i.*``, ``depth + 1`` for everything after the blocks (final norm, heads)."""
+    if name.startswith(("patch_embed", "pos_embed", "cls_token", "dist_token", "reg_token")):
+        return 0
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) + 1
+    return depth + 1
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, lr: float = 1.0,
+                 layer_decay: float | None = None) -> list[dict]:
+    """Parameter groups for the optimizer.
+
+    Weight decay applies to weight matrices / kernels only; norms, biases (all 1-D parameters)
+    and the names in ``model.no_weight_decay()`` (position embedding, class token) get none.
+    With ``layer_decay = d`` (BEiT-style fine-tuning), a parameter of :func:`layer_id` ``i`` in a
+    model of ``D`` blocks gets learning rate ``lr * d ** (D + 1 - i)``: the head trains at
+    ``lr``, the embeddings at ``lr * d ** (D + 1)``. Each group records its ``lr_scale``.
+
+    Returns:
+        Non-empty groups ``{"params", "weight_decay", "lr", "lr_scale"}``; without layer decay the
+        decayed group first, then the undecayed one.
+    """
     skip = set(getattr(model, "no_weight_decay", lambda: set())())
-    decay, no_decay = [], []
+    depth = len(getattr(model, "blocks", ()))
+    groups: dict[tuple[int, bool], dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim <= 1 or name in skip else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        no_decay = p.ndim <= 1 or name in skip
+        depth_id = layer_id(name, depth) if layer_decay is not None else 0
+        scale = layer_decay ** (depth + 1 - depth_id) if layer_decay is not None else 1.0
+        group = groups.setdefault((depth_id, no_decay), {"params": [], "weight_decay": 0.0 if no_decay else weight_decay,
+                                                         "lr": lr * scale, "lr_scale": scale})
+        group["params"].append(p)
+    return [groups[k] for k in sorted(groups)]
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW (Loshchilov & Hutter 2019) or SGD with Nesterov momentum, over :func:`param_groups`."""
-    groups = param_groups(model, cfg.weight_decay)
+    """AdamW (Loshchilov & Hutter 2019) or SGD with Nesterov momentum (Sutskever et al. 2013),
+    over :func:`param_groups` (with ``optim.layer_decay`` when set)."""
+    groups = param_groups(model, cfg.weight_decay, cfg.lr, cfg.layer_decay)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
-
-
-@dataclass
-class WarmupDecay:
-    """Learning-rate multiplier at optimizer step ``s`` (0-based; the step's own update).
-
-    Linear warmup ``(s + 1) / warmup_steps`` (Goyal et al. 2017), then ``cosine``
-    (Loshchilov & Hutter 2017, no restarts), ``linear`` or ``constant`` decay from 1 to
-    ``min_ratio`` at ``total_steps``. Picklable, so its state travels in checkpoints.
-    """
-
-    total_steps: int
-    warmup_steps: int = 0
-    kind: str = "cosine"
-    min_ratio: float = 0.0
-
-    def __call__(self, s: int) -> float:
-        if s < self.warmup_steps:
-            return (s + 1) / self.warmup_steps
-        if self.kind == "constant":
-            return 1.0
-        t = min(1.0, (s - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
-        shape = 0.5 * (1.0 + math.cos(math.pi * t)) if self.kind == "cosine" else 1.0 - t
-        return self.min_ratio + (1.0 - self.min_ratio) * shape
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig,
-                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """A per-step :class:`torch.optim.lr_scheduler.LambdaLR` driven by :class:`WarmupDecay`."""
-    fn = WarmupDecay(total_steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr / cfg.lr)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

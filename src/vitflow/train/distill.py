@@ -1,0 +1,103 @@
+"""Training criteria: the label loss, and knowledge distillation from a teacher checkpoint.
+
+A criterion is called as ``criterion(outputs, targets, x) -> loss`` inside the training step's
+autocast region: ``outputs`` are the model's logits ``(B, C)`` (or the pair of head logits of a
+distilled ViT in training), ``targets`` class indices or Mixup/CutMix soft targets, ``x`` the
+normalised input batch the teacher also sees (after Mixup/CutMix, as in DeiT).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from vitflow.config import DistillConfig
+from vitflow.data.transforms import Preprocess
+from vitflow.train.losses import classification_loss, hard_distillation_loss, soft_distillation_loss
+
+log = logging.getLogger(__name__)
+
+
+class LabelLoss:
+    """Cross-entropy with label smoothing (:func:`~vitflow.train.losses.classification_loss`)."""
+
+    def __init__(self, label_smoothing: float = 0.0):
+        self.label_smoothing = label_smoothing
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return classification_loss(outputs, targets, self.label_smoothing)
+
+
+class Teacher:
+    """A frozen model from a vitflow checkpoint that scores the student's input batches.
+
+    ``__call__(x)``: ``x`` float ``(B, 3, S, S)`` normalised with the student's ``mean``/``std``
+    -> teacher logits ``(B, C)``. The batch is re-normalised with the teacher's own ``mean``/``std``
+    and resized to its input size when those differ (its saved preprocessing).
+
+    Raises (at construction):
+        FileNotFoundError / ValueError: unreadable checkpoint, or trained on other classes.
+    """
+
+    def __init__(self, path: str, classes: list[str], student_pp: Preprocess, device: torch.device):
+        from vitflow.train.checkpoint import load_checkpoint, model_from_checkpoint
+
+        state = load_checkpoint(path)
+        if list(state["classes"]) != list(classes):
+            raise ValueError(f"distill.teacher={path}: the teacher was trained on classes "
+                             f"{list(state['classes'])[:5]}..., the data has {list(classes)[:5]}...")
+        self.model = model_from_checkpoint(state).to(device).requires_grad_(False)
+        self.pp, self.student_pp = Preprocess.from_dict(state["preprocess"]), student_pp
+        self.path = state["path"]
+        mean_s, std_s = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in (student_pp.mean, student_pp.std))
+        mean_t, std_t = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in (self.pp.mean, self.pp.std))
+        # teacher input = (x * std_s + mean_s - mean_t) / std_t, as one multiply-add
+        self.scale, self.shift = std_s / std_t, (mean_s - mean_t) / std_t
+        self.same_norm = self.pp.mean == student_pp.mean and self.pp.std == student_pp.std
+        log.info("distillation teacher %s (%s, step %d)", self.path, state["model_args"]["name"], state["step"])
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.same_norm:
+            x = x * self.scale + self.shift
+        if x.shape[-1] != self.pp.image_size or x.shape[-2] != self.pp.image_size:
+            x = F.interpolate(x, size=(self.pp.image_size, self.pp.image_size), mode=self.pp.interpolation,
+                              align_corners=False, antialias=True)
+        return self.model(x)
+
+
+class DistillationLoss:
+    """DeiT's objective (Touvron et al. 2021, sec. 5.2)::
+
+        (1 - alpha) * CE_smoothed(cls_logits, targets) + alpha * D(dist_logits, teacher(x))
+
+    with ``D`` the soft (KL at temperature ``tau``) or hard (CE on the teacher's argmax)
+    distillation loss. A distilled ViT supplies ``(cls_logits, dist_logits)`` from its two heads;
+    any other model uses its one output for both terms.
+    """
+
+    def __init__(self, teacher: Teacher, kind: str = "hard", alpha: float = 0.5, tau: float = 1.0,
+                 label_smoothing: float = 0.0):
+        if kind not in ("soft", "hard"):
+            raise ValueError(f"distill.kind must be soft or hard, got {kind!r}")
+        self.teacher, self.kind, self.alpha, self.tau = teacher, kind, alpha, tau
+        self.label_loss = LabelLoss(label_smoothing)
+
+    def __call__(self, outputs, targets: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        cls, dist = outputs if isinstance(outputs, tuple) else (outputs, outputs)
+        t = self.teacher(x)
+        d = soft_distillation_loss(dist, t, self.tau) if self.kind == "soft" else hard_distillation_loss(dist, t)
+        return (1 - self.alpha) * self.label_loss(cls, targets, x) + self.alpha * d
+
+
+def build_criterion(cfg: DistillConfig, label_smoothing: float, model: torch.nn.Module, classes: list[str],
+                    pp: Preprocess, device: torch.device):
+    """The run's criterion: :class:`LabelLoss`, or :class:`DistillationLoss` when
+    ``distill.teacher`` is set (which also switches a distilled ViT to returning both heads)."""
+    if not cfg.teacher:
+        return LabelLoss(label_smoothing)
+    if hasattr(model, "distilled_training"):
+        model.distilled_training = True
+    return DistillationLoss(Teacher(cfg.teacher, classes, pp, device), cfg.kind, cfg.alpha, cfg.tau, label_smoothing)

@@ -1,0 +1,196 @@
+"""``vitflow report RUN_DIR``: a run's curves as PNG files and one self-contained HTML page.
+
+Reads what a run writes (``metrics.jsonl``, ``config.yaml``, ``eval.json``) and writes::
+
+    RUN_DIR/report/loss.png         train loss (and test loss at each evaluation), grad norm
+    RUN_DIR/report/accuracy.png     test top-1 / top-5 (and the EMA's) at each evaluation
+    RUN_DIR/report/lr.png           learning rate per logged step
+    RUN_DIR/report/throughput.png   images/s and the data-stall fraction
+    RUN_DIR/report.html             the four PNGs embedded as base64, the final metrics, the
+                                    last evaluation's per-class top-1 and confusion matrix,
+                                    and the config: one file, no external resources
+
+A resumed run's records are merged by step (the latest record of a step wins).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from vitflow.train.logging import read_metrics
+from vitflow.viz.curves import line_plot
+
+MAX_MATRIX_CLASSES = 40  # larger confusion matrices are summarised as the most frequent confusions
+
+
+def _by_step(records: list[dict], kind: str) -> list[dict]:
+    latest = {r["step"]: r for r in records if r.get("kind") == kind and "step" in r}
+    return [latest[s] for s in sorted(latest)]
+
+
+def _xy(records: list[dict], key: str) -> tuple[list[float], list[float]]:
+    pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def write_curves(records: list[dict], out: Path) -> dict[str, Path]:
+    """The four PNGs of the module docstring into folder ``out``; returns ``{name: path}``."""
+    out.mkdir(parents=True, exist_ok=True)
+    train, evals = _by_step(records, "train"), _by_step(records, "eval")
+    marker = {"marker": "o", "markersize": 4}
+    loss = [("train loss", *_xy(train, "loss"), {}), ("test loss", *_xy(evals, "loss"), marker)]
+    if any("ema_loss" in e for e in evals):
+        loss.append(("EMA test loss", *_xy(evals, "ema_loss"), marker))
+    acc = [("top-1", *_xy(evals, "top1"), marker), ("top-5", *_xy(evals, "top5"), {**marker, "alpha": 0.6})]
+    if any("ema_top1" in e for e in evals):
+        acc.append(("EMA top-1", *_xy(evals, "ema_top1"), {**marker, "linestyle": "--"}))
+    acc = [(label, xs, [100 * y for y in ys], kw) for label, xs, ys, kw in acc]
+    stall_x, stall_y = _xy(train, "data_stall")
+    return {
+        "loss": line_plot(out / "loss.png", "loss", loss, "cross-entropy",
+                          right=[("grad norm", *_xy(train, "grad_norm"), {"color": "gray", "alpha": 0.4,
+                                                                          "linewidth": 0.8})],
+                          right_label="gradient L2 norm"),
+        "accuracy": line_plot(out / "accuracy.png", "test accuracy", acc, "%"),
+        "lr": line_plot(out / "lr.png", "learning rate", [("lr", *_xy(train, "lr"), {})], "learning rate"),
+        "throughput": line_plot(out / "throughput.png", "throughput",
+                                [("images/s", *_xy(train, "images_per_s"), {})], "images/s",
+                                right=[("data stall", stall_x, [100 * y for y in stall_y],
+                                        {"color": "tab:red", "alpha": 0.6})], right_label="data stall, % of time"),
+    }
+
+
+def final_metrics(records: list[dict]) -> dict[str, Any]:
+    """The headline numbers: the ``summary`` record when the run finished, else what the last
+    ``eval`` / ``train`` / ``interrupted`` records say, plus device, precision, ranks and the
+    peak memory logged."""
+    start = next((r for r in reversed(records) if r.get("kind") == "start"), {})
+    summary = next((r for r in reversed(records) if r.get("kind") in ("summary", "interrupted")), None)
+    train, evals = _by_step(records, "train"), _by_step(records, "eval")
+    out: dict[str, Any] = {}
+    if summary and summary["kind"] == "summary":
+        out.update({k: summary[k] for k in ("test_top1", "test_top5", "test_loss", "raw_test_top1", "step",
+                                            "elapsed_s", "train_images_per_s", "skipped_steps", "skipped_images")
+                    if k in summary})
+    else:
+        if evals:
+            out.update(test_top1=evals[-1]["top1"], test_top5=evals[-1]["top5"], test_loss=evals[-1]["loss"])
+        out["step"] = (summary or (train[-1] if train else {})).get("step")
+        out["status"] = f"interrupted ({summary['interrupted']})" if summary else "incomplete"
+    if train:
+        out["epochs"] = train[-1].get("epoch", 0) + 1
+        mem = [r["memory_mb"] for r in train if r.get("memory_mb") is not None]
+        if mem:
+            out["peak_memory_mb"] = max(mem)
+    out.update({k: start[k] for k in ("device", "precision", "world_size", "micro_batch", "train_images",
+                                      "test_images") if k in start})
+    return out
+
+
+def _img(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f'<img alt="{path.stem}" src="data:image/png;base64,{data}">'
+
+
+def _fmt(key: str, v: Any) -> str:
+    if isinstance(v, float) and ("top" in key):
+        return f"{v:.2%}"
+    if isinstance(v, float):
+        return f"{v:,.4g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return html.escape(str(v))
+
+
+def _per_class_table(ev: dict) -> str:
+    rows = []
+    for name, acc, row in zip(ev["classes"], ev["per_class_top1"], ev["confusion"]):
+        pct = "n/a" if acc is None else f"{acc:.1%}"
+        width = 0 if acc is None else round(200 * acc)
+        rows.append(f"<tr><td>{html.escape(name)}</td><td class=num>{sum(row)}</td><td class=num>{pct}</td>"
+                    f'<td><div class=bar style="width:{width}px"></div></td></tr>')
+    return "<table><tr><th>class</th><th>images</th><th>top-1</th><th></th></tr>" + "".join(rows) + "</table>"
+
+
+def _confusion_html(ev: dict) -> str:
+    classes, m = ev["classes"], ev["confusion"]
+    if len(classes) > MAX_MATRIX_CLASSES:
+        pairs = sorted(((m[i][j], i, j) for i in range(len(m)) for j in range(len(m)) if i != j and m[i][j]),
+                       reverse=True)[:25]
+        rows = "".join(f"<tr><td>{html.escape(classes[i])}</td><td>{html.escape(classes[j])}</td>"
+                       f"<td class=num>{n}</td></tr>" for n, i, j in pairs)
+        return ("<p>Too many classes for a matrix; the most frequent confusions:</p>"
+                f"<table><tr><th>true</th><th>predicted</th><th>images</th></tr>{rows}</table>")
+    head = "".join(f"<th class=rot><div>{html.escape(c)}</div></th>" for c in classes)
+    body = []
+    for i, (name, row) in enumerate(zip(classes, m)):
+        total = max(sum(row), 1)
+        cells = []
+        for j, n in enumerate(row):
+            frac = n / total
+            color = f"rgba(31,119,180,{frac:.3f})" if i == j else f"rgba(214,39,40,{min(1, 3 * frac):.3f})"
+            cells.append(f'<td class=num style="background:{color}">{n}</td>')
+        body.append(f"<tr><th>{html.escape(name)}</th>{''.join(cells)}</tr>")
+    return (f"<table class=cm><tr><th>true \\ predicted</th>{head}</tr>{''.join(body)}</table>"
+            "<p class=note>Rows: true class; columns: predicted class. Blue: correct (shade = the row's "
+            "fraction); red: confusions (shade = 3 x the row's fraction).</p>")
+
+
+_CSS = """
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1400px}
+h1{font-size:22px;margin-bottom:4px} h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd}
+.sub{color:#666;font-size:13px} table{border-collapse:collapse;font-size:13px}
+td,th{border:1px solid #ddd;padding:3px 7px;text-align:left} .num{text-align:right}
+.grid{display:grid;grid-template-columns:repeat(2,minmax(0,1fr));gap:12px} .grid img{width:100%}
+.bar{height:10px;background:#1f77b4} pre{background:#f6f6f6;padding:10px;font-size:12px;overflow:auto}
+.cm td{min-width:34px} .rot div{writing-mode:vertical-rl;transform:rotate(180deg);max-height:110px}
+.note{color:#666;font-size:12px} .kpi{display:flex;gap:16px;flex-wrap:wrap}
+.kpi div{border:1px solid #ddd;border-radius:6px;padding:8px 14px} .kpi b{font-size:20px;display:block}
+"""
+
+
+def write_report(run_dir: str | Path, output: str | Path | None = None) -> Path:
+    """Write the PNGs and the HTML page of the module docstring; returns the HTML path.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` has no ``metrics.jsonl``.
+    """
+    run = Path(run_dir)
+    if not (run / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"{run} is not a run directory: no metrics.jsonl")
+    records = read_metrics(run / "metrics.jsonl")
+    html_path = Path(output) if output else run / "report.html"
+    pngs = write_curves(records, html_path.parent / "report")
+    final = final_metrics(records)
+    config = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else "(no config.yaml)"
+    ev = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else None
+
+    kpi_keys = [("test_top1", "test top-1"), ("test_top5", "test top-5"), ("test_loss", "test loss"),
+                ("step", "steps"), ("epochs", "epochs"), ("train_images_per_s", "train images/s")]
+    kpis = "".join(f"<div>{label}<b>{_fmt(k, final[k])}</b></div>" for k, label in kpi_keys
+                   if final.get(k) is not None)
+    table = "".join(f"<tr><td>{html.escape(k)}</td><td class=num>{_fmt(k, v)}</td></tr>" for k, v in final.items()
+                    if v is not None)
+    images = "".join(_img(pngs[k]) for k in ("loss", "accuracy", "lr", "throughput"))
+    if ev:
+        last = (f"<h2>Last evaluation: step {ev['step']}, {html.escape(str(ev['split']))} split, "
+                f"{ev['images']} images, {ev['weights']} weights</h2>"
+                f"<p>top-1 {ev['top1']:.2%}, top-5 {ev['top5']:.2%}, loss {ev['loss']:.4f}</p>"
+                f"<h3>Per-class top-1</h3>{_per_class_table(ev)}<h3>Confusion matrix</h3>{_confusion_html(ev)}")
+    else:
+        last = "<h2>Last evaluation</h2><p>No eval.json in the run directory.</p>"
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>vitflow report: {html.escape(run.name)}</title><style>{_CSS}</style></head>
+<body><h1>vitflow run {html.escape(run.name)}</h1>
+<div class=sub>{html.escape(str(run.resolve()))} &middot; report written {dt.datetime.now():%Y-%m-%d %H:%M}</div>
+<h2>Final metrics</h2><div class=kpi>{kpis}</div><p></p><table>{table}</table>
+<h2>Curves</h2><div class=grid>{images}</div>
+{last}
+<h2>Config</h2><pre>{html.escape(config)}</pre>
+</body></html>
+"""
+    html_path.write_text(page)
+    return html_path
