@@ -54,6 +54,15 @@ def test_user_errors_exit_2_naming_the_problem(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "none.pt")]) == 2
     assert "none.pt" in capsys.readouterr().err
     assert main(["predict", str(tmp_path / "none.pt"), str(tmp_path)]) == 2
+    capsys.readouterr()
+    (tmp_path / "model.onnx").write_bytes(b"\x08\x09onnx-ish")
+    assert main(["eval", str(tmp_path / "model.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "model.onnx is an ONNX model" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "junk.pt").write_bytes(b"not a zip")
+    assert main(["eval", str(tmp_path / "junk.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read checkpoint" in err and "junk.pt" in err and len(err.strip().splitlines()) == 1
 
 
 def test_own_folder_train_with_slices(tmp_path, capsys):

@@ -77,6 +77,13 @@ def test_config_file_layers_and_errors(tmp_path):
         build_config(config_file=tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="unknown preset 'cifar10-vit-tiy'; did you mean cifar10-vit-tiny"):
         build_config("cifar10-vit-tiy")
+    f.write_text("train: [1\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: not valid YAML \(line 2, column 1\): expected ',' or ']'"):
+        build_config(config_file=f)
+    # the default preset trains on the embedded digits: a data.path there would be silently unused
+    with pytest.raises(ConfigError, match=r"data\.path.*data\.source=digits.*data\.source=auto"):
+        build_config(overrides=["data.path=pets"])
+    assert build_config(overrides=["data.path=pets", "data.source=auto"]).data.path == "pets"
 
 
 def test_yaml_roundtrip_and_checkpoint_base():

@@ -194,6 +194,18 @@ def test_prepare_refuses_overwrite_and_reads_cifar_batches(tmp_path):
     assert len(open_split(cifar, "test")) == 3  # the batches can also be trained on directly
 
 
+def test_prepare_skips_and_counts_unreadable_images(tmp_path):
+    src = make_folder(tmp_path / "d", per_class=3, size=8)
+    (src / "a" / "truncated.jpg").write_bytes(encode(np.zeros((8, 8, 3), np.uint8), "JPEG")[:40])
+    (src / "b" / "empty.jpg").write_bytes(b"")
+    assert main(["prepare", str(src), str(tmp_path / "p")]) == 0
+    meta = json.loads((tmp_path / "p" / "meta.json").read_text())["splits"]["train"]
+    assert (meta["count"], meta["skipped"]) == (9, 2)
+    packed = open_split(tmp_path / "p", "train")
+    assert np.bincount(np.asarray(packed.labels)).tolist() == [3, 3, 3]
+    assert not any("truncated" in packed.name(i) or "empty" in packed.name(i) for i in range(len(packed)))
+
+
 def test_bad_inputs_convert_skip_or_error(tmp_path, monkeypatch):
     root = tmp_path / "bad"
     (root / "a").mkdir(parents=True)

@@ -132,6 +132,8 @@ class DataConfig:
     def validate(self) -> None:
         _check(self.source in ("digits", "auto") or self.path is not None, "data.path", self.path,
                f"set for data.source={self.source}")
+        _check(self.source != "digits" or self.path in (None, "digits"), "data.path", self.path,
+               "unset with data.source=digits (the embedded data); for your images also set data.source=auto")
         _check(0 < self.scale[0] <= self.scale[1] <= 1, "data.scale", self.scale, "0 < min <= max <= 1")
         _check(self.padding >= 0, "data.padding", self.padding, ">= 0")
         _check(0 < self.crop_pct <= 1, "data.crop_pct", self.crop_pct, "in (0, 1]")
@@ -455,7 +457,9 @@ def _read_yaml(text: str, origin: str) -> dict[str, Any]:
     try:
         tree = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{origin}: not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"{origin}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{origin}: expected a mapping of sections, got {type(tree).__name__}")
     return tree

@@ -13,7 +13,7 @@ import io
 import warnings
 
 import torch
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 from torchvision.io import ImageReadMode
 from torchvision.io import decode_image as _tv_decode
 
@@ -80,6 +80,8 @@ def image_size(data: bytes, path: str = "<bytes>") -> tuple[int, int]:
                 return im.size
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise CorruptImageError(path, f"over the decompression-bomb limit ({e})") from None
+    except UnidentifiedImageError:
+        raise CorruptImageError(path, "not a readable image (unrecognised format)") from None
     except Exception as e:
         raise CorruptImageError(path, f"not a readable image ({type(e).__name__}: {e})") from None
 

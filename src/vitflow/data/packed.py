@@ -291,7 +291,12 @@ def prepare(src: str | Path, out: str | Path, fmt: str = "auto", max_side: int |
     splits = _splits_of(src)
     if fmt == "auto":
         probe = splits["train"]
-        sizes = {tuple(probe.load(i).shape[-2:]) for i in range(min(256, len(probe)))}
+        sizes = set()
+        for i in range(min(256, len(probe))):
+            try:
+                sizes.add(tuple(probe.load(i).shape[-2:]))
+            except CorruptImageError:
+                continue  # skipped (and counted) when the split is written
         fmt = "raw" if len(sizes) == 1 and max(next(iter(sizes))) <= 64 else "jpeg"
     partial = out.with_name(out.name + ".partial")
     if partial.exists():

@@ -69,13 +69,17 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         path = found
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
+    if path.suffix.lower() == ".onnx":
+        raise ValueError(f"{path} is an ONNX model; this command needs a vitflow checkpoint (.pt or a run directory); "
+                         "predict and bench infer also take .onnx")
     try:
         with warnings.catch_warnings():  # INT8 checkpoints: torch flags quantized tensors as deprecated
             warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
             warnings.filterwarnings("ignore", message=".*quantized tensor creation functions")
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"cannot read checkpoint {path} (truncated or corrupt?): {e}") from e
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot read checkpoint {path} (truncated, corrupt or not a PyTorch file?): {first}") from e
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not a vitflow checkpoint (for plain weights use create_model(pretrained=...))")
     state["path"] = str(path)
