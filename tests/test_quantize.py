@@ -127,3 +127,11 @@ def test_bf16_and_fp16_weight_casting(digits_run, tmp_path, capsys):
     if not torch.cuda.is_available():
         assert main(["predict", str(tmp_path / "digits.fp16.pt"), r["samples"], "--precision", "fp16"]) == 2
         assert "CUDA" in capsys.readouterr().err
+
+
+def test_output_name_and_split_without_data_are_user_errors(digits_run, tmp_path, capsys):
+    _, r, _ = digits_run
+    assert main(["quantize", r["checkpoint"], "-o", str(tmp_path / "q.pt")]) == 2  # onnxruntime writes .onnx
+    assert "writes a .onnx file" in capsys.readouterr().err and not (tmp_path / "q.pt").exists()
+    assert main(["quantize", r["checkpoint"], "-o", str(tmp_path / "q.onnx"), "--split", "test[:10]"]) == 2
+    assert "--data" in capsys.readouterr().err and not (tmp_path / "q.onnx").exists()

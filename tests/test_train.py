@@ -163,3 +163,16 @@ def test_progressive_resizing_schedule_and_run(tmp_path):
     res = [x["resolution"] for x in read_metrics(run / "metrics.jsonl") if x["kind"] == "train"]
     assert res == sorted(res) and res[0] == 4 and res[-1] == 8
     assert 0 <= r["test_top1"] <= 1
+
+
+def test_resume_warns_about_changed_config(caplog):
+    from vitflow.train.loop import _warn_config_changes
+
+    saved = build_config(overrides=["train.run_dir=a"]).to_dict()
+    with caplog.at_level("WARNING", logger="vitflow.train.loop"):
+        _warn_config_changes(saved, build_config(overrides=["train.run_dir=b", "train.resume=auto"]), Path("c.pt"))
+        assert not caplog.records  # where the run lives is not a change of what it trains
+        _warn_config_changes(saved, build_config(overrides=["train.batch_size=64", "optim.lr=0.5"]), Path("c.pt"))
+    msg = caplog.records[-1].getMessage()
+    assert "c.pt" in msg and "optim.lr 0.003 -> 0.5" in msg and "train.batch_size 128 -> 64" in msg
+    assert "run_dir" not in msg

@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["int8", "fp16", "bf16"], default="int8",
                    help="int8 (default); fp16/bf16 weight casting for GPU inference (torch backend)")
     p.add_argument("--data", metavar="PATH", help="image folder or tar to measure top-1 before and after")
-    p.add_argument("--split", default="test", help="split of --data (default test; e.g. 'test[:2000]')")
+    p.add_argument("--split", help="split of --data (default test; e.g. 'test[:2000]')")
     p.add_argument("--max-drop", type=float, default=1.0, help="max top-1 drop in points (default 1.0)")
     p.add_argument("--force", action="store_true", help="write the model even if top-1 dropped more")
     p.add_argument("--per-tensor", action="store_true", help="ONNX: one weight scale per tensor (default per channel)")
@@ -274,9 +274,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from vitflow.infer.quantize import AccuracyDropError, quantize_file
 
+    if args.split and not args.data:
+        raise ValueError("--split selects images of --data: give --data PATH too (no top-1 is measured without it)")
     try:
-        r = quantize_file(args.model, args.output, args.backend, args.dtype, args.data, args.split, args.max_drop,
-                          args.force, per_channel=not args.per_tensor)
+        r = quantize_file(args.model, args.output, args.backend, args.dtype, args.data, args.split or "test",
+                          args.max_drop, args.force, per_channel=not args.per_tensor)
     except AccuracyDropError as e:
         print(f"refused: {e}", file=sys.stderr)
         return 1

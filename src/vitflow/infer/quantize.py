@@ -151,6 +151,9 @@ def quantize_file(model_path: str | Path, out: str | Path, backend: str = "onnxr
     if src_onnx and backend == "torch":
         raise ValueError(f"{model_path} is an ONNX model; the torch backend needs a vitflow checkpoint")
     out = Path(out)
+    want = ".onnx" if backend == "onnxruntime" else ".pt"
+    if out.suffix.lower() != want:
+        raise ValueError(f"output {out}: the {backend} backend writes a {want} file; name it *{want}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     result: dict = {"path": str(out)}

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from vitflow.config import Config, parse_duration, to_yaml
+from vitflow.config import Config, flatten, parse_duration, to_yaml
 from vitflow.data import Datasets, SkipReport, eval_loader, open_datasets, train_loader
 from vitflow.data.augment import progressive_resolution
 from vitflow.data.loader import mix_seed
@@ -85,6 +85,20 @@ def model_args(cfg: Config, num_classes: int) -> dict[str, Any]:
     return args
 
 
+_RUN_KEYS = ("train.resume", "train.run_dir", "train.time_budget")  # where/how long, not what is trained
+
+
+def _warn_config_changes(saved: dict[str, Any], cfg: Config, path: Path) -> None:
+    """Log the config keys that differ from the checkpoint's: a resume with another batch size,
+    lr, data or model does not reproduce the uninterrupted run (and may not load)."""
+    old, new = flatten(saved), flatten(cfg.to_dict())
+    changed = [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+               if k not in _RUN_KEYS and old.get(k) != new.get(k)]
+    if changed:
+        log.warning("resuming from %s with a changed config (%s); the run will not match an uninterrupted one",
+                    path, "; ".join(changed))
+
+
 @dataclass
 class Meter:
     """Sums over one logging interval."""
@@ -123,6 +137,8 @@ class Trainer:
         self.precision = resolve_precision(t.precision, self.device)
         resume = self.dist.broadcast(find_resume(cfg) if self.dist.is_main else None)
         self.state = ckpt.load_checkpoint(resume) if resume else None
+        if self.state and self.dist.is_main:
+            _warn_config_changes(self.state.get("config") or {}, cfg, resume)
         self.run_dir = Path(self.dist.broadcast(str(self._run_dir(resume)) if self.dist.is_main else None))
 
         image_size = cfg.model.image_size or MODELS[cfg.model.name]["img_size"]
