@@ -19,6 +19,11 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
 
+def _add_weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
+                   help="auto: the EMA weights when the checkpoint has them (default), else the trained ones")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitflow", description="Train, evaluate and deploy Vision Transformers.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -34,8 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="evaluate a checkpoint on its test split")
     p.add_argument("checkpoint", help="checkpoint file or run directory (newest checkpoint)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of metrics")
-    p.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
-                   help="auto: the EMA weights when the checkpoint has them (default), else the trained ones")
+    _add_weights_arg(p)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.path=... data.test_split=test")
 
     p = sub.add_parser("predict", help="classify images, folders or tars")
@@ -47,8 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="bf16/fp16: run a PyTorch model with its weights cast to that dtype (fp16 needs CUDA)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
-                   help="auto: the EMA weights when the checkpoint has them (default), else the trained ones")
+    _add_weights_arg(p)
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="one JSON object per image")
     fmt.add_argument("--csv", action="store_true", help="CSV: path,rank,class,index,prob,error (one row per class)")

@@ -89,7 +89,9 @@ class ModelConfig:
         _check(0 <= self.patch_drop_rate < 1, "model.patch_drop_rate", self.patch_drop_rate, "in [0, 1)")
         _check(not self.distill_token or self.global_pool in (None, "token"), "model.global_pool", self.global_pool,
                "token (or unset) with model.distill_token=true")
-        exact = ("sdpa", "math", "blockwise", "auto")  # attend over any token set, no grid structure
+        from vitflow.models.attention import EXACT_BACKENDS
+
+        exact = (*EXACT_BACKENDS, "auto")  # attend over any token set, no grid structure
         for key, on in (("model.patch_drop_rate", self.patch_drop_rate > 0), ("model.distill_token", self.distill_token)):
             _check(not on or self.attention in exact, "model.attention", self.attention,
                    f"one of {', '.join(exact)} with {key} (sparse and linear kernels assume the full token grid)")

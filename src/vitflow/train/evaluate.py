@@ -67,6 +67,12 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
             "confusion": confusion.tolist(), "per_class_top1": per_class}
 
 
+def scalar_metrics(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` of :func:`evaluate` without its per-class entries (``confusion``,
+    ``per_class_top1``): what metric logs and checkpoints keep."""
+    return {k: v for k, v in result.items() if k not in ("confusion", "per_class_top1")}
+
+
 def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: str = "auto") -> dict:
     """Evaluate a checkpoint on its config's ``data.test_split`` (after ``key=value`` overrides,
     e.g. ``data.path=...`` or ``data.test_split=...``), labelling with the checkpoint's classes.
@@ -100,5 +106,5 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
     model = model_from_checkpoint(state, weights).to(dev)
     result = evaluate(model, loader, dev, precision, pp)
     used = "ema" if state.get("ema") and weights != "raw" else "raw"
-    return {**{f"test_{k}": v for k, v in result.items() if k not in ("confusion", "per_class_top1")},
+    return {**{f"test_{k}": v for k, v in scalar_metrics(result).items()},
             "checkpoint": state["path"], "step": state["step"], "weights": used}

@@ -35,7 +35,7 @@ from vitflow.train.amp import resolve_device, resolve_precision
 from vitflow.train.distill import build_criterion
 from vitflow.train.distributed import Parallel, init_distributed, rank_device, shutdown
 from vitflow.train.ema import ModelEMA
-from vitflow.train.evaluate import evaluate
+from vitflow.train.evaluate import evaluate, scalar_metrics
 from vitflow.train.guards import NonFiniteGuard, StopSignals
 from vitflow.train.logging import MetricsLog, memory_mb
 from vitflow.train.optim import build_optimizer
@@ -394,14 +394,21 @@ class Trainer:
     def total_steps(self) -> int:
         return schedule_of(self.scheduler).total_steps
 
+    def _resolution(self, step: int, total: int) -> int | None:
+        """Progressive resizing: the training resolution of ``step`` of ``total``; ``None`` when off."""
+        d = self.cfg.data
+        if not d.progressive_min_size:
+            return None
+        return progressive_resolution(step, total, d.progressive_min_size, self.data.preprocess.image_size,
+                                      d.progressive_ramp, self.model.patch_size)
+
     def _step_cost(self, step: int, total: int) -> float:
         """Compute of ``step`` (of ``total``) relative to a full-resolution step, by tokens per
         image (progressive resizing makes early steps cheaper)."""
-        d = self.cfg.data
-        if not d.progressive_min_size:
+        r = self._resolution(step, total)
+        if r is None:
             return 1.0
         p, full, prefix = self.model.patch_size, self.data.preprocess.image_size, self.model.num_prefix_tokens
-        r = progressive_resolution(step, total, d.progressive_min_size, full, d.progressive_ramp, p)
         return ((r // p) ** 2 + prefix) / ((full // p) ** 2 + prefix)
 
     def _fit_budget(self, budget: float, started: float, first_step_at: float, cost_since_first: float) -> None:
@@ -439,11 +446,9 @@ class Trainer:
 
     def _set_resolution(self) -> None:
         """Progressive resizing: the step's training resolution (eval stays at full size)."""
-        d = self.cfg.data
-        if d.progressive_min_size:
-            self.loader.pipeline.resolution = progressive_resolution(
-                self.step, self.total_steps, d.progressive_min_size, self.data.preprocess.image_size,
-                d.progressive_ramp, self.model.patch_size)
+        r = self._resolution(self.step, self.total_steps)
+        if r is not None:
+            self.loader.pipeline.resolution = r
 
     def _time_eval(self) -> float:
         """Estimated seconds of one evaluation of this rank's share of the test split, from
@@ -479,7 +484,7 @@ class Trainer:
         args = (loader, self.device, self.precision, self.data.preprocess, self.skips, reduce, len(self.data.classes))
         raw = evaluate(self.model, *args)
         ema = evaluate(self.ema.module, *args) if self.ema is not None else None
-        scalars = {k: v for k, v in raw.items() if k not in ("confusion", "per_class_top1")}
+        scalars = scalar_metrics(raw)
         if ema is not None:
             scalars.update({f"ema_{k}": ema[k] for k in ("loss", "top1", "top5")})
         self.metrics.write("eval", step=self.step, split=self.cfg.data.test_split, **scalars)
@@ -505,7 +510,7 @@ class Trainer:
         rngs = self.dist.gather(ckpt.rng_state())
         if not self.dist.is_main:
             return None
-        metrics = {k: v for k, v in (self.last_eval or {}).items() if k not in ("confusion", "per_class_top1")}
+        metrics = scalar_metrics(self.last_eval or {})
         state = {
             "step": self.step, "model": model_state, "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
