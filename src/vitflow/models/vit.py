@@ -360,15 +360,11 @@ class VisionTransformer(nn.Module):
     def _pos_embed(self, x: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        if self.pos_embed_type == "learned":
+        if self.pos_embed_type in ("learned", "sincos2d"):  # "relative" biases the attention instead
             pos = self.pos_embed
-            if grid_hw != (self.grid_size, self.grid_size):
-                pos = resample_pos_embed(pos, grid_hw, self.num_prefix_tokens)
-            x = x + pos
-        elif self.pos_embed_type == "sincos2d":
-            pos = self.pos_embed
-            if grid_hw != (self.grid_size, self.grid_size):
-                pos = sincos_2d(grid_hw, self.embed_dim, self.num_prefix_tokens, device=x.device)
+            if grid_hw != (self.grid_size, self.grid_size):  # another grid: resample / recompute
+                pos = (resample_pos_embed(pos, grid_hw, self.num_prefix_tokens) if self.pos_embed_type == "learned"
+                       else sincos_2d(grid_hw, self.embed_dim, self.num_prefix_tokens, device=x.device))
             x = x + pos
         return self.pos_drop(x)
 
