@@ -14,7 +14,6 @@ from typing import Literal, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from vitflow.models.attention import AttentionContext, make_kernel, split_heads, attention_probs
@@ -92,12 +91,7 @@ class Attention(nn.Module):
         return AttentionContext(grid, self.num_prefix_tokens, bias, self.attn_drop if self.training else 0.0)
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
-        if type(self.qkv) is nn.Linear:
-            # the qkv bias goes to the kernel, which adds it while laying out q, k, v (one pass less)
-            qkv, qkv_bias = F.linear(x, self.qkv.weight), self.qkv.bias
-        else:  # a replaced projection (e.g. dynamically quantised INT8): its own forward
-            qkv, qkv_bias = self.qkv(x), None
-        return self.proj_drop(self.proj(self.kernel(qkv, self.num_heads, self.context(grid), qkv_bias)))
+        return self.proj_drop(self.proj(self.kernel(self.qkv(x), self.num_heads, self.context(grid))))
 
     def probs(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
         """Attention probabilities ``(B, H, N, N)`` float32 computed explicitly (the math path,

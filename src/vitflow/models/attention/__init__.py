@@ -1,8 +1,7 @@
 """Attention backends: the one place where the attention math lives.
 
-A backend is an :class:`AttentionKernel` module: ``kernel(qkv, num_heads, ctx, qkv_bias=None)``
-maps the packed qkv projection ``(B, N, 3*H*d)`` (its bias passed separately, so that kernels
-copying q, k, v add it in that copy) to merged heads ``(B, N, H*d)`` (see :mod:`.core`). Backends,
+A backend is an :class:`AttentionKernel` module: ``kernel(qkv, num_heads, ctx)`` maps the
+packed qkv projection ``(B, N, 3*H*d)`` to merged heads ``(B, N, H*d)`` (see :mod:`.core`). Backends,
 chosen by ``model.attention``:
 
 ========== ====================================================================== ===========

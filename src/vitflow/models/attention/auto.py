@@ -31,7 +31,7 @@ def _sync(device: torch.device) -> None:
 
 
 def time_kernel(kernel: AttentionKernel, qkv: torch.Tensor, num_heads: int, ctx: AttentionContext,
-                qkv_bias: torch.Tensor | None, backward: bool, calls: int = TIMED_CALLS) -> float:
+                backward: bool, calls: int = TIMED_CALLS) -> float:
     """Median seconds of ``calls`` calls of ``kernel`` on random data shaped like ``qkv`` (after
     one warm-up call), forward and, if ``backward``, backward. ``inf`` if the kernel fails
     (e.g. out of memory)."""
@@ -40,14 +40,12 @@ def time_kernel(kernel: AttentionKernel, qkv: torch.Tensor, num_heads: int, ctx:
     if bias is not None:
         bias = bias.detach().clone().requires_grad_(backward and ctx.bias.requires_grad)
     tctx = AttentionContext(ctx.grid, ctx.num_prefix_tokens, bias, ctx.dropout_p)
-    if qkv_bias is not None:
-        qkv_bias = torch.randn(qkv_bias.shape, dtype=qkv_bias.dtype, device=qkv_bias.device, requires_grad=backward)
     times = []
     try:
         for i in range(calls + 1):
             _sync(x.device)
             t0 = time.perf_counter()
-            out = kernel(x, num_heads, tctx, qkv_bias)
+            out = kernel(x, num_heads, tctx)
             if backward:
                 out.backward(torch.ones_like(out))
                 x.grad = None
@@ -69,23 +67,19 @@ class AutoKernel(AttentionKernel):
         self.candidates = torch.nn.ModuleDict(candidates)
         self.choice: str | None = None  # the latest pick, for reports
 
-    def _key(self, qkv: torch.Tensor, num_heads: int, ctx: AttentionContext, backward: bool,
-             qkv_bias: torch.Tensor | None) -> tuple:
+    def _key(self, qkv: torch.Tensor, num_heads: int, ctx: AttentionContext, backward: bool) -> tuple:
         bias = None if ctx.bias is None else (tuple(ctx.bias.shape), ctx.bias.requires_grad)
         return (tuple(qkv.shape), num_heads, qkv.dtype, str(qkv.device), backward, bias, ctx.dropout_p > 0,
-                qkv_bias is not None,
                 torch.is_autocast_enabled(qkv.device.type), tuple(self.candidates))
 
-    def choose(self, qkv: torch.Tensor, num_heads: int, ctx: AttentionContext,
-               qkv_bias: torch.Tensor | None = None) -> str:
+    def choose(self, qkv: torch.Tensor, num_heads: int, ctx: AttentionContext) -> str:
         """The candidate name for this input (timing the candidates on first sight of its key)."""
-        backward = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (qkv, ctx.bias, qkv_bias))
-        key = self._key(qkv, num_heads, ctx, backward, qkv_bias)
+        backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qkv, ctx.bias))
+        key = self._key(qkv, num_heads, ctx, backward)
         if key not in _CHOICES:
             devices = [qkv.device] if qkv.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices), torch.no_grad() if not backward else torch.enable_grad():
-                times = {name: time_kernel(k, qkv, num_heads, ctx, qkv_bias, backward)
+                times = {name: time_kernel(k, qkv, num_heads, ctx, backward)
                          for name, k in self.candidates.items()}
             best = min(times, key=times.get)
             if times[best] == float("inf"):
@@ -96,9 +90,9 @@ class AutoKernel(AttentionKernel):
                      ", ".join(f"{n} {t * 1e3:.2f}" for n, t in times.items()))
         return _CHOICES[key]
 
-    def forward(self, qkv, num_heads, ctx, qkv_bias=None):
-        self.choice = self.choose(qkv, num_heads, ctx, qkv_bias)
-        return self.candidates[self.choice](qkv, num_heads, ctx, qkv_bias)
+    def forward(self, qkv, num_heads, ctx):
+        self.choice = self.choose(qkv, num_heads, ctx)
+        return self.candidates[self.choice](qkv, num_heads, ctx)
 
 
 def clear_choices() -> None:

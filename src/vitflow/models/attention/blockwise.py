@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from vitflow.models.attention.core import AttentionContext, AttentionKernel, _pack, _unpack, _unpack_grad
+from vitflow.models.attention.core import AttentionContext, AttentionKernel, _pack, _scaled_bmm, _unpack, _unpack_grad
 
 
 def _block_scores(q: torch.Tensor, kj: torch.Tensor, attn_bias: torch.Tensor | None, b: int, j: int) -> torch.Tensor:
-    """fp32 ``(B*H, N, bk)`` logits of all (pre-scaled) queries against key block ``kj`` at ``j``."""
-    s = torch.bmm(q, kj.transpose(1, 2)).float()
+    """fp32 ``(B*H, N, bk)`` logits ``Q K_j^T / sqrt(d) (+ bias)`` against key block ``kj`` at ``j``."""
+    s = _scaled_bmm(q, kj.transpose(1, 2), q.shape[-1] ** -0.5).float()
     if attn_bias is not None:
         bh, n, bk = s.shape
         s.view(b, bh // b, n, bk).add_(attn_bias[..., j:j + bk])
@@ -31,9 +31,9 @@ def _block_scores(q: torch.Tensor, kj: torch.Tensor, attn_bias: torch.Tensor | N
 
 class _BlockwiseAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, qkv_bias, attn_bias, num_heads: int, block: int):
+    def forward(ctx, qkv, attn_bias, num_heads: int, block: int):
         b = qkv.shape[0]
-        packed = _pack(qkv, num_heads, qkv_bias)
+        packed = _pack(qkv, num_heads)
         q, k, v = packed.unbind(0)
         bh, n, d = q.shape
         m = q.new_full((bh, n, 1), float("-inf"), dtype=torch.float32)
@@ -50,13 +50,13 @@ class _BlockwiseAttentionFn(torch.autograd.Function):
             m = m_new
         out = acc.div_(l).to(q.dtype)
         lse = m.add_(l.log_())
-        ctx.save_for_backward(packed, out, lse, qkv_bias, attn_bias)
+        ctx.save_for_backward(packed, out, lse, attn_bias)
         ctx.b, ctx.num_heads, ctx.block = b, num_heads, block
         return _unpack(out, b)
 
     @staticmethod
     def backward(ctx, grad):
-        packed, out, lse, qkv_bias, attn_bias = ctx.saved_tensors
+        packed, out, lse, attn_bias = ctx.saved_tensors
         b, h, block = ctx.b, ctx.num_heads, ctx.block
         q, k, v = packed.unbind(0)
         bh, n, d = q.shape
@@ -64,7 +64,7 @@ class _BlockwiseAttentionFn(torch.autograd.Function):
         delta = (g.float() * out.float()).sum(dim=-1, keepdim=True)
         dq = torch.zeros_like(q, dtype=torch.float32)
         dpacked = torch.empty_like(packed)
-        need_attn = attn_bias is not None and ctx.needs_input_grad[2]
+        need_attn = attn_bias is not None and ctx.needs_input_grad[1]
         dattn = torch.zeros_like(attn_bias, dtype=torch.float32) if need_attn else None
         for j in range(0, k.shape[1], block):
             kj, vj = k[:, j:j + block], v[:, j:j + block]
@@ -76,18 +76,17 @@ class _BlockwiseAttentionFn(torch.autograd.Function):
                 dattn[..., j:j + bk] += ds.view(b, h, n, bk).sum(0).reshape(dattn[..., j:j + bk].shape)
             ds_lp = ds.to(q.dtype)
             dq.add_(torch.bmm(ds_lp, kj).float())
-            torch.bmm(ds_lp.transpose(1, 2), q, out=dpacked[1, :, j:j + block])
-        dpacked[0] = dq
-        dqkv, dbias = _unpack_grad(dpacked, b, h, qkv_bias if ctx.needs_input_grad[1] else None)
-        return dqkv, dbias, dattn.to(attn_bias.dtype) if need_attn else None, None, None
+            _scaled_bmm(ds_lp.transpose(1, 2), q, d ** -0.5, out=dpacked[1, :, j:j + block])
+        torch.mul(dq, d ** -0.5, out=dpacked[0])
+        return _unpack_grad(dpacked, b, h), dattn.to(attn_bias.dtype) if need_attn else None, None, None
 
 
 def blockwise_attention(qkv: torch.Tensor, num_heads: int, attn_bias: torch.Tensor | None = None,
-                        qkv_bias: torch.Tensor | None = None, block_size: int = 128) -> torch.Tensor:
+                        block_size: int = 128) -> torch.Tensor:
     """Exact softmax attention over key blocks (see the module docstring).
 
     Args:
-        qkv: packed projection ``(B, N, 3*H*d)`` (without its bias when ``qkv_bias`` is given).
+        qkv: packed projection ``(B, N, 3*H*d)``.
         attn_bias: additive logit bias ``(H, N, N)`` or ``None``.
         block_size: keys per block; peak extra memory ``~ B*H*N*block_size`` fp32 values.
     Returns:
@@ -97,7 +96,7 @@ def blockwise_attention(qkv: torch.Tensor, num_heads: int, attn_bias: torch.Tens
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    return _BlockwiseAttentionFn.apply(qkv, qkv_bias, attn_bias, num_heads, block_size)
+    return _BlockwiseAttentionFn.apply(qkv, attn_bias, num_heads, block_size)
 
 
 class BlockwiseKernel(AttentionKernel):
@@ -109,11 +108,10 @@ class BlockwiseKernel(AttentionKernel):
             raise ValueError(f"attention block size must be >= 1, got {block_size}")
         self.block_size = block_size
 
-    def forward(self, qkv: torch.Tensor, num_heads: int, ctx: AttentionContext,
-                qkv_bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, qkv: torch.Tensor, num_heads: int, ctx: AttentionContext) -> torch.Tensor:
         if ctx.dropout_p > 0.0:
             raise ValueError("attention=blockwise does not support attention dropout; use math or sdpa")
-        return blockwise_attention(qkv, num_heads, ctx.bias, qkv_bias, self.block_size)
+        return blockwise_attention(qkv, num_heads, ctx.bias, self.block_size)
 
     def extra_repr(self) -> str:
         return f"block_size={self.block_size}"

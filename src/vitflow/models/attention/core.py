@@ -85,10 +85,9 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
 class AttentionKernel(nn.Module):
     """Base class of the attention backends.
 
-    ``forward(qkv, num_heads, ctx, qkv_bias=None)``: packed ``(B, N, 3*H*d)`` -> ``(B, N, H*d)``,
-    same dtype; ``qkv_bias`` is the projection's bias when the caller left it out of ``qkv``
-    (kernels that copy q, k, v anyway add it during that copy). Subclasses implement
-    :meth:`attend` on per-head tensors, or override :meth:`forward`.
+    ``forward(qkv, num_heads, ctx)``: packed ``(B, N, 3*H*d)`` (the projection's output, bias
+    included) -> ``(B, N, H*d)``, same dtype. Subclasses implement :meth:`attend` on per-head
+    tensors, or override :meth:`forward`.
 
     Class attributes:
         exact: computes softmax attention over all keys (agrees with ``math`` up to rounding).
@@ -102,10 +101,7 @@ class AttentionKernel(nn.Module):
         """q, k, v ``(B, H, N, d)`` -> ``(B, H, N, d)``."""
         raise NotImplementedError
 
-    def forward(self, qkv: torch.Tensor, num_heads: int, ctx: AttentionContext,
-                qkv_bias: torch.Tensor | None = None) -> torch.Tensor:
-        if qkv_bias is not None:
-            qkv = qkv + qkv_bias.to(qkv.dtype)
+    def forward(self, qkv: torch.Tensor, num_heads: int, ctx: AttentionContext) -> torch.Tensor:
         return merge_heads(self.attend(*split_heads(qkv, num_heads), ctx))
 
     def mask(self, grid: tuple[int, int], num_prefix_tokens: int, device: torch.device) -> torch.Tensor | None:
@@ -120,49 +116,29 @@ class SdpaKernel(AttentionKernel):
         return sdpa_attention(q, k, v, ctx.dropout_p, ctx.bias)
 
 
-def _part_scales(qkv: torch.Tensor, num_heads: int, qkv_bias: torch.Tensor | None):
-    """``(scale, scaled_bias)`` broadcastable to ``(3, B, H, N, d)`` in qkv's dtype: scale is
-    ``1/sqrt(d)`` for q and 1 for k, v; scaled_bias the qkv bias times it (or ``None``)."""
-    d = qkv.shape[-1] // (3 * num_heads)
-    scale = qkv.new_tensor([d ** -0.5, 1.0, 1.0]).view(3, 1, 1, 1, 1)
-    if qkv_bias is None:
-        return scale, None
-    return scale, qkv_bias.to(qkv.dtype).view(3, 1, num_heads, 1, d) * scale
-
-
-def _pack(qkv: torch.Tensor, num_heads: int, qkv_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``(B, N, 3*H*d)`` -> a new contiguous ``(3, B*H, N, d)`` holding ``(qkv + bias) * scale``
-    (q scaled by ``1/sqrt(d)``), in one pass: the layout copy the batched GEMMs need, with the
-    projection bias and the softmax scale folded in. No autograd."""
+def _pack(qkv: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``(B, N, 3*H*d)`` -> a new contiguous ``(3, B*H, N, d)``: the layout the batched GEMMs need,
+    in one permuting copy (the projection bias is already in ``qkv``: ``addmm`` adds it for free;
+    the ``1/sqrt(d)`` scale is the GEMMs' ``alpha``). No autograd."""
     b, n, c = qkv.shape
     d = c // (3 * num_heads)
     src = qkv.view(b, n, 3, num_heads, d).permute(2, 0, 3, 1, 4)
-    scale, scaled_bias = _part_scales(qkv, num_heads, qkv_bias)
     if torch.compiler.is_compiling():  # inductor fuses the functional form; out= would keep src's strides
-        packed = (src * scale if scaled_bias is None else torch.addcmul(scaled_bias, src, scale)).contiguous()
-        return packed.view(3, b * num_heads, n, d)
+        return src.contiguous().view(3, b * num_heads, n, d)
     packed = qkv.new_empty(3, b, num_heads, n, d)
-    if scaled_bias is None:
-        torch.mul(src, scale, out=packed)
-    else:
-        torch.addcmul(scaled_bias, src, scale, out=packed)
+    packed.copy_(src)
     return packed.view(3, b * num_heads, n, d)
 
 
-def _unpack_grad(dpacked: torch.Tensor, b: int, num_heads: int, qkv_bias: torch.Tensor | None):
-    """Gradients of :func:`_pack`'s inputs from the gradient of its output: ``dqkv (B, N, 3*H*d)``
-    (one pass: layout copy times the scale) and the qkv bias gradient (summed in fp32) or ``None``."""
+def _unpack_grad(dpacked: torch.Tensor, b: int, num_heads: int) -> torch.Tensor:
+    """The qkv gradient ``(B, N, 3*H*d)`` from the gradient of :func:`_pack`'s output (one copy)."""
     _, bh, n, d = dpacked.shape
-    scale = dpacked.new_tensor([d ** -0.5, 1.0, 1.0]).view(3, 1, 1)
     grad_src = dpacked.view(3, b, num_heads, n, d).permute(1, 3, 0, 2, 4)
     if torch.compiler.is_compiling():
-        dqkv = (grad_src * scale).reshape(b, n, 3 * num_heads * d)
-    else:
-        dqkv = dpacked.new_empty(b, n, 3, num_heads, d)
-        torch.mul(grad_src, scale, out=dqkv)
-        dqkv = dqkv.view(b, n, 3 * num_heads * d)
-    dbias = None if qkv_bias is None else dqkv.sum((0, 1), dtype=torch.float32).to(qkv_bias.dtype)
-    return dqkv, dbias
+        return grad_src.reshape(b, n, 3 * num_heads * d)
+    dqkv = dpacked.new_empty(b, n, 3, num_heads, d)
+    dqkv.copy_(grad_src)
+    return dqkv.view(b, n, 3 * num_heads * d)
 
 
 def _unpack(x: torch.Tensor, b: int) -> torch.Tensor:
@@ -171,9 +147,19 @@ def _unpack(x: torch.Tensor, b: int) -> torch.Tensor:
     return x.view(b, bh // b, n, d).transpose(1, 2).reshape(b, n, bh // b * d)
 
 
+def _scaled_bmm(a: torch.Tensor, b: torch.Tensor, alpha: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``alpha * (a @ b)`` for 3-D batches, the scale applied inside the GEMM (``baddbmm`` with
+    ``beta=0``, whose ``input`` is then ignored)."""
+    shape = (a.shape[0], a.shape[1], b.shape[2])
+    empty = a.new_empty(()).expand(shape)
+    if out is None:
+        return torch.baddbmm(empty, a, b, beta=0.0, alpha=alpha)
+    return torch.baddbmm(empty, a, b, beta=0.0, alpha=alpha, out=out)
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, attn_bias: torch.Tensor | None, b: int) -> torch.Tensor:
-    """``Q K^T (+ attn_bias)`` as ``(B*H, N, M)`` for a pre-scaled ``Q``."""
-    s = torch.bmm(q, k.transpose(1, 2))
+    """``Q K^T / sqrt(d) (+ attn_bias)`` as ``(B*H, N, M)``."""
+    s = _scaled_bmm(q, k.transpose(1, 2), q.shape[-1] ** -0.5)
     if attn_bias is not None:
         bh, n, m = s.shape
         s.view(b, bh // b, n, m).add_(attn_bias)
@@ -183,25 +169,25 @@ def _scores(q: torch.Tensor, k: torch.Tensor, attn_bias: torch.Tensor | None, b:
 class _MathAttentionFn(torch.autograd.Function):
     """Explicit attention on the raw qkv projection with a hand-written backward.
 
-    Forward: :func:`_pack` (bias and scale folded in), ``P = softmax(Q K^T + bias)``, ``P V``.
-    Saves the packed q, k, v and P; the backward is the standard one (dV = P^T dO,
-    dP = dO V^T, dS = P * (dP - rowsum(dP * P)), dQ = dS K, dK = dS^T Q) followed by
+    Forward: :func:`_pack`, ``P = softmax(Q K^T / sqrt(d) + bias)``, ``P V``. Saves the packed
+    q, k, v and P; the backward is the standard one (dV = P^T dO, dP = dO V^T,
+    dS = P * (dP - rowsum(dP * P)), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d)) followed by
     :func:`_unpack_grad`, which lays dQ, dK, dV out for the qkv projection's backward.
     """
 
     @staticmethod
-    def forward(ctx, qkv, qkv_bias, attn_bias, num_heads: int):
+    def forward(ctx, qkv, attn_bias, num_heads: int):
         b = qkv.shape[0]
-        packed = _pack(qkv, num_heads, qkv_bias)
+        packed = _pack(qkv, num_heads)
         q, k, v = packed.unbind(0)
         p = torch.softmax(_scores(q, k, attn_bias, b), dim=-1)
-        ctx.save_for_backward(packed, p, qkv_bias, attn_bias)
+        ctx.save_for_backward(packed, p, attn_bias)
         ctx.b, ctx.num_heads = b, num_heads
         return _unpack(torch.bmm(p, v), b)
 
     @staticmethod
     def backward(ctx, grad):
-        packed, p, qkv_bias, attn_bias = ctx.saved_tensors
+        packed, p, attn_bias = ctx.saved_tensors
         q, k, v = packed.unbind(0)
         b, h = ctx.b, ctx.num_heads
         bh, n, d = q.shape
@@ -209,35 +195,31 @@ class _MathAttentionFn(torch.autograd.Function):
         dpacked = torch.empty_like(packed)
         torch.bmm(p.transpose(1, 2), g, out=dpacked[2])
         ds = torch._softmax_backward_data(torch.bmm(g, v.transpose(1, 2)), p, -1, p.dtype)
-        torch.bmm(ds, k, out=dpacked[0])
-        torch.bmm(ds.transpose(1, 2), q, out=dpacked[1])
+        _scaled_bmm(ds, k, d ** -0.5, out=dpacked[0])
+        _scaled_bmm(ds.transpose(1, 2), q, d ** -0.5, out=dpacked[1])
         dattn = None
-        if attn_bias is not None and ctx.needs_input_grad[2]:
+        if attn_bias is not None and ctx.needs_input_grad[1]:
             dattn = ds.view(b, h, n, n).sum(0, dtype=torch.float32).to(attn_bias.dtype)
-        dqkv, dbias = _unpack_grad(dpacked, b, h, qkv_bias if ctx.needs_input_grad[1] else None)
-        return dqkv, dbias, dattn, None
+        return _unpack_grad(dpacked, b, h), dattn, None
 
 
-def packed_math_attention(qkv: torch.Tensor, num_heads: int, attn_bias: torch.Tensor | None = None,
-                          qkv_bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_math_attention(qkv: torch.Tensor, num_heads: int, attn_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Explicit softmax attention on a packed projection: ``(B, N, 3*H*d)`` -> ``(B, N, H*d)``.
 
     Args:
-        qkv: the qkv projection, without its bias when ``qkv_bias`` is given.
+        qkv: the qkv projection (bias included).
         attn_bias: additive logit bias broadcastable to ``(B, H, N, N)``.
-        qkv_bias: the projection bias ``(3*H*d,)``, added during the layout copy.
 
     Same result as :func:`math_attention` on the split heads, with fewer passes over memory:
-    one copy lays out q, k, v for batched GEMMs and applies the projection bias and the
-    ``1/sqrt(d)`` scale; in training a custom backward keeps only q, k, v and the probabilities
-    and writes the qkv gradient in one pass.
+    one copy lays out q, k, v for batched GEMMs, the ``1/sqrt(d)`` scale is the GEMMs' ``alpha``;
+    in training a custom backward keeps only q, k, v and the probabilities and writes the qkv
+    gradient in one pass.
     """
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (qkv, attn_bias, qkv_bias))
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qkv, attn_bias))
     if needs_grad:
-        return _MathAttentionFn.apply(qkv, qkv_bias, attn_bias, num_heads)
+        return _MathAttentionFn.apply(qkv, attn_bias, num_heads)
     b = qkv.shape[0]
-    q, k, v = _pack(qkv, num_heads, qkv_bias).unbind(0)
+    q, k, v = _pack(qkv, num_heads).unbind(0)
     return _unpack(torch.bmm(torch.softmax(_scores(q, k, attn_bias, b), dim=-1), v), b)
 
 
@@ -246,10 +228,10 @@ class MathKernel(AttentionKernel):
     plain autograd :func:`math_attention`). On the project's 2-core CPU it trains a 65-token
     ViT ~2x faster than ``sdpa`` in bf16 (``shared/reference/cpu-baselines.md``)."""
 
-    def forward(self, qkv, num_heads, ctx, qkv_bias=None):
+    def forward(self, qkv, num_heads, ctx):
         if ctx.dropout_p > 0.0:
-            return super().forward(qkv, num_heads, ctx, qkv_bias)
-        return packed_math_attention(qkv, num_heads, ctx.bias, qkv_bias)
+            return super().forward(qkv, num_heads, ctx)
+        return packed_math_attention(qkv, num_heads, ctx.bias)
 
     def attend(self, q, k, v, ctx):
         return math_attention(q, k, v, ctx.dropout_p, ctx.bias)
