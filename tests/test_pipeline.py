@@ -336,3 +336,35 @@ def test_random_resized_crop_matches_torchvision():
                 ref = v2.RandomResizedCrop(64, interpolation=interp, antialias=True)(img)
                 torch.manual_seed(seed)
                 assert torch.equal(RandomResizedCrop(64, interpolation=interp)(img), ref)
+
+
+def test_reduced_dct_decode_keeps_the_crop_and_its_pixels():
+    """A leading RandomResizedCrop seeing the JPEG bytes decodes a large photo at 1/2..1/8 size
+    when the crop allows: same draws (same crop region, same flip) as decode-then-crop, pixels
+    equal up to resampling, and the full-size path when the crop needs every pixel."""
+    from vitflow.data.decode import dct_factor, jpeg_header
+
+    yy, xx = np.mgrid[0:960, 0:1280]
+    smooth = np.stack([xx * 255 // 1280, yy * 255 // 960, (xx + yy) * 255 // 2240], -1).astype(np.uint8)
+    data = _save(Image.fromarray(smooth), "JPEG")
+    hdr = jpeg_header(data)
+    assert (hdr.width, hdr.height, hdr.components, hdr.orientation) == (1280, 960, 3, 0)
+    assert jpeg_header(_exif_rotated(Image.fromarray(smooth[:40, :60]))).orientation == 6
+    assert [dct_factor((1280, 960), m) for m in (None, (1280, 960), (640, 480), (300, 200), (100, 100))] == [1, 1, 2, 4, 8]
+    assert decode_image(data, min_size=(300, 200)).shape == (3, 240, 320)
+
+    tf = train_transform(64, "random_resized_crop", interpolation="bilinear")
+    diffs = []
+    for seed in range(20):
+        torch.manual_seed(seed)
+        ref, after_ref = tf(decode_image(data)), torch.rand(1)
+        torch.manual_seed(seed)
+        got, after_got = tf.from_encoded(data, "big.jpg"), torch.rand(1)
+        assert got.shape == ref.shape == (3, 64, 64) and torch.equal(after_got, after_ref)  # same draws
+        diffs.append((got.float() - ref.float()).abs().mean().item())
+    assert max(diffs) < 3.0  # a smooth gradient: any crop or flip mismatch would be tens of levels off
+    torch.manual_seed(0)
+    small = _save(Image.fromarray(smooth[:64, :64]), "JPEG")  # the crop needs full size: decode unchanged
+    ref = tf(decode_image(small))
+    torch.manual_seed(0)
+    assert torch.equal(tf.from_encoded(small), ref)

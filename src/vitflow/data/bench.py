@@ -2,8 +2,9 @@
 
 Paths measured (images/s over full passes, same image size, augmentation and worker count):
 
-- ``decode_limit``: decoding alone (the decoder vitflow uses, bytes already in RAM), 1 process
-  and one process per core;
+- ``decode_limit``: full-size decoding alone (the decoder vitflow uses, bytes already in RAM), 1
+  process and one process per core; a random-resized-crop path can pass it, since it decodes
+  large JPEGs at a reduced DCT scale when the crop allows;
 - ``baseline``: torchvision ``ImageFolder`` + ``DataLoader`` (PIL decode, transforms v1 with
   ``ToTensor`` + ``Normalize`` in the workers), on a copy of the images extracted to a temporary
   folder (page cache warm), in a fresh Python process as a user's script;

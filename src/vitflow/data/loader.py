@@ -24,7 +24,7 @@ import torch
 
 from vitflow.data.decode import CorruptImageError
 from vitflow.data.sources import ImageSource
-from vitflow.data.transforms import Transform
+from vitflow.data.transforms import Transform, transform_encoded
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,9 @@ class BatchDataset(torch.utils.data.Dataset):
             torch.manual_seed(mix_seed(self.seed, ref.epoch, ref.index))
             for i in ref.indices:
                 try:
-                    images.append(self.transform(self.source.load(int(i))))
+                    data = self.source.encoded(int(i))
+                    images.append(self.transform(self.source.load(int(i))) if data is None else
+                                  transform_encoded(self.transform, data, self.source.name(int(i))))
                     labels.append(int(self.source.labels[i]))
                 except CorruptImageError as e:
                     bad.append((e.path, e.reason))

@@ -77,10 +77,15 @@ class PackedSource(ImageSource):
         return f"{self.root}/{self.split}#{self.rows[i]} ({self._names[self.rows[i]].decode()})"
 
     def load(self, i: int) -> torch.Tensor:
-        r = self.rows[i]
         if self.fixed_size is not None:
-            return torch.from_numpy(np.array(self._images[r]))
-        return decode_image(self._data[self._offsets[r]:self._offsets[r + 1]].tobytes(), self.name(i))
+            return torch.from_numpy(np.array(self._images[self.rows[i]]))
+        return decode_image(self.encoded(i), self.name(i))
+
+    def encoded(self, i: int) -> bytes | None:
+        if self.fixed_size is not None:
+            return None
+        r = self.rows[i]
+        return self._data[self._offsets[r]:self._offsets[r + 1]].tobytes()
 
     def load_batch(self, idx: np.ndarray) -> torch.Tensor:
         if self.fixed_size is None:

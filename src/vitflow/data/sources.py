@@ -159,6 +159,11 @@ class ImageSource:
         """Image ``i`` as ``uint8`` ``(3, H, W)``. Raises CorruptImageError."""
         raise NotImplementedError
 
+    def encoded(self, i: int) -> bytes | None:
+        """The encoded bytes of image ``i`` (``load`` decodes them), or ``None`` for a source of
+        decoded pixels. Raises CorruptImageError when unreadable."""
+        return None
+
     def load_batch(self, idx: np.ndarray) -> torch.Tensor:
         """Images ``idx`` as one ``uint8`` ``(B, 3, H, W)`` tensor (only when ``fixed_size``)."""
         return torch.stack([self.load(int(i)) for i in idx])
@@ -190,6 +195,9 @@ class FileSource(ImageSource):
 
     def load(self, i: int) -> torch.Tensor:
         return decode_image(self.read(i), self.name(i))
+
+    def encoded(self, i: int) -> bytes:
+        return self.read(i)
 
     def subset(self, idx: np.ndarray) -> "FileSource":
         return FileSource(self.classes, self.labels[idx], self.reader, self.keys[idx],

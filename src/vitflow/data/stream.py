@@ -22,10 +22,10 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from vitflow.data.decode import CorruptImageError, decode_image
+from vitflow.data.decode import CorruptImageError
 from vitflow.data.loader import mix_seed, stack_images
 from vitflow.data.sources import FileSource
-from vitflow.data.transforms import Transform
+from vitflow.data.transforms import Transform, transform_encoded
 
 
 def shuffle_buffer(items: Iterator, buffer_size: int, rng: np.random.Generator) -> Iterator:
@@ -121,7 +121,7 @@ class StreamBatches(torch.utils.data.IterableDataset):
                 try:
                     if isinstance(data, CorruptImageError):
                         raise data
-                    images.append(self.transform(decode_image(data, self.source.name(i))))
+                    images.append(transform_encoded(self.transform, data, self.source.name(i)))
                     labels.append(int(self.source.labels[i]))
                 except CorruptImageError as e:
                     bad.append((e.path, e.reason))

@@ -14,6 +14,8 @@ import torch
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2
 
+from vitflow.data.decode import decode_image, reducible_size
+
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -102,7 +104,30 @@ def train_transform(image_size: int, augment: str, scale: Sequence[float] = (0.0
         ops.append(v2.ColorJitter(color_jitter, color_jitter, color_jitter))
     if random_erasing > 0:
         ops.append(v2.RandomErasing(p=random_erasing, value=0))
-    return v2.Compose(ops)
+    return TrainTransform(ops)
+
+
+def transform_encoded(transform: Transform, data: bytes, path: str = "<bytes>") -> torch.Tensor:
+    """``transform(decode_image(data, path))``; a :class:`TrainTransform` decodes only what its
+    crop needs. Raises CorruptImageError."""
+    if isinstance(transform, TrainTransform):
+        return transform.from_encoded(data, path)
+    return transform(decode_image(data, path))
+
+
+class TrainTransform(v2.Compose):
+    """The training ops in order; :meth:`from_encoded` lets a leading :class:`RandomResizedCrop`
+    see the encoded image, so that a JPEG much larger than the crop's output is decoded at a
+    reduced DCT scale."""
+
+    def from_encoded(self, data: bytes, path: str = "<bytes>") -> torch.Tensor:
+        """``self(decode_image(data, path))``, decoding no more pixels than the first op needs.
+        Raises CorruptImageError."""
+        first, rest = self.transforms[0], self.transforms[1:]
+        img = first.from_encoded(data, path) if isinstance(first, RandomResizedCrop) else first(decode_image(data, path))
+        for op in rest:
+            img = op(img)
+        return img
 
 
 class RandomResizedCrop(v2.RandomResizedCrop):
@@ -113,6 +138,26 @@ class RandomResizedCrop(v2.RandomResizedCrop):
 
     def __init__(self, size: int, scale=(0.08, 1.0), interpolation=InterpolationMode.BILINEAR):
         super().__init__(size, scale=scale, interpolation=interpolation, antialias=True)
+
+    def from_encoded(self, data: bytes, path: str = "<bytes>") -> torch.Tensor:
+        """``self(decode_image(data, path))`` with the same random draws, an upright JPEG decoded
+        at the smallest DCT scale (1/8, 1/4, 1/2, full) at which the crop keeps at least the
+        output's pixels on each side, the crop box mapped to that scale (the pixels then differ
+        from a full-size decode by resampling only). Raises CorruptImageError."""
+        size = reducible_size(data)
+        if size is None:
+            return self(decode_image(data, path))
+        w, h = size
+        make_params = getattr(self, "make_params", None) or self._get_params  # torchvision >= 0.21 / older
+        params = make_params([torch.empty(()).expand(3, h, w)])  # a size-only stand-in, no pixels
+        need = (-(-w * self.size[1] // params["width"]), -(-h * self.size[0] // params["height"]))
+        img = decode_image(data, path, min_size=need)
+        dh, dw = img.shape[-2:]
+        if (dh, dw) != (h, w):
+            top, left = params["top"] * dh // h, params["left"] * dw // w
+            params = dict(top=top, left=left, height=max(1, min(dh - top, round(params["height"] * dh / h))),
+                          width=max(1, min(dw - left, round(params["width"] * dw / w))))
+        return self.transform(img, params)
 
     def transform(self, inpt, params):
         aa = (self.interpolation != InterpolationMode.BILINEAR or params["height"] > self.size[0]
