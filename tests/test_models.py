@@ -130,3 +130,19 @@ def test_grad_checkpointing_gives_same_gradients():
     m(x).sum().backward()
     for a, p in zip(plain, m.parameters()):
         torch.testing.assert_close(p.grad, a, atol=1e-6, rtol=1e-5)
+
+
+def test_jax_weight_init_matches_the_scheme():
+    """weight_init="jax": zero head, Xavier-uniform linears, tiny MLP biases, LeCun patch embedding."""
+    torch.manual_seed(0)
+    m = vitflow.create_model("vit_small_patch16_224", num_classes=7, weight_init="jax")
+    assert m.head.weight.abs().max() == 0 and m.head.bias.abs().max() == 0
+    qkv = m.blocks[0].attn.qkv.weight  # (1152, 384): Xavier-uniform std = sqrt(2 / (fan_in + fan_out))
+    assert qkv.std().item() == pytest.approx((2 / (384 + 1152)) ** 0.5, rel=0.02)
+    assert 0 < m.blocks[0].mlp.fc1.bias.abs().max() < 1e-5 and m.blocks[0].attn.qkv.bias.abs().max() == 0
+    pe = m.patch_embed.proj.weight  # fan_in 3 * 16 * 16
+    assert pe.std().item() == pytest.approx((1 / 768) ** 0.5, rel=0.03)
+    timm_init = vitflow.create_model("vit_small_patch16_224", num_classes=7)
+    assert timm_init.blocks[0].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.03)  # timm: std 0.02
+    with pytest.raises(ValueError, match="weight_init"):
+        vitflow.create_model("vit_cifar_patch4_32", weight_init="xavier")

@@ -56,6 +56,7 @@ class ModelConfig:
     drop_rate: float = 0.0
     drop_path_rate: float = 0.0
     patch_drop_rate: float = 0.0  # PatchDropout: fraction of patch tokens dropped per image in training
+    weight_init: Literal["timm", "jax"] = "timm"  # jax: Xavier linears, zero head (big_vision / timm "jax")
     grad_checkpointing: str = "none"  # none | all | auto | every:K | block indices "0,3,6"
     grad_checkpointing_budget: str | None = None  # activation memory for auto, e.g. 2GiB
     distill_token: bool = False  # DeiT distillation token + head_dist (needs global_pool=token)

@@ -231,6 +231,8 @@ class VisionTransformer(nn.Module):
             hidden units (the timm layout). Pruned blocks keep the unpruned head dimension.
         patch_drop_rate: fraction of patch tokens dropped per sample in training (:class:`PatchDropout`;
             needs an attention that takes any token set: no ``relative`` position bias, no sparse pattern).
+        weight_init: ``"timm"`` (timm's default) or ``"jax"`` (the original JAX / big_vision scheme,
+            timm's ``weight_init="jax"``: zero head; see :meth:`init_weights`).
 
     ``forward(x)``: ``(B, in_chans, H, W)`` float -> logits ``(B, num_classes)``; H and W may
     differ from ``img_size`` (multiples of the patch size): the position encoding follows.
@@ -243,7 +245,7 @@ class VisionTransformer(nn.Module):
                  pos_embed: str = "learned", layer_scale_init: float | None = None, attn_block_size: int = 128,
                  attn_window: int = 3, linformer_k: int | None = None, performer_features: int | None = None,
                  block_heads: list[int] | None = None, block_mlp_hidden: list[int] | None = None,
-                 patch_drop_rate: float = 0.0):
+                 patch_drop_rate: float = 0.0, weight_init: Literal["timm", "jax"] = "timm"):
         super().__init__()
         if global_pool not in ("token", "avg"):
             raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
@@ -289,23 +291,44 @@ class VisionTransformer(nn.Module):
         self.fc_norm = nn.LayerNorm(embed_dim, eps=LN_EPS) if use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        self.init_weights()
+        self.init_weights(weight_init)
 
-    def init_weights(self) -> None:
-        """timm's default init: truncated normal (std 0.02) for linears and the position
-        embedding, 1e-6 normal for the class token, zero biases, unit LayerNorms."""
+    def init_weights(self, mode: Literal["timm", "jax"] = "timm") -> None:
+        """Initialise every parameter.
+
+        ``timm`` (timm's default): truncated normal (std 0.02) for linears, zero biases.
+        ``jax`` (the original ViT / big_vision code, timm's ``weight_init="jax"``): Xavier-uniform
+        linears, MLP biases normal (std 1e-6), other biases zero, a zero head (every class starts
+        equally likely), LeCun-normal patch embedding. Both: position embedding truncated normal
+        (std 0.02), class token normal (std 1e-6), unit LayerNorms.
+
+        Raises:
+            ValueError: unknown ``mode``.
+        """
+        if mode not in ("timm", "jax"):
+            raise ValueError(f"weight_init must be 'timm' or 'jax', got {mode!r}")
         if isinstance(self.pos_embed, nn.Parameter):
             nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
-        for m in self.modules():
+        for name, m in self.named_modules():
             if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
+                if mode == "timm":
+                    nn.init.trunc_normal_(m.weight, std=0.02)
+                elif name.startswith("head"):
+                    nn.init.zeros_(m.weight)
+                else:
+                    nn.init.xavier_uniform_(m.weight)
                 if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+                    nn.init.normal_(m.bias, std=1e-6) if mode == "jax" and ".mlp." in name else nn.init.zeros_(m.bias)
             elif isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
+        if mode == "jax":
+            w = self.patch_embed.proj.weight
+            std = (1.0 / w[0].numel()) ** 0.5 / 0.87962566103423978  # LeCun normal, truncated at 2 std
+            nn.init.trunc_normal_(w, std=std, a=-2 * std, b=2 * std)
+            nn.init.zeros_(self.patch_embed.proj.bias)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:

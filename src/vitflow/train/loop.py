@@ -82,6 +82,8 @@ def model_args(cfg: Config, num_classes: int) -> dict[str, Any]:
         args.update(distilled=True, global_pool="token")
     if m.patch_drop_rate:
         args["patch_drop_rate"] = m.patch_drop_rate
+    if m.weight_init != "timm":
+        args["weight_init"] = m.weight_init
     return args
 
 
