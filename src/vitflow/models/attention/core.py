@@ -150,6 +150,8 @@ def _unpack(x: torch.Tensor, b: int) -> torch.Tensor:
 def _scaled_bmm(a: torch.Tensor, b: torch.Tensor, alpha: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """``alpha * (a @ b)`` for 3-D batches, the scale applied inside the GEMM (``baddbmm`` with
     ``beta=0``, whose ``input`` is then ignored)."""
+    if torch.compiler.is_compiling() and out is None:  # inductor fuses the scale into the GEMM's epilogue
+        return torch.bmm(a, b) * alpha
     shape = (a.shape[0], a.shape[1], b.shape[2])
     empty = a.new_empty(()).expand(shape)
     if out is None:
