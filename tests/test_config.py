@@ -54,6 +54,7 @@ def test_unknown_key_names_key_and_nearest(override, message):
     ("train.time_budget=soon", "train.time_budget"),
     ("data.mean=0.1,0.2", "data.mean"),
     ("train.batch_size=100", "train.batch_size"),  # with accum_steps=8 below: not a multiple
+    ("model.image_size=31", "model.image_size"),  # the default variant's patch is 2: not a multiple
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -110,6 +110,7 @@ def test_corrupt_images_are_skipped_and_reported(tmp_path):
     assert bad == ["empty.jpg", "text.jpg", "truncated.jpg"]
     reasons = dict((n.rsplit("/", 1)[-1], r) for n, r in batch["bad"])
     assert "0 bytes" in reasons["empty.jpg"]
+    assert "truncated" in reasons["truncated.jpg"] and ".cpp" not in reasons["truncated.jpg"]  # no C++ source path
 
 
 def test_decode_handles_modes_and_exif(tmp_path):

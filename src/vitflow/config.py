@@ -71,6 +71,9 @@ class ModelConfig:
         for key in ("image_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "patch_size"):
             _check(getattr(self, key) is None or getattr(self, key) > 0, f"model.{key}", getattr(self, key), "> 0")
         _check(self.num_classes is None or self.num_classes > 0, "model.num_classes", self.num_classes, "> 0")
+        size = self.image_size or MODELS[self.name].get("img_size", 224)
+        patch = self.patch_size or MODELS[self.name].get("patch_size", 16)
+        _check(size % patch == 0, "model.image_size", size, f"a multiple of the patch size {patch}")
         _check(0 <= self.drop_rate < 1, "model.drop_rate", self.drop_rate, "in [0, 1)")
         _check(0 <= self.drop_path_rate < 1, "model.drop_path_rate", self.drop_path_rate, "in [0, 1)")
         _check(self.attn_block_size >= 1, "model.attn_block_size", self.attn_block_size, ">= 1")

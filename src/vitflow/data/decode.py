@@ -193,4 +193,7 @@ def decode_image(data: bytes, path: str = "<bytes>", min_size: tuple[int, int] |
     except CorruptImageError:
         raise
     except Exception as e:
-        raise CorruptImageError(path, f"{type(e).__name__}: {e}") from None
+        msg = str(e)
+        if ".cpp:" in msg:  # torchvision prefixes its C++ source location: "decode_jpeg, /.../x.cpp:171, <reason>"
+            msg = msg.split(".cpp:")[-1].split(", ", 1)[-1]
+        raise CorruptImageError(path, f"{type(e).__name__}: {msg}") from None
