@@ -4,6 +4,7 @@ accuracy checks of quantisation and pruning, all with the model's own eval prepr
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 
@@ -27,6 +28,24 @@ def checkpoint_split(state: dict, path: str | Path | None = None, split: str | N
                       source, classes=list(state["classes"]))
 
 
+def _first_readable(loads: Iterable[Callable[[], torch.Tensor]], pp: Preprocess, n: int,
+                    skip: tuple[type[Exception], ...], nothing: str) -> torch.Tensor:
+    """The first ``n`` images of ``loads`` (each a call returning ``uint8 (3, H, W)``) that load
+    without one of ``skip``, after the eval transform, normalised. Raises ValueError(``nothing``)
+    when none does."""
+    tf, images = eval_transform(pp), []
+    for load in loads:
+        if len(images) == n:
+            break
+        try:
+            images.append(tf(load()))
+        except skip:
+            continue
+    if not images:
+        raise ValueError(nothing)
+    return normalize(torch.stack(images), pp.mean, pp.std)
+
+
 def sample_images(source: ImageSource, pp: Preprocess, n: int = 8) -> torch.Tensor:
     """The first ``n`` readable images of ``source`` after the eval transform, normalised:
     ``float32 (n', 3, S, S)`` with ``n' <= n``.
@@ -34,17 +53,8 @@ def sample_images(source: ImageSource, pp: Preprocess, n: int = 8) -> torch.Tens
     Raises:
         ValueError: none of them can be decoded.
     """
-    tf, images = eval_transform(pp), []
-    for i in range(len(source)):
-        if len(images) == n:
-            break
-        try:
-            images.append(tf(source.load(i)))
-        except CorruptImageError:
-            continue
-    if not images:
-        raise ValueError("no readable image for verification")
-    return normalize(torch.stack(images), pp.mean, pp.std)
+    loads = (lambda i=i: source.load(i) for i in range(len(source)))
+    return _first_readable(loads, pp, n, (CorruptImageError,), "no readable image for verification")
 
 
 def images_from_files(paths: list[str], pp: Preprocess, n: int = 8) -> torch.Tensor:
@@ -52,17 +62,9 @@ def images_from_files(paths: list[str], pp: Preprocess, n: int = 8) -> torch.Ten
     :func:`vitflow.infer.predict.collect_images`)."""
     from vitflow.infer.predict import collect_images
 
-    tf, images = eval_transform(pp), []
-    for ref in collect_images(paths):
-        if len(images) == n:
-            break
-        try:
-            images.append(tf(decode_image(ref.read(), ref.name)))
-        except (CorruptImageError, OSError):
-            continue
-    if not images:
-        raise ValueError(f"no readable image in {' '.join(map(str, paths))}")
-    return normalize(torch.stack(images), pp.mean, pp.std)
+    loads = (lambda ref=ref: decode_image(ref.read(), ref.name) for ref in collect_images(paths))
+    return _first_readable(loads, pp, n, (CorruptImageError, OSError),
+                           f"no readable image in {' '.join(map(str, paths))}")
 
 
 def accuracy(model: torch.nn.Module, source: ImageSource, pp: Preprocess, batch_size: int = 256,
