@@ -328,14 +328,19 @@ def test_random_resized_crop_matches_torchvision():
 
     from vitflow.data.transforms import RandomResizedCrop
 
+    from vitflow.data.transforms import RandomHorizontalFlip
+
     for shape in ((3, 120, 150), (3, 600, 500)):  # crops enlarged / mostly shrunk
-        img = torch.randint(0, 256, shape, dtype=torch.uint8)
-        for interp in (InterpolationMode.BILINEAR, InterpolationMode.BICUBIC):
-            for seed in range(20):
-                torch.manual_seed(seed)
-                ref = v2.RandomResizedCrop(64, interpolation=interp, antialias=True)(img)
-                torch.manual_seed(seed)
-                assert torch.equal(RandomResizedCrop(64, interpolation=interp)(img), ref)
+        chw = torch.randint(0, 256, shape, dtype=torch.uint8)
+        hwc_view = chw.permute(1, 2, 0).contiguous().permute(2, 0, 1)  # the layout the JPEG decoder returns
+        for img in (chw, hwc_view, chw.float()):
+            for interp in (InterpolationMode.BILINEAR, InterpolationMode.BICUBIC):
+                for seed in range(20):
+                    torch.manual_seed(seed)
+                    ref = v2.RandomHorizontalFlip()(v2.RandomResizedCrop(64, interpolation=interp, antialias=True)(img))
+                    torch.manual_seed(seed)
+                    got = RandomHorizontalFlip()(RandomResizedCrop(64, interpolation=interp)(img))
+                    assert got.shape == ref.shape == (3, 64, 64) and torch.equal(got, ref)
 
 
 def test_reduced_dct_decode_keeps_the_crop_and_its_pixels():
@@ -368,3 +373,16 @@ def test_reduced_dct_decode_keeps_the_crop_and_its_pixels():
     ref = tf(decode_image(small))
     torch.manual_seed(0)
     assert torch.equal(tf.from_encoded(small), ref)
+
+
+def test_device_pipeline_host_threads_give_the_same_batch_and_restore_the_setting():
+    from vitflow.data.device import DevicePipeline
+
+    batch = {"images": torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8), "labels": torch.arange(4),
+             "epoch": 1, "index": 2}
+    before = torch.get_num_threads()
+    ref, y_ref = DevicePipeline(torch.device("cpu"), (0.5,) * 3, (0.25,) * 3, crop_padding=2, hflip=True)(batch)
+    got, y = DevicePipeline(torch.device("cpu"), (0.5,) * 3, (0.25,) * 3, crop_padding=2, hflip=True,
+                            host_threads=1)(batch)
+    assert torch.equal(got, ref) and torch.equal(y, y_ref) and torch.get_num_threads() == before
+    assert ref.min().item() == pytest.approx(-2.0) and ref.max().item() > 1.9  # ((0 or 255) / 255 - 0.5) / 0.25; padding is 0

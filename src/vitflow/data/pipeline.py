@@ -235,7 +235,7 @@ def train_loader(source: ImageSource, cfg: DataConfig, image_size: int, batch_si
     if cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0:
         mix = MixupCutmix(num_classes, cfg.mixup_alpha, cfg.cutmix_alpha, cfg.mix_prob, cfg.mix_switch_prob)
     pipeline = DevicePipeline(device, cfg.mean, cfg.std, aug_seed, (cfg.padding if augment == "pad_crop" else 0)
-                              if batched else None, cfg.hflip, mix)
+                              if batched else None, cfg.hflip, mix, host_threads=1 if workers else None)
     threaded = workers > 0 or batched  # never with 0 workers per-image: it seeds the global RNG per batch
     return TrainLoader(loader, pipeline, device, cfg.prefetch, threaded, workers, batched)
 

@@ -95,7 +95,7 @@ def train_transform(image_size: int, augment: str, scale: Sequence[float] = (0.0
     else:
         raise ValueError(f"unknown augmentation {augment!r}")
     if hflip:
-        ops.append(v2.RandomHorizontalFlip())
+        ops.append(RandomHorizontalFlip())
     policy = {"randaugment": lambda: v2.RandAugment(num_ops=2, magnitude=9),
               "trivialaugment": v2.TrivialAugmentWide, "autoaugment": v2.AutoAugment}
     if auto_augment != "none":
@@ -159,11 +159,45 @@ class RandomResizedCrop(v2.RandomResizedCrop):
                           width=max(1, min(dw - left, round(params["width"] * dw / w))))
         return self.transform(img, params)
 
+    def forward(self, img):
+        if type(img) is not torch.Tensor:  # tv_tensors, PIL images, several inputs: torchvision's dispatch
+            return super().forward(img)
+        return self.transform(img, self.make_params([img]))
+
     def transform(self, inpt, params):
         aa = (self.interpolation != InterpolationMode.BILINEAR or params["height"] > self.size[0]
               or params["width"] > self.size[1])
+        if self.interpolation == InterpolationMode.BILINEAR and type(inpt) is torch.Tensor and inpt.ndim == 3 \
+                and inpt.dtype in (torch.uint8, torch.float32) and inpt.device.type == "cpu":
+            return _resized_crop_bilinear(inpt, params, self.size, aa)
         return v2.functional.resized_crop(inpt, **params, size=self.size, interpolation=self.interpolation,
                                           antialias=aa)
+
+
+def _resized_crop_bilinear(img: torch.Tensor, params: dict, size, antialias: bool) -> torch.Tensor:
+    """``v2.functional.resized_crop`` (bilinear, ``(C, H, W)`` uint8 or float32 on the CPU) without
+    its dispatch: the crop is a view and torch's native uint8 kernel resamples it. A channels-last
+    view (as the JPEG decoder returns) is restrided so that the output stays channels-last, the
+    same trick torchvision plays, which saves a re-packing copy. Same pixels (tested)."""
+    crop = img[:, params["top"]:params["top"] + params["height"], params["left"]:params["left"] + params["width"]]
+    if (crop.shape[1], crop.shape[2]) == tuple(size):
+        return crop
+    x = crop.unsqueeze(0)
+    if x.is_contiguous(memory_format=torch.channels_last) and x.numel() != x.stride(0):
+        x = x.as_strided(x.shape, (x.numel(), *x.stride()[1:]))
+    return torch.nn.functional.interpolate(x, size=list(size), mode="bilinear", align_corners=False,
+                                           antialias=antialias)[0]
+
+
+class RandomHorizontalFlip(v2.RandomHorizontalFlip):
+    """torchvision's RandomHorizontalFlip (the same ``torch.rand(1)`` draw per call) without the
+    dispatch overhead for a plain tensor ``(..., H, W)``."""
+
+    def forward(self, *inputs):
+        if len(inputs) != 1 or type(inputs[0]) is not torch.Tensor:
+            return super().forward(*inputs)
+        img = inputs[0]
+        return img if torch.rand(1) >= self.p else img.flip(-1)
 
 
 class _ResizeIfNeeded(torch.nn.Module):
