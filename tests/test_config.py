@@ -57,8 +57,9 @@ def test_unknown_key_names_key_and_nearest(override, message):
     ("model.image_size=31", "model.image_size"),  # the default variant's patch is 2: not a multiple
 ])
 def test_bad_values_name_the_key(override, key):
-    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
         build_config(overrides=[override, "train.accum_steps=8"] if override.endswith("=100") else [override])
+    assert str(e.value).endswith("(in command line)")  # where the bad value came from
 
 
 def test_precision_choice_suggests_nearest():

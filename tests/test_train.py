@@ -176,3 +176,12 @@ def test_resume_warns_about_changed_config(caplog):
     msg = caplog.records[-1].getMessage()
     assert "c.pt" in msg and "optim.lr 0.003 -> 0.5" in msg and "train.batch_size 128 -> 64" in msg
     assert "run_dir" not in msg
+
+
+def test_warmup_longer_than_the_run_is_warned(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="vitflow.train.loop"):
+        Trainer(tiny(tmp_path / "a", "train.total_steps=20", "optim.warmup_steps=10"))
+        assert not caplog.records
+        Trainer(tiny(tmp_path / "b", "train.total_steps=20", "optim.warmup_steps=40"))
+    msg = caplog.records[-1].getMessage()
+    assert "optim.warmup_steps=40" in msg and "train.total_steps (20 steps)" in msg and "0.5 of the peak lr" in msg

@@ -345,6 +345,14 @@ def test_metrics_csv_eval_json_and_report(digits_run, tmp_path):
                for n in ("loss", "accuracy", "lr", "throughput"))
     assert f"{r['test_top1']:.2%}" in page and page.count('<td class=num style="background:') == 100  # 10 x 10
     assert "vit_digits_patch2_8" in page  # the config
+    from vitflow.train.logging import read_metrics
+    from vitflow.viz.report import final_metrics
+
+    recs = read_metrics(run / "metrics.jsonl")
+    start, last = next(x for x in recs if x["kind"] == "start"), [x for x in recs if x["kind"] == "train"][-1]
+    epochs = final_metrics(recs)["epochs"]  # fractional: 400 steps over full batches (each epoch's tail dropped)
+    assert epochs == pytest.approx(400 / (start["train_images"] // start["micro_batch"]), abs=0.01)
+    assert last["epoch"] <= epochs < last["epoch"] + 1 and epochs != int(epochs)
 
 
 def test_tensorboard_events_when_installed(tmp_path):

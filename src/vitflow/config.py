@@ -510,13 +510,21 @@ def build_config(preset: str | None = None, config_file: str | Path | None = Non
             raise ConfigError(f"config file not found: {path}")
         layers.append((str(path), _read_yaml(path.read_text(), str(path))))
     layers.append(("command line", dict(parse_override(o) for o in overrides)))
+    origins: dict[str, str] = {}  # key -> the layer that set it last, to name it in validation errors
     for origin, tree in layers:
         for key, value in flatten(tree).items():
             try:
                 set_key(cfg, key, value)
             except ConfigError as e:
                 raise ConfigError(f"{e} (in {origin})") from None
-    return cfg.validate()
+            origins[key] = origin
+    try:
+        return cfg.validate()
+    except ConfigError as e:
+        key = re.match(r"[a-z_]+\.[a-z_0-9]+", str(e))
+        if key and key.group(0) in origins:
+            raise ConfigError(f"{e} (in {origins[key.group(0)]})") from None
+        raise
 
 
 def to_yaml(cfg: Config) -> str:

@@ -117,6 +117,12 @@ class Meter:
         return self.images / elapsed, self.data_wait / elapsed
 
 
+def _warn_long_warmup(warmup_steps: int, total_steps: int, lr: float, what: str) -> None:
+    if warmup_steps >= total_steps:
+        log.warning("optim.warmup_steps=%d is not below %s (%d steps): the run ends inside the warmup, at "
+                    "%.3g of the peak lr %g", warmup_steps, what, total_steps, total_steps / warmup_steps, lr)
+
+
 class Trainer:
     """Builds everything a run needs from a validated :class:`Config` and runs it with :meth:`fit`.
 
@@ -168,6 +174,7 @@ class Trainer:
             self.net = torch.compile(self.net)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.total_steps)
+        _warn_long_warmup(cfg.optim.warmup_steps, t.total_steps, cfg.optim.lr, "train.total_steps")
         self.guard = NonFiniteGuard(t.max_nonfinite_steps, self.precision.name, cfg.optim.lr, cfg.optim.warmup_steps)
         if self.state:
             self._restore_training(self.state)
@@ -445,6 +452,8 @@ class Trainer:
         if abs(fit - self.total_steps) > 0.01 * self.total_steps:
             set_total_steps(self.scheduler, fit)
             log.info("time budget: schedule set to %d steps", fit)
+            if self.dist.is_main:
+                _warn_long_warmup(self.cfg.optim.warmup_steps, fit, self.cfg.optim.lr, "the time budget's fitted schedule")
 
     def _set_resolution(self) -> None:
         """Progressive resizing: the step's training resolution (eval stays at full size)."""

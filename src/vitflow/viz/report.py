@@ -83,13 +83,24 @@ def final_metrics(records: list[dict]) -> dict[str, Any]:
         out["step"] = (summary or (train[-1] if train else {})).get("step")
         out["status"] = f"interrupted ({summary['interrupted']})" if summary else "incomplete"
     if train:
-        out["epochs"] = train[-1].get("epoch", 0) + 1
+        out["epochs"] = _epochs(start, out.get("step") or train[-1].get("step", 0)) or train[-1].get("epoch", 0) + 1
         mem = [r["memory_mb"] for r in train if r.get("memory_mb") is not None]
         if mem:
             out["peak_memory_mb"] = max(mem)
     out.update({k: start[k] for k in ("device", "precision", "world_size", "micro_batch", "train_images",
                                       "test_images") if k in start})
     return out
+
+
+def _epochs(start: dict, step: int) -> float | None:
+    """Epochs trained after ``step`` optimizer steps, from the run's batch geometry (each step
+    takes ``accum_steps`` micro-batches per rank; an epoch has ``train_images // world_size //
+    micro_batch`` of them, the tail dropped); ``None`` when the start record lacks it."""
+    try:
+        per_epoch = start["train_images"] // start.get("world_size", 1) // start["micro_batch"]
+        return round(step * start.get("accum_steps", 1) / per_epoch, 2) if per_epoch else None
+    except (KeyError, TypeError):
+        return None
 
 
 def _img(path: Path) -> str:
