@@ -326,9 +326,7 @@ def test_bench_data_json_line(tmp_path, capsys):
 def test_random_resized_crop_matches_torchvision():
     from torchvision.transforms import InterpolationMode, v2
 
-    from vitflow.data.transforms import RandomResizedCrop
-
-    from vitflow.data.transforms import RandomHorizontalFlip
+    from vitflow.data.transforms import RandomHorizontalFlip, RandomResizedCrop
 
     for shape in ((3, 120, 150), (3, 600, 500)):  # crops enlarged / mostly shrunk
         chw = torch.randint(0, 256, shape, dtype=torch.uint8)

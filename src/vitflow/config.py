@@ -28,7 +28,8 @@ DEFAULT_PRESET = "digits-vit-tiny"
 
 
 class ConfigError(ValueError):
-    """A configuration key or value is invalid; the message names the key."""
+    """A configuration key or value is invalid; the message names the key (a validation message
+    starts with it: ``build_config`` reads it back to say which layer set the value)."""
 
 
 @dataclass

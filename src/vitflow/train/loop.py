@@ -174,7 +174,8 @@ class Trainer:
             self.net = torch.compile(self.net)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.total_steps)
-        _warn_long_warmup(cfg.optim.warmup_steps, t.total_steps, cfg.optim.lr, "train.total_steps")
+        if self.dist.is_main:
+            _warn_long_warmup(cfg.optim.warmup_steps, t.total_steps, cfg.optim.lr, "train.total_steps")
         self.guard = NonFiniteGuard(t.max_nonfinite_steps, self.precision.name, cfg.optim.lr, cfg.optim.warmup_steps)
         if self.state:
             self._restore_training(self.state)

@@ -83,7 +83,8 @@ def final_metrics(records: list[dict]) -> dict[str, Any]:
         out["step"] = (summary or (train[-1] if train else {})).get("step")
         out["status"] = f"interrupted ({summary['interrupted']})" if summary else "incomplete"
     if train:
-        out["epochs"] = _epochs(start, out.get("step") or train[-1].get("step", 0)) or train[-1].get("epoch", 0) + 1
+        epochs = _epochs(start, out.get("step") or train[-1].get("step", 0))
+        out["epochs"] = epochs if epochs is not None else train[-1].get("epoch", 0) + 1
         mem = [r["memory_mb"] for r in train if r.get("memory_mb") is not None]
         if mem:
             out["peak_memory_mb"] = max(mem)
