@@ -28,8 +28,13 @@ DEFAULT_PRESET = "digits-vit-tiny"
 
 
 class ConfigError(ValueError):
-    """A configuration key or value is invalid; the message names the key (a validation message
-    starts with it: ``build_config`` reads it back to say which layer set the value)."""
+    """A configuration key or value is invalid; the message names the key. ``key`` (e.g.
+    ``"train.lr"``, or ``None`` when no single key is at fault) lets ``build_config`` say which
+    layer (preset, config file, command line) set a value that fails validation."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass
@@ -58,6 +63,8 @@ class ModelConfig:
     drop_path_rate: float = 0.0
     patch_drop_rate: float = 0.0  # PatchDropout: fraction of patch tokens dropped per image in training
     weight_init: Literal["timm", "jax"] = "timm"  # jax: Xavier linears, zero head (big_vision / timm "jax")
+    # GEMM of the linear layers under bf16 autocast on a CPU: auto (timed per shape) | bf16 (oneDNN's) | fp32
+    cpu_bf16_matmul: Literal["auto", "bf16", "fp32"] = "auto"
     grad_checkpointing: str = "none"  # none | all | auto | every:K | block indices "0,3,6"
     grad_checkpointing_budget: str | None = None  # activation memory for auto, e.g. 2GiB
     distill_token: bool = False  # DeiT distillation token + head_dist (needs global_pool=token)
@@ -68,7 +75,8 @@ class ModelConfig:
         if self.name not in MODELS:
             close = difflib.get_close_matches(self.name, MODELS, n=3)
             raise ConfigError(f"model.name: unknown model {self.name!r}"
-                              + (f"; did you mean {', '.join(close)}?" if close else "; see `vitflow models`"))
+                              + (f"; did you mean {', '.join(close)}?" if close else "; see `vitflow models`"),
+                              "model.name")
         for key in ("image_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "patch_size"):
             _check(getattr(self, key) is None or getattr(self, key) > 0, f"model.{key}", getattr(self, key), "> 0")
         _check(self.num_classes is None or self.num_classes > 0, "model.num_classes", self.num_classes, "> 0")
@@ -90,7 +98,7 @@ class ModelConfig:
         try:
             CheckpointPlan.parse(self.grad_checkpointing, self.grad_checkpointing_budget)
         except ValueError as e:
-            raise ConfigError(f"model.grad_checkpointing: {e}") from None
+            raise ConfigError(f"model.grad_checkpointing: {e}", "model.grad_checkpointing") from None
         _check(0 <= self.patch_drop_rate < 1, "model.patch_drop_rate", self.patch_drop_rate, "in [0, 1)")
         _check(not self.distill_token or self.global_pool in (None, "token"), "model.global_pool", self.global_pool,
                "token (or unset) with model.distill_token=true")
@@ -168,7 +176,7 @@ class DataConfig:
             try:
                 parse_split(getattr(self, key))
             except ValueError as e:
-                raise ConfigError(f"data.{key}: {e}") from None
+                raise ConfigError(f"data.{key}: {e}", f"data.{key}") from None
 
 
 @dataclass
@@ -261,7 +269,7 @@ class TrainConfig:
             try:
                 parse_duration(self.time_budget)
             except ValueError as e:
-                raise ConfigError(f"train.time_budget: {e}") from None
+                raise ConfigError(f"train.time_budget: {e}", "train.time_budget") from None
 
 
 @dataclass
@@ -302,7 +310,7 @@ class Config:
 
 def _check(ok: bool, key: str, value: Any, requirement: str) -> None:
     if not ok:
-        raise ConfigError(f"{key}={value!r} is invalid: must be {requirement}")
+        raise ConfigError(f"{key}={value!r} is invalid: must be {requirement}", key)
 
 
 def parse_duration(text: str | float | int) -> float:
@@ -522,9 +530,8 @@ def build_config(preset: str | None = None, config_file: str | Path | None = Non
     try:
         return cfg.validate()
     except ConfigError as e:
-        key = re.match(r"[a-z_]+\.[a-z_0-9]+", str(e))
-        if key and key.group(0) in origins:
-            raise ConfigError(f"{e} (in {origins[key.group(0)]})") from None
+        if e.key in origins:
+            raise ConfigError(f"{e} (in {origins[e.key]})", e.key) from None
         raise
 
 
