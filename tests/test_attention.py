@@ -1,3 +1,4 @@
+import copy
 import logging
 
 import pytest
@@ -9,6 +10,7 @@ from vitflow.models.attention import (AttentionContext, BlockwiseKernel, Linform
                                       merge_heads, split_heads)
 from vitflow.models.attention import auto as auto_mod
 from vitflow.models.checkpointing import saved_activation_bytes
+from vitflow.models.vit import VisionTransformer
 
 GRID, HEADS, DIM_HEAD = (4, 4), 3, 8
 N = 1 + GRID[0] * GRID[1]
@@ -155,6 +157,42 @@ def test_auto_times_once_logs_choice_and_keeps_rng(caplog):
     with torch.no_grad():  # inference is another key: timed again
         kernel(qkv, HEADS, AttentionContext(GRID, 1))
     assert len(auto_mod._CHOICES) == 2
+
+
+@pytest.mark.parametrize("checkpointing", [False, "every:2"])
+def test_auto_in_a_model_times_whole_blocks_once_per_input_and_changes_nothing(caplog, checkpointing):
+    """A model chooses by timing its whole block stack per candidate; the tuning leaves the RNG
+    (the drop-path masks match), the parameters' .grad and the result alone (output and gradients
+    as with math)."""
+    auto_mod.clear_choices()
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=2, num_classes=5,
+                              attention="auto", drop_path_rate=0.1)
+    model.set_grad_checkpointing(checkpointing)
+    ref = copy.deepcopy(model)
+    ref.set_attention_backend("math")
+    x = torch.randn(4, 3, 32, 32)
+    with caplog.at_level(logging.INFO, logger="vitflow.models.attention.auto"):
+        torch.manual_seed(1)
+        out = model(x)
+        torch.manual_seed(1)
+        expected = ref(x)
+        assert all(p.grad is None for p in model.parameters())
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        model(x)  # same input key: no second tuning
+        model.eval()
+        with torch.no_grad():
+            model(x)  # inference is another key
+    picks = [r.getMessage() for r in caplog.records if "attention=auto" in r.getMessage()]
+    assert len(picks) == 2, picks
+    assert "fwd+bwd (block stack ms:" in picks[0] and "fwd (block stack ms:" in picks[1]
+    assert model.blocks[0].attn.kernel.choice in ("sdpa", "math", "blockwise")
+    assert model.blocks[0].attn.kernel.choice in picks[1]
+    assert len(auto_mod._CHOICES) == 2  # all three blocks share each choice
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_linformer_with_identity_projection_is_exact_and_fixed_length():

@@ -2,18 +2,31 @@
 
 The best kernel depends on the machine, the dtype and the sequence length: on the project's CPU
 explicit attention trains a 65-token ViT ~2x faster than fused SDPA in bf16 while SDPA wins by
-1.2-4x at 1025 tokens (``shared/reference/cpu-baselines.md``). So the first call with a new
-``(qkv shape, heads, dtype, device, training?, bias?)`` runs each candidate on random data of
-that shape (forward, plus backward when gradients are needed; 1 warm-up and 3 timed calls,
-median), keeps the fastest for every later call with that key, and logs the choice. Choices are
-shared by all layers and models in the process. The RNG state is left untouched.
+1.2-4x at 1025 tokens (``shared/reference/cpu-baselines.md``). A choice is made once per key
+``(qkv shape, heads, dtype, device, bias?, dropout?, autocast?, training?)`` and logged; choices
+are shared by all layers and models in the process, and the RNG state is left untouched.
+
+- In a model (:func:`tune`, called by ``VisionTransformer``): the whole block stack runs on the
+  real tokens with each candidate forced in every block (forward, plus the backward to the
+  input and the blocks' parameters when training; one warm-up run each, then
+  :data:`TUNE_ROUNDS` rounds in rotating order, the fastest run kept; within :data:`TIE` of
+  the fastest, the earlier candidate — sdpa, math, blockwise — wins, so that timing noise does
+  not pick the memory-saving blockwise kernel for speed). Only the whole stack
+  shows what a backend costs: measured here, a vit_small fp32 training step with ``math`` ran at
+  0.79x ``sdpa`` end to end although a single block (or the kernel alone) timed ``math`` faster —
+  twelve blocks' saved N x N probabilities are what costs.
+- A kernel called on its own (:meth:`AutoKernel.choose`): each candidate runs on random data of
+  the qkv shape (1 warm-up and 3 timed calls, median).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import statistics
 import time
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -22,7 +35,73 @@ from vitflow.models.attention.core import AttentionContext, AttentionKernel
 log = logging.getLogger(__name__)
 
 _CHOICES: dict[tuple, str] = {}
+_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("vitflow_auto_forced", default=None)
 TIMED_CALLS = 3
+TUNE_ROUNDS = 3
+TIE = 0.03  # candidates within 3% of the fastest count as tied: the first in candidate order wins
+
+
+@contextlib.contextmanager
+def forced(name: str) -> Iterator[None]:
+    """Every :class:`AutoKernel` with a candidate ``name`` runs it inside the block (no timing)."""
+    token = _FORCED.set(name)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def decided(key: tuple) -> bool:
+    """True when ``key`` (:meth:`AutoKernel.key`) already has a choice."""
+    return key in _CHOICES
+
+
+def tune(keys: Sequence[tuple], names: Sequence[str], run: Callable[[], object], device: torch.device,
+         what: str = "block stack") -> str:
+    """Choose among ``names`` for every key in ``keys`` by timing ``run`` (one call of the
+    enclosing computation, e.g. a model's blocks forward and backward) with each candidate
+    :func:`forced`: one warm-up call each, then :data:`TUNE_ROUNDS` rounds in rotating order; the
+    fastest call counts. A candidate that raises ``RuntimeError`` / ``ValueError`` (out of memory,
+    unsupported) is dropped. Records and logs the choice and returns it; the RNG state is left
+    untouched.
+
+    Raises:
+        RuntimeError: no candidate ran.
+    """
+    times: dict[str, list[float]] = {n: [] for n in names}
+    failed: set[str] = set()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for r in range(TUNE_ROUNDS + 1):  # round 0 warms up
+            for n in list(names[r % len(names):]) + list(names[:r % len(names)]):
+                if n in failed:
+                    continue
+                with forced(n):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    try:
+                        run()
+                        _sync(device)
+                    except (RuntimeError, ValueError) as e:
+                        log.debug("attention=auto: %s failed: %s", n, e)
+                        failed.add(n)
+                        continue
+                if r:
+                    times[n].append(time.perf_counter() - t0)
+    best = {n: float("inf") if n in failed else min(times[n]) for n in names}
+    for key in keys:
+        choice = _record(key, best, what)
+    return choice
+
+
+def _record(key: tuple, times: dict[str, float], what: str) -> str:
+    fastest = min(times.values())
+    if fastest == float("inf"):
+        raise RuntimeError(f"attention=auto: no candidate ran on qkv {key[0]}")
+    best = next(n for n, t in times.items() if t <= fastest * (1 + TIE))
+    _CHOICES[key] = best
+    log.info("attention=auto: %s for qkv %s %s on %s, %s (%s ms: %s)", best, key[0], str(key[2]).removeprefix("torch."),
+             key[3], "fwd+bwd" if key[-1] else "fwd", what, ", ".join(f"{n} {t * 1e3:.2f}" for n, t in times.items()))
+    return best
 
 
 def _sync(device: torch.device) -> None:
@@ -67,30 +146,30 @@ class AutoKernel(AttentionKernel):
         self.candidates = torch.nn.ModuleDict(candidates)
         self.choice: str | None = None  # the latest pick, for reports
 
-    def _key(self, qkv: torch.Tensor, num_heads: int, ctx: AttentionContext, backward: bool) -> tuple:
+    def key(self, qkv: torch.Tensor, num_heads: int, ctx: AttentionContext) -> tuple:
+        """The choice key of a call on ``qkv`` (its last entry: whether a backward will follow)."""
         bias = None if ctx.bias is None else (tuple(ctx.bias.shape), ctx.bias.requires_grad)
-        return (tuple(qkv.shape), num_heads, qkv.dtype, str(qkv.device), backward, bias, ctx.dropout_p > 0,
-                torch.is_autocast_enabled(qkv.device.type), tuple(self.candidates))
+        backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qkv, ctx.bias))
+        return (tuple(qkv.shape), num_heads, qkv.dtype, str(qkv.device), bias, ctx.dropout_p > 0,
+                torch.is_autocast_enabled(qkv.device.type), tuple(self.candidates), backward)
 
     def choose(self, qkv: torch.Tensor, num_heads: int, ctx: AttentionContext) -> str:
-        """The candidate name for this input (timing the candidates on first sight of its key)."""
-        backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qkv, ctx.bias))
-        key = self._key(qkv, num_heads, ctx, backward)
+        """The candidate name for this input (timing the candidates alone, on random data, on
+        first sight of its key unless :func:`tune` already chose)."""
+        key = self.key(qkv, num_heads, ctx)
+        backward = key[-1]
         if key not in _CHOICES:
             devices = [qkv.device] if qkv.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices), torch.no_grad() if not backward else torch.enable_grad():
                 times = {name: time_kernel(k, qkv, num_heads, ctx, backward)
                          for name, k in self.candidates.items()}
-            best = min(times, key=times.get)
-            if times[best] == float("inf"):
-                raise RuntimeError(f"attention=auto: no candidate ran on qkv {tuple(qkv.shape)}")
-            _CHOICES[key] = best
-            log.info("attention=auto: %s for qkv %s %s on %s, %s (ms: %s)", best, tuple(qkv.shape),
-                     str(qkv.dtype).removeprefix("torch."), qkv.device, "fwd+bwd" if backward else "fwd",
-                     ", ".join(f"{n} {t * 1e3:.2f}" for n, t in times.items()))
+            _record(key, times, "kernel alone")
         return _CHOICES[key]
 
     def forward(self, qkv, num_heads, ctx):
+        name = _FORCED.get()
+        if name in self.candidates:
+            return self.candidates[name](qkv, num_heads, ctx)
         self.choice = self.choose(qkv, num_heads, ctx)
         return self.candidates[self.choice](qkv, num_heads, ctx)
 
