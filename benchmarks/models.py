@@ -15,7 +15,10 @@ rotating order. Figures are medians (min-max) over the rounds.
 
 The machine's matmul peak (``torch.mm``, 1024..4096, fp32 and bf16, best median) gives each
 cell's MFU: model FLOPs per image (``FlopCounterMode`` on the explicit-attention forward; x3 for
-training) times images/s over the peak of the cell's dtype. With ``--json`` the last line is::
+training) times images/s over the peak of the cell's dtype — for bf16 the higher of the bf16 and
+fp32 peaks, since bf16 products can run through either GEMM (``vitflow.models.matmul``; where
+the bf16 GEMM is the slower one, vitflow's ``cpu_bf16_matmul=auto`` picks the fp32 one, shown in
+the backend column as ``gemm fp32``). With ``--json`` the last line is::
 
     {"peak_gflops": {"fp32": ..., "bf16": ...}, "cells": [{"model": ..., "mode": "train"|"infer",
      "dtype": "fp32"|"bf16", "vitflow_ips": ..., "timm_ips": ..., "vit_pytorch_ips": ...,
@@ -166,9 +169,13 @@ def main() -> None:
             for dt in args.dtypes.split(","):
                 rates = run_cell(key, mode, dt, args.repeats, args.seconds)
                 med = {impl: statistics.median(v) for impl, v in rates.items()}
-                mfu = med["vitflow"] * gflops * (3 if mode == "train" else 1) / peak[dt]
+                mfu = med["vitflow"] * gflops * (3 if mode == "train" else 1) / (
+                    max(peak.values()) if dt == "bf16" else peak[dt])
                 best = max(med["timm"], med["vit_pytorch"])
                 backend = ",".join(sorted({k[-1] for k in _auto_choices()})) or "-"
+                gemms = _gemm_choices()
+                if gemms:
+                    backend += ", gemm " + ",".join(gemms)
                 fmt = {impl: f"{med[impl]:.1f} ({min(v):.0f}-{max(v):.0f})" for impl, v in rates.items()}
                 print(f"{name:24s} {mode:5s} {dt:5s} {fmt['vitflow']:>20s} {fmt['timm']:>18s} {fmt['vit_pytorch']:>18s} "
                       f"{med['vitflow'] / med['timm']:7.2f} {med['vitflow'] / best:7.2f} {mfu:5.0%}  {backend}",
@@ -187,6 +194,15 @@ def _auto_choices() -> list[tuple]:
 
     out = [(*k, v) for k, v in auto._CHOICES.items()]
     auto.clear_choices()
+    return out
+
+
+def _gemm_choices() -> list[str]:
+    """The GEMMs vitflow's cpu_bf16_matmul=auto chose in the current cell (bf16 cells on a CPU)."""
+    from vitflow.models import matmul
+
+    out = sorted(set(matmul._CHOICES.values()))
+    matmul.clear_choices()
     return out
 
 

@@ -16,8 +16,10 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from vitflow.models.attention import AttentionContext, make_kernel, split_heads, attention_probs
+from vitflow.models.attention import AttentionContext, AutoKernel, attention_probs, make_kernel, split_heads
+from vitflow.models.attention import auto
 from vitflow.models.checkpointing import CheckpointPlan, saved_activation_bytes
+from vitflow.models.matmul import check_mode, linear, tracing
 from vitflow.models.position import POS_EMBEDS, RelativePositionBias, resample_pos_embed, sincos_2d
 
 LN_EPS = 1e-6  # the ViT / timm LayerNorm epsilon
@@ -74,6 +76,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(inner, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         self.rel_pos = RelativePositionBias(num_heads, self.grid, num_prefix_tokens) if rel_pos else None
+        self.matmul = "auto"  # bf16 CPU GEMM choice of qkv / proj (vitflow.models.matmul)
         self.set_backend(backend, **(backend_options or {}))
 
     def set_backend(self, backend: str, **options) -> None:
@@ -91,7 +94,8 @@ class Attention(nn.Module):
         return AttentionContext(grid, self.num_prefix_tokens, bias, self.attn_drop if self.training else 0.0)
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
-        return self.proj_drop(self.proj(self.kernel(self.qkv(x), self.num_heads, self.context(grid))))
+        qkv = linear(self.qkv, x, self.matmul)
+        return self.proj_drop(linear(self.proj, self.kernel(qkv, self.num_heads, self.context(grid)), self.matmul))
 
     def probs(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
         """Attention probabilities ``(B, H, N, N)`` float32 computed explicitly (the math path,
@@ -100,7 +104,7 @@ class Attention(nn.Module):
         For ``linformer`` and ``performer`` this is the exact softmax attention of the same
         queries and keys, which those backends approximate."""
         ctx = self.context(grid)
-        q, k, _ = split_heads(self.qkv(x), self.num_heads)
+        q, k, _ = split_heads(linear(self.qkv, x, self.matmul), self.num_heads)
         mask = self.kernel.mask(ctx.grid, ctx.num_prefix_tokens, x.device)
         bias = None if ctx.bias is None else ctx.bias.float()
         return attention_probs(q.float(), k.float(), bias, mask)
@@ -119,11 +123,12 @@ class Mlp(nn.Module):
         self.drop1 = nn.Dropout(drop)
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.drop2 = nn.Dropout(drop)
+        self.matmul = "auto"  # bf16 CPU GEMM choice (vitflow.models.matmul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
+        h = linear(self.fc1, x, self.matmul)
         h = torch.ops.aten.gelu_(h) if not torch.is_grad_enabled() else self.act(h)
-        return self.drop2(self.fc2(self.drop1(h)))
+        return self.drop2(linear(self.fc2, self.drop1(h), self.matmul))
 
 
 class DropPath(nn.Module):
@@ -233,6 +238,9 @@ class VisionTransformer(nn.Module):
             needs an attention that takes any token set: no ``relative`` position bias, no sparse pattern).
         weight_init: ``"timm"`` (timm's default) or ``"jax"`` (the original JAX / big_vision scheme,
             timm's ``weight_init="jax"``: zero head; see :meth:`init_weights`).
+        cpu_bf16_matmul: under bf16 autocast on the CPU, the GEMM of the linear layers:
+            ``bf16`` (oneDNN's), ``fp32`` (the same bf16-rounded operands through the fp32 GEMM) or
+            ``auto`` (timed per shape); see :mod:`vitflow.models.matmul`.
 
     ``forward(x)``: ``(B, in_chans, H, W)`` float -> logits ``(B, num_classes)``; H and W may
     differ from ``img_size`` (multiples of the patch size): the position encoding follows.
@@ -245,7 +253,8 @@ class VisionTransformer(nn.Module):
                  pos_embed: str = "learned", layer_scale_init: float | None = None, attn_block_size: int = 128,
                  attn_window: int = 3, linformer_k: int | None = None, performer_features: int | None = None,
                  block_heads: list[int] | None = None, block_mlp_hidden: list[int] | None = None,
-                 patch_drop_rate: float = 0.0, weight_init: Literal["timm", "jax"] = "timm"):
+                 patch_drop_rate: float = 0.0, weight_init: Literal["timm", "jax"] = "timm",
+                 cpu_bf16_matmul: Literal["auto", "bf16", "fp32"] = "auto"):
         super().__init__()
         if global_pool not in ("token", "avg"):
             raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
@@ -261,6 +270,7 @@ class VisionTransformer(nn.Module):
         self.attention_options = dict(block_size=attn_block_size, window=attn_window, linformer_k=linformer_k,
                                       performer_features=performer_features)
         self.checkpoint_plan = CheckpointPlan()
+        self._tuned_inputs: set[tuple] = set()  # token-input keys whose blocks' ``auto`` attention has chosen
 
         grid = (self.grid_size, self.grid_size)
         self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim)
@@ -291,6 +301,7 @@ class VisionTransformer(nn.Module):
         self.fc_norm = nn.LayerNorm(embed_dim, eps=LN_EPS) if use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.set_cpu_bf16_matmul(cpu_bf16_matmul)
         self.init_weights(weight_init)
 
     def init_weights(self, mode: Literal["timm", "jax"] = "timm") -> None:
@@ -354,6 +365,14 @@ class VisionTransformer(nn.Module):
             blk.attn.set_backend(backend, **opts)
         self.attention_options = opts
 
+    def set_cpu_bf16_matmul(self, mode: str) -> None:
+        """Choose the GEMM of every linear layer under bf16 CPU autocast: ``auto``, ``bf16`` or
+        ``fp32`` (:mod:`vitflow.models.matmul`). Raises ValueError for another mode."""
+        self.cpu_bf16_matmul = check_mode(mode)
+        for m in self.modules():
+            if isinstance(m, (Attention, Mlp)):
+                m.matmul = mode
+
     def set_grad_checkpointing(self, enable: bool | str | Sequence[int] = True,
                                memory_budget: int | str | None = None) -> None:
         """Recompute activations of some blocks in the backward pass (torch.utils.checkpoint,
@@ -395,7 +414,9 @@ class VisionTransformer(nn.Module):
 
         def measure() -> tuple[int, int]:
             devices = [x.device] if x.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices):
+            # with attention=auto, measured on the explicit path (the exact backend that keeps the
+            # most: the N x N probabilities), before the backend is chosen: a conservative plan
+            with torch.random.fork_rng(devices=devices), auto.forced("math"):
                 per_block = saved_activation_bytes(lambda: self.blocks[0](x.detach().requires_grad_(), grid),
                                                    exclude=list(self.parameters()))
             return per_block, x.numel() * x.element_size()
@@ -403,21 +424,58 @@ class VisionTransformer(nn.Module):
         key = (tuple(x.shape), x.dtype, str(x.device), torch.is_autocast_enabled(x.device.type))
         return self.checkpoint_plan.blocks(len(self.blocks), measure, key)
 
+    def _tune_attention(self, x: torch.Tensor, grid: tuple[int, int], ckpt: frozenset[int]) -> None:
+        """With ``attention=auto``, once per token-input key: choose the backend by timing the
+        whole block stack on ``x`` ``(B, N, D)`` with each candidate in every block
+        (:func:`~vitflow.models.attention.auto.tune`): forward, plus the backward to ``x`` and the
+        blocks' parameters when gradients are on (``torch.autograd.grad``: no ``.grad`` is
+        written), with the same blocks checkpointed as the real step."""
+        if tracing():  # checked first: reading x's shape there would pin a dynamic batch size
+            return
+        dev = x.device.type
+        tkey = (tuple(x.shape), x.dtype, str(x.device), torch.is_grad_enabled(), self.training,
+                torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev))  # torch >= 2.4
+        if tkey in self._tuned_inputs:
+            return
+        self._tuned_inputs.add(tkey)
+        kernels = [(blk, getattr(blk.attn, "kernel", None)) for blk in self.blocks]  # export swaps in kernel-less ones
+        autos = [(blk, k) for blk, k in kernels if isinstance(k, AutoKernel)]
+        if not autos:
+            return
+        keys = {k.key(blk.attn.qkv(blk.norm1(x)), blk.attn.num_heads, blk.attn.context(grid)) for blk, k in autos}
+        keys = [k for k in keys if not auto.decided(k)]
+        if not keys:
+            return
+        backward = any(k[-1] for k in keys)
+        params = [p for p in self.blocks.parameters() if p.requires_grad]
+
+        def run() -> None:
+            xi = x.detach().requires_grad_() if backward else x
+            out = self._run_blocks(xi, grid, ckpt)
+            if backward:
+                torch.autograd.grad(out, [xi, *params], torch.ones_like(out), allow_unused=True)
+
+        auto.tune(keys, list(autos[0][1].candidates), run, x.device)
+
+    def _run_blocks(self, x: torch.Tensor, grid: tuple[int, int], ckpt: frozenset[int]) -> torch.Tensor:
+        for i, blk in enumerate(self.blocks):
+            x = checkpoint(blk, x, grid, use_reentrant=False) if i in ckpt else blk(x, grid)
+        return x
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W)`` -> tokens ``(B, N, D)`` after the final norm (class token first when
         ``global_pool == "token"``)."""
         x, grid = self._embed(x)
         x = self.patch_drop(x, self.num_prefix_tokens)
         ckpt = self._checkpointed_blocks(x, grid)
-        for i, blk in enumerate(self.blocks):
-            x = checkpoint(blk, x, grid, use_reentrant=False) if i in ckpt else blk(x, grid)
-        return self.norm(x)
+        self._tune_attention(x, grid, ckpt)
+        return self.norm(self._run_blocks(x, grid, ckpt))
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Tokens ``(B, N, D)`` -> logits ``(B, num_classes)`` (or pooled ``(B, D)`` if ``pre_logits``)."""
         x = x[:, 0] if self.global_pool == "token" else x.mean(dim=1)
         x = self.head_drop(self.fc_norm(x))
-        return x if pre_logits else self.head(x)
+        return x if pre_logits else linear(self.head, x, self.cpu_bf16_matmul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))

@@ -84,6 +84,8 @@ def model_args(cfg: Config, num_classes: int) -> dict[str, Any]:
         args["patch_drop_rate"] = m.patch_drop_rate
     if m.weight_init != "timm":
         args["weight_init"] = m.weight_init
+    if m.cpu_bf16_matmul != "auto":
+        args["cpu_bf16_matmul"] = m.cpu_bf16_matmul
     return args
 
 

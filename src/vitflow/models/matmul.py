@@ -1,0 +1,143 @@
+"""bf16 linear layers on the CPU: oneDNN's bf16 GEMM, or the same products in the fp32 GEMM.
+
+Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` a linear layer rounds its input and weight
+to bf16 and multiplies them with oneDNN's bf16 GEMM (fp32 accumulation, bf16 output). Where
+that kernel is slow — CPUs without AMX, and some virtual machines, where it runs below the fp32
+GEMM (measured on the project's machine: matmul peak bf16 156 GFLOP/s, fp32 270-290; a ViT
+linear's forward + backward 1.3-2.9x faster through fp32) — :func:`linear` multiplies the same
+bf16-rounded operands with the fp32 GEMM instead. A product of two bf16 numbers is exact in fp32
+and both kernels accumulate in fp32, so the result is the native one up to summation order; it
+is then rounded to bf16 as before. The input, the output and what the backward keeps stay bf16
+(the memory of bf16 autocast); only the GEMM operands are widened, for the call. Gradients: the
+input's is rounded to the input's dtype, the weight's and bias's are fp32 (native autocast
+rounds the weight gradient to bf16 first).
+
+Modes (``VisionTransformer(cpu_bf16_matmul=...)``, config ``model.cpu_bf16_matmul``): ``bf16``
+(always the native kernel), ``fp32`` (always the fp32 GEMM), ``auto`` (the default: on the first
+call of each ``(rows, in, out, bias?, input dtype, backward?)`` both run on constant data of that
+shape — forward, plus backward when gradients are on; one warm-up and :data:`TIMED_CALLS` timed
+calls each, fastest call — and ``fp32`` is kept only when it is more than :data:`TIE` faster;
+the choice is logged). Outside bf16 CPU autocast, or for a module that is not a plain
+``nn.Linear`` (e.g. dynamically quantized), :func:`linear` is ``layer(x)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "bf16", "fp32")
+TIMED_CALLS = 3
+TIE = 0.05  # fp32 must be faster than the native kernel by more than this to be chosen
+_CHOICES: dict[tuple, str] = {}
+
+
+def tracing() -> bool:
+    """Inside torch.compile / torch.export / TorchScript tracing (no timing runs, no data-dependent
+    Python there)."""
+    exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # torch >= 2.5
+    return torch.compiler.is_compiling() or exporting() or torch.jit.is_tracing()
+
+
+def check_mode(mode: str) -> str:
+    """``mode`` if it is one of :data:`MODES`. Raises ValueError naming it otherwise."""
+    if mode not in MODES:
+        raise ValueError(f"cpu_bf16_matmul must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+class _Fp32GemmLinear(torch.autograd.Function):
+    """``y = round_bf16(round_bf16(x) @ round_bf16(W)^T + round_bf16(b))`` with the GEMMs in fp32
+    (see the module docstring). Saves the bf16 input and weight, as native autocast does."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        with torch.autocast("cpu", enabled=False):
+            x16, w16 = x.to(torch.bfloat16), weight.to(torch.bfloat16)
+            x2 = x16.reshape(-1, x16.shape[-1]).float()
+            w32 = w16.float().t()
+            y = torch.addmm(bias.to(torch.bfloat16).float(), x2, w32) if bias is not None else x2 @ w32
+        ctx.save_for_backward(x16, w16)
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y.to(torch.bfloat16).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x16, w16 = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        with torch.autocast("cpu", enabled=False):
+            g = grad.reshape(-1, grad.shape[-1]).float()
+            gx = (g @ w16.float()).view(x16.shape).to(x_dtype) if ctx.needs_input_grad[0] else None
+            gw = (g.t() @ x16.reshape(-1, x16.shape[-1]).float()).to(w_dtype) if ctx.needs_input_grad[1] else None
+            gb = g.sum(0).to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+def linear_fp32_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16-autocast ``F.linear`` computed with the fp32 GEMM: ``x (..., K)`` any float dtype,
+    ``weight (N, K)``, ``bias (N,)`` -> bf16 ``(..., N)``; differentiable."""
+    return _Fp32GemmLinear.apply(x, weight, bias)
+
+
+def _bf16_cpu_autocast(x: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _choose(key: tuple, layer: nn.Linear) -> str:
+    rows, k, n, _, dtype, backward = key
+    x = torch.full((rows, k), 0.5, dtype=dtype, requires_grad=backward)  # constant: no RNG, same speed
+    w = layer.weight.detach().requires_grad_(backward)
+    b = None if layer.bias is None else layer.bias.detach().requires_grad_(backward)
+    leaves = [t for t in (x, w, b) if t is not None]
+
+    def run(f):
+        def call():
+            y = f(x, w, b)
+            if backward:
+                torch.autograd.grad(y, leaves, torch.ones_like(y))
+        return call
+
+    calls = {"bf16": run(F.linear), "fp32": run(linear_fp32_gemm)}
+    for call in calls.values():  # warm-up (oneDNN builds its primitives on the first call)
+        call()
+    times: dict[str, list[float]] = {m: [] for m in calls}
+    for r in range(TIMED_CALLS):
+        for m in (("bf16", "fp32") if r % 2 == 0 else ("fp32", "bf16")):
+            times[m].append(_time(calls[m]))
+    best = {m: min(t) for m, t in times.items()}
+    choice = "fp32" if best["fp32"] < best["bf16"] * (1 - TIE) else "bf16"
+    log.info("cpu_bf16_matmul=auto: %s GEMM for (%d x %d) @ (%d x %d)^T, %s (ms: bf16 %.2f, fp32 %.2f)", choice, rows,
+             k, k, n, "fwd+bwd" if backward else "fwd", best["bf16"] * 1e3, best["fp32"] * 1e3)
+    _CHOICES[key] = choice
+    return choice
+
+
+def linear(layer: nn.Module, x: torch.Tensor, mode: str = "auto") -> torch.Tensor:
+    """``layer(x)``; under bf16 CPU autocast a plain ``nn.Linear`` runs the GEMM that ``mode``
+    selects (see the module docstring). ``x (..., in_features)`` -> ``(..., out_features)``."""
+    if mode == "bf16" or type(layer) is not nn.Linear or not _bf16_cpu_autocast(x) or tracing():
+        return layer(x)
+    if mode == "auto":
+        backward = torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad)
+        key = (x.numel() // x.shape[-1], layer.in_features, layer.out_features, layer.bias is not None, x.dtype,
+               backward)
+        mode = _CHOICES.get(key) or _choose(key, layer)
+    return linear_fp32_gemm(x, layer.weight, layer.bias) if mode == "fp32" else layer(x)
+
+
+def clear_choices() -> None:
+    """Forget the timed choices (the next call of each shape times both kernels again)."""
+    _CHOICES.clear()

@@ -1,0 +1,102 @@
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vitflow.models import matmul
+from vitflow.models.matmul import linear, linear_fp32_gemm
+from vitflow.models.vit import VisionTransformer
+
+BF16 = torch.bfloat16
+
+
+def _autocast():
+    return torch.autocast("cpu", dtype=BF16)
+
+
+def _operands(seed=0, rows=37, k=48, n=24):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g, requires_grad=True)
+    w = (torch.randn(n, k, generator=g) * 0.2).requires_grad_()
+    b = torch.randn(n, generator=g).requires_grad_()
+    return x, w, b
+
+
+def test_fp32_gemm_is_the_bf16_product_rounded_once():
+    """Forward: the exact product of the bf16-rounded operands (float64 here), rounded to bf16 —
+    so it matches native bf16 autocast to one bf16 rounding step. Gradients: those of the same
+    bf16-rounded operands, to fp32 accuracy."""
+    x, w, b = _operands()
+    x16, w16 = x.detach().to(BF16).double(), w.detach().to(BF16).double()
+    exact = x16 @ w16.t() + b.detach().to(BF16).double()  # autocast rounds the bias too
+    with _autocast():
+        got = linear_fp32_gemm(x, w, b)
+        native = F.linear(x, w, b)
+    assert got.dtype == native.dtype == BF16
+    ulp = exact.abs().clamp_min(1e-3) * 2.0**-7  # one bf16 step
+    assert ((got.double() - exact).abs() <= ulp).all()
+    assert ((native.double() - exact).abs() <= ulp).all()
+    upstream = torch.randn(got.shape, generator=torch.Generator().manual_seed(1))
+    gx, gw, gb = torch.autograd.grad(got, [x, w, b], upstream.to(BF16))
+    u = upstream.to(BF16).double()
+    torch.testing.assert_close(gx.double(), u @ w16, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gw.double(), u.t() @ x16, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gb.double(), u.sum(0), rtol=1e-5, atol=1e-5)
+    assert gx.dtype == gw.dtype == gb.dtype == torch.float32
+
+
+def test_fp32_gemm_keeps_only_bf16_tensors_for_the_backward():
+    x, w, b = _operands()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t), _autocast():
+        linear_fp32_gemm(x, w, b)
+    assert saved == [BF16, BF16]
+
+
+def test_linear_is_the_plain_layer_outside_bf16_cpu_autocast():
+    layer = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    assert torch.equal(linear(layer, x, "fp32"), layer(x))  # fp32: no autocast, the layer itself
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.equal(linear(layer, x, "fp32"), layer(x))
+
+
+def test_auto_times_each_shape_once_logs_and_keeps_the_rng(caplog):
+    matmul.clear_choices()
+    layer = torch.nn.Linear(48, 24)
+    x = torch.randn(37, 48)
+    rng = torch.get_rng_state()
+    with caplog.at_level(logging.INFO, logger="vitflow.models.matmul"), _autocast():
+        y = linear(layer, x)
+        linear(layer, x)
+        with torch.no_grad():
+            linear(layer, x)  # inference: another key
+    assert torch.equal(torch.get_rng_state(), rng)
+    picks = [r.getMessage() for r in caplog.records if "cpu_bf16_matmul=auto" in r.getMessage()]
+    assert len(picks) == 2 and "(37 x 48) @ (48 x 24)^T, fwd+bwd" in picks[0] and picks[1].endswith(")")
+    choice = picks[0].split(": ")[1].split()[0]
+    assert choice in ("bf16", "fp32")
+    with _autocast():
+        expected = linear(layer, x, choice)
+    assert torch.equal(y, expected)
+
+
+def test_model_modes_agree_to_bf16_precision():
+    torch.manual_seed(0)
+    models = {m: VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=5,
+                                   attention="math", cpu_bf16_matmul=m) for m in ("bf16", "fp32")}
+    models["fp32"].load_state_dict(models["bf16"].state_dict())
+    x = torch.randn(6, 3, 16, 16)
+    out, grads = {}, {}
+    for mode, model in models.items():
+        with _autocast():
+            out[mode] = model(x)
+        out[mode].float().square().mean().backward()
+        grads[mode] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert out["fp32"].dtype == BF16
+    torch.testing.assert_close(out["fp32"].float(), out["bf16"].float(), atol=0.05, rtol=0.02)
+    cos = F.cosine_similarity(grads["fp32"], grads["bf16"], dim=0)
+    assert cos > 0.999, cos
+    with pytest.raises(ValueError, match="cpu_bf16_matmul must be one of auto, bf16, fp32, got 'fp64'"):
+        models["fp32"].set_cpu_bf16_matmul("fp64")
