@@ -11,7 +11,10 @@ for vitflow's ``VisionTransformer`` with ``attention=auto``, timm's ``VisionTran
 vit-pytorch's ``ViT`` of the same configuration (synthetic inputs). Each cell builds the three
 models, warms them up (vitflow's ``auto`` times its backends there), then runs ``--repeats``
 rounds; in each round every implementation runs for ``--seconds`` (at least one step), in a
-rotating order. Figures are medians (min-max) over the rounds.
+rotating order. Figures are medians (min-max) over the rounds. The process uses the glibc
+allocator settings that ``vitflow train`` applies (``vitflow.runtime.configure_allocator``: freed
+memory is kept and reused instead of being faulted in again per tensor) — for all three
+implementations alike.
 
 The machine's matmul peak (``torch.mm``, 1024..4096, fp32 and bf16, best median) gives each
 cell's MFU: model FLOPs per image (``FlopCounterMode`` on the explicit-attention forward; x3 for
@@ -43,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import vitflow  # noqa: E402
 from vitflow.models import MODELS  # noqa: E402
+from vitflow.runtime import configure_allocator  # noqa: E402
 
 MODEL_SPECS = {  # key: (vitflow variant, batch, classes)
     "tiny": ("vit_tiny_patch16_224", 32, 1000),
@@ -155,6 +159,7 @@ def main() -> None:
     if args.quick:
         args.models, args.seconds = "cifar", 1.0
     torch.set_num_threads(args.threads)
+    configure_allocator()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
     peak = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
