@@ -195,6 +195,18 @@ def test_auto_in_a_model_times_whole_blocks_once_per_input_and_changes_nothing(c
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_auto_ties_go_to_the_first_candidate():
+    """Within 3% of the fastest, the earlier of sdpa, math, blockwise is kept (timing noise must
+    not pick the memory-saving kernel for speed); beyond it, the fastest."""
+    auto_mod.clear_choices()
+    key = ((2, 17, 72), 3, torch.float32, "cpu", None, False, False, ("sdpa", "math", "blockwise"), True)
+    assert auto_mod._record(key, {"sdpa": 1.02, "math": 1.0, "blockwise": 0.995}, "test") == "sdpa"
+    assert auto_mod._record(key, {"sdpa": 1.10, "math": 1.0, "blockwise": 0.99}, "test") == "math"
+    assert auto_mod._record(key, {"sdpa": 1.10, "math": 1.05, "blockwise": 0.9}, "test") == "blockwise"
+    assert auto_mod.decided(key)
+    auto_mod.clear_choices()
+
+
 def test_linformer_with_identity_projection_is_exact_and_fixed_length():
     kernel = LinformerKernel(seq_len=N, k=N)
     with torch.no_grad():
