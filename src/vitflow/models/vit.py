@@ -24,6 +24,11 @@ from vitflow.models.position import POS_EMBEDS, RelativePositionBias, resample_p
 
 LN_EPS = 1e-6  # the ViT / timm LayerNorm epsilon
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # torch built without distributed
+    _DTensor = ()
+
 __all__ = ["Attention", "Block", "DropPath", "LayerScale", "Mlp", "PatchEmbed", "VisionTransformer",
            "resample_pos_embed"]
 
@@ -429,7 +434,8 @@ class VisionTransformer(nn.Module):
         whole block stack on ``x`` ``(B, N, D)`` with each candidate in every block
         (:func:`~vitflow.models.attention.auto.tune`): forward, plus the backward to ``x`` and the
         blocks' parameters when gradients are on (``torch.autograd.grad``: no ``.grad`` is
-        written), with the same blocks checkpointed as the real step."""
+        written), with the same blocks checkpointed as the real step. Not for FSDP-sharded blocks
+        (their backward hooks would write ``.grad``): there each kernel times itself alone."""
         if tracing():  # checked first: reading x's shape there would pin a dynamic batch size
             return
         dev = x.device.type
@@ -440,14 +446,14 @@ class VisionTransformer(nn.Module):
         self._tuned_inputs.add(tkey)
         kernels = [(blk, getattr(blk.attn, "kernel", None)) for blk in self.blocks]  # export swaps in kernel-less ones
         autos = [(blk, k) for blk, k in kernels if isinstance(k, AutoKernel)]
-        if not autos:
-            return
+        params = [p for p in self.blocks.parameters() if p.requires_grad]
+        if not autos or any(isinstance(p, _DTensor) for p in params):
+            return  # FSDP-sharded blocks: their backward hooks write .grad; the kernels time themselves alone
         keys = {k.key(blk.attn.qkv(blk.norm1(x)), blk.attn.num_heads, blk.attn.context(grid)) for blk, k in autos}
         keys = [k for k in keys if not auto.decided(k)]
         if not keys:
             return
         backward = any(k[-1] for k in keys)
-        params = [p for p in self.blocks.parameters() if p.requires_grad]
 
         def run() -> None:
             xi = x.detach().requires_grad_() if backward else x
