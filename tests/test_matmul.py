@@ -100,3 +100,25 @@ def test_model_modes_agree_to_bf16_precision():
     assert cos > 0.999, cos
     with pytest.raises(ValueError, match="cpu_bf16_matmul must be one of auto, bf16, fp32, got 'fp64'"):
         models["fp32"].set_cpu_bf16_matmul("fp64")
+
+
+def test_auto_inside_gradient_checkpointing_trains_and_times_every_attention_candidate(caplog):
+    """The first (timing) call of a shape may run inside a checkpointed block: the timing must not
+    touch the checkpoint's saved tensors (a recompute mismatch error otherwise), nor make the
+    attention tuner's candidates fail."""
+    from vitflow.models.attention import auto as attention_auto
+
+    matmul.clear_choices()
+    attention_auto.clear_choices()
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=5,
+                              attention="auto")
+    model.set_grad_checkpointing("all")
+    x = torch.randn(6, 3, 16, 16)
+    with caplog.at_level(logging.INFO), _autocast():
+        loss = model(x).float().square().mean()
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    picks = [r.getMessage() for r in caplog.records if "attention=auto" in r.getMessage()]
+    assert len(picks) == 1 and "block stack" in picks[0] and "inf" not in picks[0], picks
+    assert any("cpu_bf16_matmul=auto" in r.getMessage() for r in caplog.records)

@@ -52,6 +52,26 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+def _fp32_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The forward of :func:`linear_fp32_gemm` without autograd: ``(y bf16, x16, w16)``."""
+    x16, w16 = x.to(torch.bfloat16), weight.to(torch.bfloat16)
+    x2 = x16.reshape(-1, x16.shape[-1]).float()
+    w32 = w16.float().t()
+    y = torch.addmm(bias.to(torch.bfloat16).float(), x2, w32) if bias is not None else x2 @ w32
+    return y.to(torch.bfloat16).view(*x.shape[:-1], weight.shape[0]), x16, w16
+
+
+def _fp32_backward(grad: torch.Tensor, x16: torch.Tensor, w16: torch.Tensor, needs: tuple[bool, bool, bool],
+                   dtypes: tuple) -> tuple:
+    """Gradients ``(x, weight, bias)`` of :func:`linear_fp32_gemm` (``None`` where not needed)."""
+    x_dtype, w_dtype, b_dtype = dtypes
+    g = grad.reshape(-1, grad.shape[-1]).float()
+    gx = (g @ w16.float()).view(x16.shape).to(x_dtype) if needs[0] else None
+    gw = (g.t() @ x16.reshape(-1, x16.shape[-1]).float()).to(w_dtype) if needs[1] else None
+    gb = g.sum(0).to(b_dtype) if b_dtype is not None and needs[2] else None
+    return gx, gw, gb
+
+
 class _Fp32GemmLinear(torch.autograd.Function):
     """``y = round_bf16(round_bf16(x) @ round_bf16(W)^T + round_bf16(b))`` with the GEMMs in fp32
     (see the module docstring). Saves the bf16 input and weight, as native autocast does."""
@@ -59,24 +79,16 @@ class _Fp32GemmLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         with torch.autocast("cpu", enabled=False):
-            x16, w16 = x.to(torch.bfloat16), weight.to(torch.bfloat16)
-            x2 = x16.reshape(-1, x16.shape[-1]).float()
-            w32 = w16.float().t()
-            y = torch.addmm(bias.to(torch.bfloat16).float(), x2, w32) if bias is not None else x2 @ w32
+            y, x16, w16 = _fp32_forward(x, weight, bias)
         ctx.save_for_backward(x16, w16)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return y.to(torch.bfloat16).view(*x.shape[:-1], weight.shape[0])
+        return y
 
     @staticmethod
     def backward(ctx, grad):
         x16, w16 = ctx.saved_tensors
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
         with torch.autocast("cpu", enabled=False):
-            g = grad.reshape(-1, grad.shape[-1]).float()
-            gx = (g @ w16.float()).view(x16.shape).to(x_dtype) if ctx.needs_input_grad[0] else None
-            gw = (g.t() @ x16.reshape(-1, x16.shape[-1]).float()).to(w_dtype) if ctx.needs_input_grad[1] else None
-            gb = g.sum(0).to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
-        return gx, gw, gb
+            return _fp32_backward(grad, x16, w16, ctx.needs_input_grad, ctx.dtypes)
 
 
 def linear_fp32_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,26 +109,35 @@ def _time(fn) -> float:
 
 
 def _choose(key: tuple, layer: nn.Linear) -> str:
-    rows, k, n, _, dtype, backward = key
-    x = torch.full((rows, k), 0.5, dtype=dtype, requires_grad=backward)  # constant: no RNG, same speed
-    w = layer.weight.detach().requires_grad_(backward)
-    b = None if layer.bias is None else layer.bias.detach().requires_grad_(backward)
-    leaves = [t for t in (x, w, b) if t is not None]
+    """Time both kernels for ``key`` and record the choice. The backward's GEMMs are run
+    explicitly without autograd: the first call may sit inside a checkpointed region, whose
+    saved-tensor bookkeeping must not see the timing."""
+    rows, k, n, has_bias, dtype, backward = key
+    bf16 = torch.bfloat16
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        x = torch.full((rows, k), 0.5, dtype=dtype)  # constant: no RNG, same speed
+        w, b = layer.weight.detach(), None if layer.bias is None else layer.bias.detach()
+        g = torch.full((rows, n), 0.25, dtype=bf16)
+        dtypes = (dtype, w.dtype, None if b is None else b.dtype)
 
-    def run(f):
-        def call():
-            y = f(x, w, b)
+        def native() -> None:  # what autocast runs: bf16 operands, oneDNN's bf16 GEMMs
+            x16, w16 = x.to(bf16), w.to(bf16)
+            F.linear(x16, w16, None if b is None else b.to(bf16))
             if backward:
-                torch.autograd.grad(y, leaves, torch.ones_like(y))
-        return call
+                _ = (g @ w16).to(dtype), (g.t() @ x16).to(w.dtype), g.sum(0)
 
-    calls = {"bf16": run(F.linear), "fp32": run(linear_fp32_gemm)}
-    for call in calls.values():  # warm-up (oneDNN builds its primitives on the first call)
-        call()
-    times: dict[str, list[float]] = {m: [] for m in calls}
-    for r in range(TIMED_CALLS):
-        for m in (("bf16", "fp32") if r % 2 == 0 else ("fp32", "bf16")):
-            times[m].append(_time(calls[m]))
+        def fp32() -> None:
+            _, x16, w16 = _fp32_forward(x, w, b)
+            if backward:
+                _fp32_backward(g, x16, w16, (True, True, has_bias), dtypes)
+
+        calls = {"bf16": native, "fp32": fp32}
+        for call in calls.values():  # warm-up (oneDNN builds its primitives on the first call)
+            call()
+        times: dict[str, list[float]] = {m: [] for m in calls}
+        for r in range(TIMED_CALLS):
+            for m in (("bf16", "fp32") if r % 2 == 0 else ("fp32", "bf16")):
+                times[m].append(_time(calls[m]))
     best = {m: min(t) for m, t in times.items()}
     choice = "fp32" if best["fp32"] < best["bf16"] * (1 - TIE) else "bf16"
     log.info("cpu_bf16_matmul=auto: %s GEMM for (%d x %d) @ (%d x %d)^T, %s (ms: bf16 %.2f, fp32 %.2f)", choice, rows,

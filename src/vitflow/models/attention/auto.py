@@ -82,7 +82,7 @@ def tune(keys: Sequence[tuple], names: Sequence[str], run: Callable[[], object],
                         run()
                         _sync(device)
                     except (RuntimeError, ValueError) as e:
-                        log.debug("attention=auto: %s failed: %s", n, e)
+                        log.warning("attention=auto: candidate %s failed, left out: %s", n, e)
                         failed.add(n)
                         continue
                 if r:
@@ -133,7 +133,7 @@ def time_kernel(kernel: AttentionKernel, qkv: torch.Tensor, num_heads: int, ctx:
                 times.append(time.perf_counter() - t0)
             del out
     except (RuntimeError, ValueError) as e:  # out of memory, unsupported option
-        log.debug("attention=auto: %s failed: %s", type(kernel).__name__, e)
+        log.warning("attention=auto: candidate %s failed, left out: %s", type(kernel).__name__, e)
         return float("inf")
     return statistics.median(times)
 
