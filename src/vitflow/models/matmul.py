@@ -15,9 +15,10 @@ rounds the weight gradient to bf16 first).
 Modes (``VisionTransformer(cpu_bf16_matmul=...)``, config ``model.cpu_bf16_matmul``): ``bf16``
 (always the native kernel), ``fp32`` (always the fp32 GEMM), ``auto`` (the default: on the first
 call of each ``(rows, in, out, bias?, input dtype, backward?)`` both run on constant data of that
-shape — forward, plus backward when gradients are on; one warm-up and :data:`TIMED_CALLS` timed
-calls each, fastest call — and ``fp32`` is kept only when it is more than :data:`TIE` faster;
-the choice is logged). Outside bf16 CPU autocast, or for a module that is not a plain
+shape — forward, plus the backward's GEMMs when gradients are on, run without autograd so that a
+first call inside a checkpointed block is safe; one warm-up and :data:`TIMED_CALLS` timed calls
+each, fastest call — and ``fp32`` is kept only when it is more than :data:`TIE` faster; the
+choice is logged). Outside bf16 CPU autocast, or for a module that is not a plain
 ``nn.Linear`` (e.g. dynamically quantized), :func:`linear` is ``layer(x)``.
 """
 
