@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from vitflow.config import Config, flatten, parse_duration, to_yaml
 from vitflow.data import Datasets, SkipReport, eval_loader, open_datasets, train_loader
@@ -317,7 +318,7 @@ class Trainer:
                            micro_batch=self.micro_batch, accum_steps=t.accum_steps, world_size=self.dist.world_size,
                            train_images=len(self.data.train), test_images=len(self.data.test))
         try:
-            with self.stop:
+            with self.stop, logging_redirect_tqdm():  # log lines above the progress bar, not inside it
                 try:
                     images_seen, train_time = self._loop(budget, started)
                 finally:
