@@ -25,11 +25,12 @@ choice is logged). Outside bf16 CPU autocast, or for a module that is not a plai
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from vitflow.models.timing import fastest, tracing
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +38,6 @@ MODES = ("auto", "bf16", "fp32")
 TIMED_CALLS = 3
 TIE = 0.05  # fp32 must be faster than the native kernel by more than this to be chosen
 _CHOICES: dict[tuple, str] = {}
-
-
-def tracing() -> bool:
-    """Inside torch.compile / torch.export / TorchScript tracing (no timing runs, no data-dependent
-    Python there)."""
-    exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # torch >= 2.5
-    return torch.compiler.is_compiling() or exporting() or torch.jit.is_tracing()
 
 
 def check_mode(mode: str) -> str:
@@ -103,12 +97,6 @@ def _bf16_cpu_autocast(x: torch.Tensor) -> bool:
             and torch.get_autocast_dtype("cpu") == torch.bfloat16)
 
 
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def _choose(key: tuple, layer: nn.Linear) -> str:
     """Time both kernels for ``key`` and record the choice. The backward's GEMMs are run
     explicitly without autograd: the first call may sit inside a checkpointed region, whose
@@ -132,14 +120,7 @@ def _choose(key: tuple, layer: nn.Linear) -> str:
             if backward:
                 _fp32_backward(g, x16, w16, (True, True, has_bias), dtypes)
 
-        calls = {"bf16": native, "fp32": fp32}
-        for call in calls.values():  # warm-up (oneDNN builds its primitives on the first call)
-            call()
-        times: dict[str, list[float]] = {m: [] for m in calls}
-        for r in range(TIMED_CALLS):
-            for m in (("bf16", "fp32") if r % 2 == 0 else ("fp32", "bf16")):
-                times[m].append(_time(calls[m]))
-    best = {m: min(t) for m, t in times.items()}
+        best = fastest({"bf16": native, "fp32": fp32}, TIMED_CALLS)
     choice = "fp32" if best["fp32"] < best["bf16"] * (1 - TIE) else "bf16"
     log.info("cpu_bf16_matmul=auto: %s GEMM for (%d x %d) @ (%d x %d)^T, %s (ms: bf16 %.2f, fp32 %.2f)", choice, rows,
              k, k, n, "fwd+bwd" if backward else "fwd", best["bf16"] * 1e3, best["fp32"] * 1e3)

@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 from vitflow.models.attention import AttentionContext, AutoKernel, attention_probs, make_kernel, split_heads
 from vitflow.models.attention import auto
 from vitflow.models.checkpointing import CheckpointPlan, saved_activation_bytes
-from vitflow.models.matmul import check_mode, linear, tracing
+from vitflow.models.matmul import check_mode, linear
+from vitflow.models.timing import tracing
 from vitflow.models.position import POS_EMBEDS, RelativePositionBias, resample_pos_embed, sincos_2d
 
 LN_EPS = 1e-6  # the ViT / timm LayerNorm epsilon

@@ -31,6 +31,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from vitflow.models.attention.core import AttentionContext, AttentionKernel
+from vitflow.models.timing import fastest, sync
 
 log = logging.getLogger(__name__)
 
@@ -68,45 +69,31 @@ def tune(keys: Sequence[tuple], names: Sequence[str], run: Callable[[], object],
     Raises:
         RuntimeError: no candidate ran.
     """
-    times: dict[str, list[float]] = {n: [] for n in names}
-    failed: set[str] = set()
+    def call(name: str) -> Callable[[], None]:
+        def forced_run() -> None:
+            with forced(name):
+                run()
+        return forced_run
+
+    def failed(name: str, e: BaseException) -> None:
+        log.warning("attention=auto: candidate %s failed, left out: %s", name, e)
+
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for r in range(TUNE_ROUNDS + 1):  # round 0 warms up
-            for n in list(names[r % len(names):]) + list(names[:r % len(names)]):
-                if n in failed:
-                    continue
-                with forced(n):
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    try:
-                        run()
-                        _sync(device)
-                    except (RuntimeError, ValueError) as e:
-                        log.warning("attention=auto: candidate %s failed, left out: %s", n, e)
-                        failed.add(n)
-                        continue
-                if r:
-                    times[n].append(time.perf_counter() - t0)
-    best = {n: float("inf") if n in failed else min(times[n]) for n in names}
+        best = fastest({n: call(n) for n in names}, TUNE_ROUNDS, device, (RuntimeError, ValueError), failed)
     for key in keys:
         choice = _record(key, best, what)
     return choice
 
 
 def _record(key: tuple, times: dict[str, float], what: str) -> str:
-    fastest = min(times.values())
-    if fastest == float("inf"):
+    quickest = min(times.values())
+    if quickest == float("inf"):
         raise RuntimeError(f"attention=auto: no candidate ran on qkv {key[0]}")
-    best = next(n for n, t in times.items() if t <= fastest * (1 + TIE))
+    best = next(n for n, t in times.items() if t <= quickest * (1 + TIE))
     _CHOICES[key] = best
     log.info("attention=auto: %s for qkv %s %s on %s, %s (%s ms: %s)", best, key[0], str(key[2]).removeprefix("torch."),
              key[3], "fwd+bwd" if key[-1] else "fwd", what, ", ".join(f"{n} {t * 1e3:.2f}" for n, t in times.items()))
     return best
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_kernel(kernel: AttentionKernel, qkv: torch.Tensor, num_heads: int, ctx: AttentionContext,
@@ -122,13 +109,13 @@ def time_kernel(kernel: AttentionKernel, qkv: torch.Tensor, num_heads: int, ctx:
     times = []
     try:
         for i in range(calls + 1):
-            _sync(x.device)
+            sync(x.device)
             t0 = time.perf_counter()
             out = kernel(x, num_heads, tctx)
             if backward:
                 out.backward(torch.ones_like(out))
                 x.grad = None
-            _sync(x.device)
+            sync(x.device)
             if i:
                 times.append(time.perf_counter() - t0)
             del out
