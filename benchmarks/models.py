@@ -5,7 +5,11 @@
 For vit_tiny_patch16_224 and vit_small_patch16_224 (batch 32) and the 32x32 CIFAR variant
 vit_cifar_patch4_32 (dim 192, depth 9, 3 heads, MLP ratio 2, patch 4; batch 64), in fp32 and
 bf16 autocast, it measures images/s of
-- training: forward, cross-entropy, backward, ``torch.optim.AdamW`` step, ``zero_grad``;
+- training: forward, cross-entropy, backward, AdamW step (lr 1e-4, weight decay 0.05 off norms
+  and biases), ``zero_grad``; the optimizer is built as each project's training script builds
+  it: vitflow's ``build_optimizer`` (torch's fused AdamW on the CPU), timm's
+  ``create_optimizer_v2`` and plain ``torch.optim.AdamW`` for vit-pytorch (both torch's default,
+  a per-tensor loop on the CPU);
 - inference: ``model.eval()`` under ``torch.inference_mode()``;
 for vitflow's ``VisionTransformer`` with ``attention=auto``, timm's ``VisionTransformer`` and
 vit-pytorch's ``ViT`` of the same configuration (synthetic inputs). Each cell builds the three
@@ -102,8 +106,23 @@ def build(impl: str, name: str, num_classes: int) -> torch.nn.Module:
                depth=depth, heads=heads, mlp_dim=int(dim * mlp_ratio), dim_head=dim // heads)
 
 
-def make_step(model: torch.nn.Module, mode: str, dtype: torch.dtype | None, x: torch.Tensor, y: torch.Tensor):
-    """A closure running one training step or one inference batch."""
+def optimizer(impl: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW as each project's own training code builds it."""
+    if impl == "vitflow":
+        from vitflow.config import OptimConfig
+        from vitflow.train.optim import build_optimizer
+
+        return build_optimizer(model, OptimConfig(lr=1e-4, weight_decay=0.05))
+    if impl == "timm":
+        from timm.optim import create_optimizer_v2
+
+        return create_optimizer_v2(model, "adamw", lr=1e-4, weight_decay=0.05)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
+
+
+def make_step(impl: str, model: torch.nn.Module, mode: str, dtype: torch.dtype | None, x: torch.Tensor,
+              y: torch.Tensor):
+    """A closure running one training step or one inference batch of ``impl``'s ``model``."""
     autocast = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype else contextlib.nullcontext
     if mode == "infer":
         model.eval()
@@ -113,7 +132,7 @@ def make_step(model: torch.nn.Module, mode: str, dtype: torch.dtype | None, x: t
                 model(x)
         return infer
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = optimizer(impl, model)
 
     def train():
         with autocast():
@@ -130,7 +149,7 @@ def run_cell(key: str, mode: str, dt: str, repeats: int, seconds: float) -> dict
     torch.manual_seed(0)
     x, y = torch.randn(batch, 3, size, size), torch.randint(0, classes, (batch,))
     impls = ("vitflow", "timm", "vit_pytorch")
-    steps = {impl: make_step(build(impl, name, classes), mode, DTYPES[dt], x, y) for impl in impls}
+    steps = {impl: make_step(impl, build(impl, name, classes), mode, DTYPES[dt], x, y) for impl in impls}
     for step in steps.values():  # warm-up (vitflow's attention=auto decides here)
         step()
         step()

@@ -7,7 +7,6 @@ import logging
 import math
 import signal
 import threading
-from typing import Sequence
 
 import torch
 
@@ -36,8 +35,10 @@ class NonFiniteGuard:
         self.skipped = self.overflows = self.in_a_row = 0
 
     def check(self, step: int, loss: float, grad_norm: float, scaled: bool,
-              inputs: Sequence[torch.Tensor] = ()) -> bool:
-        """True when step ``step`` (0-based) may update the model.
+              inputs_finite: torch.Tensor | bool = True) -> bool:
+        """True when step ``step`` (0-based) may update the model. ``inputs_finite`` (a bool or a
+        0-d bool tensor, read only when the run is stopped) says whether the step's input batches
+        were all finite; it names the likely cause in the error.
 
         Raises:
             NonFiniteError: the ``limit``-th bad step in a row.
@@ -53,7 +54,7 @@ class NonFiniteGuard:
         log.warning("step %d: non-finite %s (loss %s, grad norm %s): step skipped (%d in a row, %d in all)",
                     step, what, loss, grad_norm, self.in_a_row, self.skipped)
         if self.in_a_row >= self.limit:
-            inputs_ok = all(bool(torch.isfinite(x).all()) for x in inputs)
+            inputs_ok = bool(inputs_finite)
             raise NonFiniteError(f"stopping at step {step}: {self.in_a_row} steps in a row had a non-finite {what} "
                                  f"(last loss {loss}, grad norm {grad_norm}); likely cause: "
                                  f"{self._cause(loss_ok, inputs_ok)}")

