@@ -66,6 +66,23 @@ def test_hidden_folders_and_non_images_never_become_classes(tmp_path, caplog):
         assert tar_src.classes == ["a", "b", "c"] and len(tar_src) == 6
 
 
+def test_ignored_files_notice_once_per_source_with_examples(tmp_path, caplog):
+    root = make_folder(tmp_path / "ds", per_class=4)
+    for i in range(5):
+        (root / "b" / f"notes{i}.txt").write_text("not an image")
+    tar = tar_folder(root, tmp_path / "ds.tar")
+    with caplog.at_level(logging.WARNING, logger="vitflow.data.sources"):
+        for path in (root, tar):
+            parts = [open_split(path, s) for s in ("train[:50%]", "train[50%:]", "train", "train[:2]")]
+            assert sum(len(p) for p in parts[:2]) == len(parts[2]) == 12
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == 2  # one per source (the folder, the tar), not one per slice
+    folder_note, tar_note = notes
+    assert "5 non-image files" in folder_note and str(root / "b" / "notes0.txt") in folder_note
+    assert str(root / "b" / "notes2.txt") in folder_note and "notes3.txt" not in folder_note  # 3 examples
+    assert "5 non-image files" in tar_note and f"{tar}:ds/b/notes0.txt" in tar_note
+
+
 def test_empty_class_folder_is_an_error_naming_it(tmp_path):
     root = make_folder(tmp_path / "ds", per_class=2)
     (root / "zebra").mkdir()

@@ -47,7 +47,7 @@ def test_loader_resumes_mid_epoch_exactly(tmp_path, kind):
     src = make_folder(tmp_path / "d", per_class=10, size=8)
     source = open_split(src, "train")
     if kind == "batched":
-        source, _ = cache_in_memory(source, 10_000)
+        source = cache_in_memory(source, 10_000)
         cfg = cfg_for(src, train_augment="pad_crop", padding=2, hflip=True)
     else:
         cfg = cfg_for(src, train_augment="random_resized_crop", scale=(0.3, 1.0), num_workers=2)
@@ -192,6 +192,12 @@ def test_prepare_refuses_overwrite_and_reads_cifar_batches(tmp_path):
     raw = pickle.loads((cifar / "data_batch_1").read_bytes())
     assert torch.equal(train.load(0), torch.from_numpy(raw[b"data"][0].reshape(3, 32, 32)))
     assert len(open_split(cifar, "test")) == 3  # the batches can also be trained on directly
+    run = tmp_path / "run"  # a packed test split has no image files: training writes a few for predict
+    assert main(["train", "data.source=auto", f"data.path={tmp_path / 'cp'}", "data.test_split=test",
+                 "model.image_size=8", "train.total_steps=2", "train.batch_size=4", f"train.run_dir={run}"]) == 0
+    samples = sorted((run / "samples").glob("*.png"))
+    first_label = int(open_split(tmp_path / "cp", "test").labels[0])
+    assert len(samples) == 3 and samples[0].name == f"00_c{first_label}.png"
 
 
 def test_prepare_skips_and_counts_unreadable_images(tmp_path):
@@ -204,6 +210,54 @@ def test_prepare_skips_and_counts_unreadable_images(tmp_path):
     packed = open_split(tmp_path / "p", "train")
     assert np.bincount(np.asarray(packed.labels)).tolist() == [3, 3, 3]
     assert not any("truncated" in packed.name(i) or "empty" in packed.name(i) for i in range(len(packed)))
+
+
+@pytest.mark.parametrize("kind", ["batched", "per_image", "mixed_sizes"])
+def test_ram_cache_skips_reports_and_counts_unreadable_images_every_epoch(tmp_path, caplog, kind):
+    """A bad image in a RAM-cached split is skipped, named once and counted in every epoch, exactly
+    as when the files are read (same length, order, labels and per-epoch counts)."""
+    from vitflow.data import SkipReport
+    from vitflow.data.pipeline import ListSource
+    from vitflow.data.sources import TensorSource
+
+    src = make_folder(tmp_path / "d", per_class=6, size=8)
+    (src / "a" / "truncated.jpg").write_bytes(encode(np.zeros((8, 8, 3), np.uint8), "JPEG")[:40])
+    (src / "b" / "empty.jpg").write_bytes(b"")
+    extra = np.full((12 if kind == "mixed_sizes" else 8,) * 2 + (3,), 90, np.uint8)
+    (src / "c" / "extra.png").write_bytes(encode(extra))  # 21 images: 3 batches of 7, no tail
+    files = open_split(src, "train")
+    cached = cache_in_memory(files, 100)
+    assert isinstance(cached, ListSource if kind == "mixed_sizes" else TensorSource)
+    assert len(cached) == len(files) == 21 and list(cached.labels) == list(files.labels)
+    cfg = cfg_for(src, train_augment="pad_crop" if kind == "batched" else "random_resized_crop", padding=1)
+    assert is_batched(cached, cfg, 8) == (kind == "batched")
+
+    def epochs(source):
+        skips, labels = SkipReport(), []
+        for b in _raw_batches(train_loader(source, cfg, 8, 7, seed=0, device=CPU, num_classes=3), 6):
+            skips.add(b["epoch"], b["bad"])
+            labels.append(b["labels"].tolist())
+            assert len(b["images"]) == len(b["labels"]) == 7 - len(b["bad"])
+        return skips, labels
+
+    with caplog.at_level("WARNING", logger="vitflow.data.loader"):
+        cached_skips, cached_labels = epochs(cached)
+    assert cached_skips.per_epoch == {0: 2, 1: 2} and cached_skips.total == 4
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2  # once per file, not once per epoch
+    for name, why in (("truncated.jpg", "truncated"), ("empty.jpg", "0 bytes")):
+        line = next(m for m in warned if name in m)
+        assert str(src / ("a" if name == "truncated.jpg" else "b") / name) in line and why in line
+        assert line.count("cannot decode image") <= 1  # the reason does not repeat the path
+    file_skips, file_labels = epochs(files)
+    assert file_skips.per_epoch == cached_skips.per_epoch and file_labels == cached_labels
+
+
+def _raw_batches(loader, n):
+    it = iter(loader)
+    out = [next(it) for _ in range(n)]
+    loader.close()
+    return out
 
 
 def test_bad_inputs_convert_skip_or_error(tmp_path, monkeypatch):
@@ -306,7 +360,7 @@ def test_auto_workers_and_open_file_limit(tmp_path):
     import resource
 
     src = make_folder(tmp_path / "d", per_class=4, size=8)
-    source, _ = cache_in_memory(open_split(src, "train"), 100)
+    source = cache_in_memory(open_split(src, "train"), 100)
     cfg = cfg_for(src, num_workers="auto", train_augment="pad_crop")
     assert is_batched(source, cfg, 8) and choose_workers(cfg, source, None, True) == 0
     assert raise_open_file_limit() == resource.getrlimit(resource.RLIMIT_NOFILE)[1]

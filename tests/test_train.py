@@ -1,3 +1,4 @@
+import json
 import os
 import signal
 import subprocess
@@ -5,10 +6,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from conftest import make_folder
+from conftest import encode, make_folder
+from vitflow.cli import main
 from vitflow.config import build_config
 from vitflow.train import Trainer
 from vitflow.train import checkpoint as ckpt
@@ -37,6 +40,39 @@ def test_digits_run_learns_and_writes_run_dir(digits_run):
     assert [x["epoch"] for x in recs if x["kind"] == "epoch"] == list(range(36))
     assert (run / "config.yaml").read_text().count("vit_digits_patch2_8") == 1
     assert len(list((run / "samples").glob("*.png"))) == 10
+
+
+@pytest.mark.parametrize("max_in_memory", [0, 1000], ids=["files", "ram_cache"])
+def test_unreadable_images_counted_per_split_and_same_in_eval_json_and_vitflow_eval(tmp_path, caplog, capsys,
+                                                                                  max_in_memory):
+    """A bad train image counts in every training epoch, a bad test image in every evaluation and
+    never in an epoch; eval.json, the summary and `vitflow eval` agree, with or without the RAM cache."""
+    data = make_folder(tmp_path / "data", per_class=5, split="train")
+    make_folder(tmp_path / "data", per_class=3, split="test", seed=1)
+    (data / "train" / "a" / "truncated.jpg").write_bytes(encode(np.zeros((8, 8, 3), np.uint8), "JPEG")[:40])
+    (data / "test" / "b" / "empty.jpg").write_bytes(b"")  # 16 train images (2 batches of 8), 10 test
+    run = tmp_path / "run"
+    cfg = tiny(run, f"data.path={data}", "data.source=folder", "data.train_split=train", "data.test_split=test",
+               f"data.max_in_memory={max_in_memory}", "model.image_size=8", "train.batch_size=8",
+               "train.total_steps=6", "train.eval_every=3", "optim.warmup_steps=2")
+    with caplog.at_level("WARNING"):
+        r = Trainer(cfg).fit()
+    assert (r["skipped_images"], r["test_skipped"]) == (3, 1)  # 3 epochs x 1 train file; 1 test file
+    recs = read_metrics(run / "metrics.jsonl")
+    assert [(x["epoch"], x["skipped_images"]) for x in recs if x["kind"] == "epoch"] == [(0, 1), (1, 1)]
+    assert [(x["step"], x["skipped"], x["images"]) for x in recs if x["kind"] == "eval"] == [(3, 1, 9), (6, 1, 9)]
+    assert json.loads((run / "eval.json").read_text())["skipped"] == 1
+    warned = [m.getMessage() for m in caplog.records if "unreadable image" in m.getMessage()]
+    assert sum(str(data / "train" / "a" / "truncated.jpg") in m for m in warned) == 1  # once, in all epochs
+    assert sum(str(data / "test" / "b" / "empty.jpg") in m for m in warned) == 1  # once, in all evaluations
+    caplog.clear()
+    capsys.readouterr()
+    with caplog.at_level("WARNING"):
+        assert main(["eval", r["checkpoint"], "--json"]) == 0
+    out = capsys.readouterr().out
+    ev = json.loads(out.strip().splitlines()[-1])
+    assert (ev["test_skipped"], ev["test_images"]) == (1, 9) and "skipped 1 unreadable image(s)" in out
+    assert any(str(data / "test" / "b" / "empty.jpg") in m.getMessage() for m in caplog.records)
 
 
 def test_param_groups_exclude_norms_biases_pos_and_cls():

@@ -95,7 +95,8 @@ class BatchDataset(torch.utils.data.Dataset):
          "bad": [(name, reason), ...]}
 
     ``B`` is the batch size minus any unreadable images. With ``transform=None`` the source
-    must have ``fixed_size`` and the batch is one :meth:`ImageSource.load_batch` gather.
+    must have ``fixed_size`` and the batch is one :meth:`ImageSource.load_batch` gather of the
+    images not :meth:`ImageSource.known_unreadable`.
     """
 
     def __init__(self, source: ImageSource, transform: Transform | None, seed: int = 0):
@@ -106,9 +107,9 @@ class BatchDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, ref: BatchRef) -> dict:
         if self.transform is None:  # images already at the output size: one gather, no per-image work
-            return {"images": self.source.load_batch(ref.indices),
-                    "labels": torch.from_numpy(self.source.labels[ref.indices]), "epoch": ref.epoch,
-                    "index": ref.index, "bad": []}
+            idx, bad = self.source.known_unreadable(ref.indices)
+            return {"images": self.source.load_batch(idx), "labels": torch.from_numpy(self.source.labels[idx]),
+                    "epoch": ref.epoch, "index": ref.index, "bad": bad}
         images, labels, bad = [], [], []
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(mix_seed(self.seed, ref.epoch, ref.index))
@@ -156,7 +157,10 @@ def make_loader(source: ImageSource, transform: Transform | None, sampler: Epoch
 
 
 class SkipReport:
-    """Counts unreadable images per epoch and warns once per file."""
+    """Counts unreadable images per epoch and warns once per file (the first time it is skipped).
+
+    One report per kind of pass: the training epochs have theirs and the evaluations of the test
+    split another, so that a bad test image is never counted in a training epoch."""
 
     def __init__(self) -> None:
         self.seen: set[str] = set()

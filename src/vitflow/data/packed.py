@@ -157,11 +157,11 @@ def cifar_batches_source(path: str | Path, split: str) -> TensorSource:
 
 
 def _encode_one(source: ImageSource, i: int, kind: str, max_side: int | None, quality: int):
-    """Worker: image ``i`` -> raw uint8 array or JPEG bytes; ``(i, payload | None, error)``."""
+    """Worker: image ``i`` -> raw uint8 array or JPEG bytes; ``(i, payload | None, why unreadable)``."""
     try:
         img = source.load(i)
     except CorruptImageError as e:
-        return i, None, str(e)
+        return i, None, e.reason
     if kind == "raw":
         return i, img.numpy(), None
     return i, encode_jpeg(fit_max_side(img, max_side), quality), None
@@ -204,8 +204,8 @@ def encode_images(source: ImageSource, kind: str, max_side: int | None, quality:
                   desc: str) -> Iterator[tuple[int, object, str | None]]:
     """Decode every image of ``source`` (``kind="raw"``: ``uint8 (3, H, W)`` arrays) or also
     re-encode it (``"jpeg"``: bytes at ``quality``, longer side <= ``max_side``) with ``workers``
-    processes and a progress bar; yields ``(index, payload or None, error message or None)`` in
-    index order."""
+    processes and a progress bar; yields ``(index, payload or None, why the image is unreadable
+    or None)`` in index order."""
     jobs = [(i, kind, max_side, quality) for i in range(len(source))]
     bar = dict(total=len(jobs), desc=desc, unit="img", mininterval=1.0)
     if workers <= 1:
@@ -229,7 +229,7 @@ def write_split(source: ImageSource, folder: Path, kind: str, max_side: int | No
         for i, payload, err in encode_images(source, kind, max_side, quality, workers, desc):
             if payload is None:
                 skipped.append(err)
-                log.warning("prepare: skipped %s", err)
+                log.warning("prepare: skipped unreadable image %s: %s", source.name(i), err)
                 continue
             if kind == "raw":
                 if shape is None:

@@ -38,30 +38,36 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Datasets:
-    """The train and test splits of a run, their class list, the eval preprocessing, and the
-    images found unreadable while caching (``(name, reason)``, already excluded)."""
+    """The train and test splits of a run, their class list and the eval preprocessing. Images
+    found unreadable while caching stay in their split and are reported by every pass over it."""
 
     train: ImageSource
     test: ImageSource
     classes: list[str]
     preprocess: Preprocess
-    unreadable: list[tuple[str, str]]
 
 
 class ListSource(ImageSource):
-    """Decoded images of different sizes kept in RAM (a list of ``uint8 (3, H, W)`` tensors)."""
+    """Decoded images of different sizes kept in RAM (a list of ``uint8 (3, H, W)`` tensors) for
+    rows ``rows`` of ``base``. An image that could not be decoded is ``None`` and its reason is in
+    ``errors`` (by base row): loading it raises CorruptImageError, as reading the file would."""
 
-    def __init__(self, base: ImageSource, images: list[torch.Tensor], rows: np.ndarray):
+    def __init__(self, base: ImageSource, images: list[torch.Tensor | None], rows: np.ndarray,
+                 errors: dict[int, str] | None = None):
         self.classes, self.labels, self.base, self.images, self.rows = base.classes, base.labels[rows], base, images, rows
+        self.errors = errors or {}
 
     def name(self, i: int) -> str:
         return self.base.name(int(self.rows[i]))
 
     def load(self, i: int) -> torch.Tensor:
-        return self.images[i]
+        image = self.images[i]
+        if image is None:
+            raise CorruptImageError(self.name(i), self.errors[int(self.rows[i])])
+        return image
 
     def subset(self, idx: np.ndarray) -> "ListSource":
-        return ListSource(self.base, [self.images[i] for i in idx], self.rows[np.asarray(idx)])
+        return ListSource(self.base, [self.images[i] for i in idx], self.rows[np.asarray(idx)], self.errors)
 
 
 def _in_ram(source: ImageSource) -> bool:
@@ -69,18 +75,22 @@ def _in_ram(source: ImageSource) -> bool:
                                                              source.fixed_size is not None)
 
 
-def cache_in_memory(source: ImageSource, max_images: int, workers: int = 1,
-                    desc: str = "cache") -> tuple[ImageSource, list[tuple[str, str]]]:
+def cache_in_memory(source: ImageSource, max_images: int, workers: int = 1, desc: str = "cache") -> ImageSource:
     """Decode every image of ``source`` once into RAM when it has at most ``max_images`` images
     and their decoded size (estimated from the first 32) fits in a quarter of physical memory.
 
+    Unreadable images keep their place (same length, order and labels as ``source``): loading one
+    raises CorruptImageError with the reason found while caching, so every epoch and every
+    evaluation skips, reports and counts it exactly as it would reading the files.
+
     Returns:
-        ``(source', unreadable)``: a :class:`TensorSource` when all images share one size, else a
+        A :class:`TensorSource` when all readable images share one size, else a
         :class:`ListSource`; or ``source`` unchanged when it is already in RAM or does not fit.
-        Unreadable images are dropped and returned as ``(name, reason)``.
+    Raises:
+        DataError: no image of ``source`` is readable.
     """
     if _in_ram(source) or len(source) == 0 or len(source) > max_images:
-        return source, []
+        return source
     probe = []
     for i in range(min(32, len(source))):
         try:
@@ -91,23 +101,25 @@ def cache_in_memory(source: ImageSource, max_images: int, workers: int = 1,
     if probe and np.mean(probe) * len(source) > ram / 4:
         log.info("%s: %d images (~%.1f GB decoded) do not fit the RAM cache", desc, len(source),
                  np.mean(probe) * len(source) / 1e9)
-        return source, []
+        return source
     t0 = time.perf_counter()
     images: list = [None] * len(source)
-    bad: list[tuple[str, str]] = []
+    errors: dict[int, str] = {}
     for i, arr, err in encode_images(source, "raw", None, 0, workers, desc):
         if arr is None:
-            bad.append((source.name(i), err))
+            errors[i] = err
         else:
             images[i] = torch.from_numpy(arr)
-    keep = np.array([i for i, im in enumerate(images) if im is not None], dtype=np.int64)
-    kept = [images[i] for i in keep]
+    kept = [im for im in images if im is not None]
     if not kept:
         raise DataError(f"{desc}: no readable image")
-    log.info("%s: %d images decoded into RAM in %.1f s", desc, len(kept), time.perf_counter() - t0)
+    log.info("%s: %d images decoded into RAM in %.1f s%s", desc, len(kept), time.perf_counter() - t0,
+             f" ({len(errors)} unreadable, reported when read)" if errors else "")
     if len({tuple(t.shape) for t in kept}) == 1:
-        return TensorSource(source.classes, source.labels[keep], torch.stack(kept), desc, keep, base=source), bad
-    return ListSource(source, kept, keep), bad
+        blank = torch.zeros_like(kept[0])  # the row of an unreadable image; never delivered
+        stacked = torch.stack([blank if im is None else im for im in images])
+        return TensorSource(source.classes, source.labels, stacked, desc, base=source, errors=errors)
+    return ListSource(source, images, np.arange(len(source)), errors)
 
 
 def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
@@ -122,15 +134,13 @@ def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
     test = open_split(cfg.path, cfg.test_split, cfg.source, classes=train.classes)
     if len(test) == 0:
         raise DataError(f"data.test_split={cfg.test_split!r} selects no images")
-    bad: list[tuple[str, str]] = []
     if cfg.max_in_memory > 0:
         workers = os.cpu_count() or 1
         if cfg.access == "random":
-            train, bad = cache_in_memory(train, cfg.max_in_memory, workers, "train")
-        test, bad_test = cache_in_memory(test, cfg.max_in_memory, workers, "test")
-        bad += bad_test
+            train = cache_in_memory(train, cfg.max_in_memory, workers, "train")
+        test = cache_in_memory(test, cfg.max_in_memory, workers, "test")
     pp = Preprocess(image_size, cfg.crop_pct, cfg.interpolation, tuple(cfg.mean), tuple(cfg.std))
-    return Datasets(train, test, train.classes, pp, bad)
+    return Datasets(train, test, train.classes, pp)
 
 
 def raise_open_file_limit() -> int:

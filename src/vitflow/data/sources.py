@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import tarfile
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -165,8 +164,15 @@ class ImageSource:
         return None
 
     def load_batch(self, idx: np.ndarray) -> torch.Tensor:
-        """Images ``idx`` as one ``uint8`` ``(B, 3, H, W)`` tensor (only when ``fixed_size``)."""
+        """Images ``idx`` as one ``uint8`` ``(B, 3, H, W)`` tensor (only when ``fixed_size``; leave
+        out the images :meth:`known_unreadable` names first)."""
         return torch.stack([self.load(int(i)) for i in idx])
+
+    def known_unreadable(self, idx: np.ndarray) -> tuple[np.ndarray, list[tuple[str, str]]]:
+        """Split ``idx`` into the images to load and those already known to be unreadable (found
+        when the source was cached in RAM) as ``(name, reason)``. Sources that find out only when
+        loading keep every index."""
+        return idx, []
 
     def subset(self, idx: np.ndarray) -> "ImageSource":
         raise NotImplementedError
@@ -207,26 +213,39 @@ class FileSource(ImageSource):
 class TensorSource(ImageSource):
     """Images already decoded in memory: ``images`` is ``uint8`` ``(n, 3, H, W)``; ``ids`` are
     the images' indices in the original collection, named ``prefix[id]`` or, when the images were
-    decoded from another source ``base``, by that source's names."""
+    decoded from another source ``base``, by that source's names. ``errors`` gives, by id, why an
+    image could not be decoded (its row holds zeros): loading it raises CorruptImageError, as
+    reading the file would, and :meth:`known_unreadable` names it."""
 
     def __init__(self, classes: list[str], labels: np.ndarray, images: torch.Tensor, prefix: str,
-                 ids: np.ndarray | None = None, base: ImageSource | None = None):
+                 ids: np.ndarray | None = None, base: ImageSource | None = None, errors: dict[int, str] | None = None):
         self.classes, self.labels, self.images, self.prefix, self.base = classes, labels, images, prefix, base
         self.ids = np.arange(len(labels)) if ids is None else ids
         self.fixed_size = (images.shape[-2], images.shape[-1])
+        self.errors = errors or {}
+        self._bad_ids = np.fromiter(self.errors, dtype=np.int64, count=len(self.errors))
 
     def name(self, i: int) -> str:
         return self.base.name(int(self.ids[i])) if self.base is not None else f"{self.prefix}[{self.ids[i]}]"
 
     def load(self, i: int) -> torch.Tensor:
+        if self.errors and int(self.ids[i]) in self.errors:
+            raise CorruptImageError(self.name(i), self.errors[int(self.ids[i])])
         return self.images[i]
 
     def load_batch(self, idx: np.ndarray) -> torch.Tensor:
         return self.images[torch.from_numpy(np.asarray(idx, dtype=np.int64))]
 
+    def known_unreadable(self, idx: np.ndarray) -> tuple[np.ndarray, list[tuple[str, str]]]:
+        if not self.errors:
+            return idx, []
+        idx = np.asarray(idx)
+        bad = np.isin(self.ids[idx], self._bad_ids)
+        return idx[~bad], [(self.name(int(i)), self.errors[int(self.ids[i])]) for i in idx[bad]]
+
     def subset(self, idx: np.ndarray) -> "TensorSource":
         return TensorSource(self.classes, self.labels[idx], self.load_batch(idx), self.prefix, self.ids[idx],
-                            self.base)
+                            self.base, self.errors)
 
 
 def digits_source() -> TensorSource:
@@ -242,16 +261,23 @@ def digits_source() -> TensorSource:
 
 
 def export_samples(source: ImageSource, folder: str | Path, n: int = 10) -> list[Path]:
-    """Write the first ``n`` images of ``source`` as PNG files ``NN_<class>.png`` in ``folder``
-    (for trying ``vitflow predict`` on data that has no files of its own). Returns the paths."""
+    """Write the first ``n`` readable images of ``source`` as PNG files ``NN_<class>.png`` in
+    ``folder`` (for trying ``vitflow predict`` on data that has no files of its own; ``NN`` is the
+    index in ``source``). Returns the paths."""
     from PIL import Image
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i in range(min(n, len(source))):
+    paths: list[Path] = []
+    for i in range(len(source)):
+        if len(paths) == n:
+            break
+        try:
+            image = source.load(i)
+        except CorruptImageError:
+            continue  # reported by the passes over the split
         path = folder / f"{i:02d}_{source.classes[int(source.labels[i])]}.png"
-        Image.fromarray(source.load(i).permute(1, 2, 0).numpy()).save(path)
+        Image.fromarray(image.permute(1, 2, 0).numpy()).save(path)
         paths.append(path)
     return paths
 
@@ -265,6 +291,22 @@ def _relabel(src: ImageSource, classes: list[str] | None) -> ImageSource:
     if classes is not None and list(classes) != list(src.classes):
         raise DataError(f"the data's classes {src.classes[:5]}... differ from the training classes {classes[:5]}...")
     return src
+
+
+_NOTED: set[tuple] = set()
+
+
+def _note_ignored(where: str, ignored: dict[str, list[str]]) -> None:
+    """Warn about the files a split's folder holds but does not use (``ignored``: kind -> paths):
+    how many of each kind, with up to three example paths. Once per source and process, however
+    many slices of the split are opened (``train[:90%]`` and ``train[90%:]`` warn once)."""
+    key = (where, *((what, len(paths), paths[0]) for what, paths in ignored.items()))
+    if key in _NOTED:
+        return
+    _NOTED.add(key)
+    log.warning("%s: ignored %s", where, "; ".join(
+        f"{len(paths)} {what} (e.g. {', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''})"
+        for what, paths in ignored.items()))
 
 
 def _split_prefix(files: dict[str, object], dirs: set[str], split: str, where: str) -> str:
@@ -359,15 +401,15 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
     class_dirs = sorted(d[len(prefix):] for d in dirs if d.startswith(prefix) and "/" not in d[len(prefix):]
                         and d != prefix.rstrip("/"))
     per_class: dict[str, list[str]] = {c: [] for c in class_dirs}
-    skipped: Counter[str] = Counter()
+    ignored: dict[str, list[str]] = {}
     for rel in sorted(files):
         if not rel.startswith(prefix):
             continue
         parts = rel[len(prefix):].split("/")
         if len(parts) < 2:
-            skipped["files outside class folders"] += 1
+            ignored.setdefault("files outside class folders", []).append(reader.describe(rel))
         elif not is_image_name(rel):
-            skipped["non-image files"] += 1
+            ignored.setdefault("non-image files", []).append(reader.describe(rel))
         else:
             per_class[parts[0]].append(rel)
     empty = [c for c, items in per_class.items() if not items]
@@ -377,8 +419,8 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
                         + ": add images or remove the folder")
     if not per_class:
         raise DataError(f"no class folders in {reader.describe(prefix) or p}: expected <class>/<image> folders")
-    if skipped:
-        log.warning("%s split %r: ignored %s", p, sp.name, ", ".join(f"{n} {what}" for what, n in skipped.items()))
+    if ignored:
+        _note_ignored(f"{p} split {sp.name!r}", ignored)
     if classes is None:
         classes = list(per_class)
     unknown = sorted(set(per_class) - set(classes))

@@ -20,14 +20,16 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
     """One pass over ``loader`` in eval mode.
 
     Args:
+        skips: warns once per unreadable image (default: a new report); pass one report to all the
+            evaluations of a run to warn once in all. Its counts are not the result's ``skipped``.
         reduce: sums a tensor over the ranks of a distributed evaluation (each rank passing a
             loader over its own shard), e.g. :meth:`vitflow.train.distributed.DistEnv.all_reduce_sum`.
         num_classes: the model's class count (default: the logits' width).
     Returns:
         ``{"loss": mean cross-entropy (no smoothing), "top1": fraction, "top5": fraction,
-        "images": images scored, "skipped": unreadable images, "confusion": C x C counts (row:
-        true class, column: predicted class), "per_class_top1": C fractions (``None`` for a class
-        without images)}``.
+        "images": images scored, "skipped": unreadable images in this pass (summed over the ranks),
+        "confusion": C x C counts (row: true class, column: predicted class), "per_class_top1": C
+        fractions (``None`` for a class without images)}``.
     Raises:
         ValueError: no readable image (on every rank together).
     """
@@ -35,10 +37,10 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
     model.eval()
     totals = torch.zeros(5, dtype=torch.float64)  # loss sum, top-1, top-5, images, skipped
     confusion = torch.zeros((num_classes or 0) ** 2, dtype=torch.int64, device=device)
+    skips = SkipReport() if skips is None else skips
     for batch in loader:
         totals[4] += len(batch["bad"])
-        if skips is not None:
-            skips.add(-1, batch["bad"])
+        skips.add(-1, batch["bad"])  # -1: not a training epoch
         if len(batch["labels"]) == 0:
             continue
         x = normalize(batch["images"].to(device, non_blocking=True), pp.mean, pp.std)

@@ -28,7 +28,7 @@ from vitflow.config import Config, flatten, parse_duration, to_yaml
 from vitflow.data import Datasets, SkipReport, eval_loader, open_datasets, train_loader
 from vitflow.data.augment import progressive_resolution
 from vitflow.data.loader import mix_seed
-from vitflow.data.sources import TensorSource, export_samples
+from vitflow.data.sources import FileSource, export_samples
 from vitflow.models import MODELS, create_model
 from vitflow.runtime import configure_allocator
 from vitflow.train import checkpoint as ckpt
@@ -186,8 +186,8 @@ class Trainer:
                                    num_classes, position, self.dist.rank, self.dist.world_size)
         log.info("input pipeline: %s", self.loader.describe())
         self.position = position
-        self.skips = SkipReport()
-        self.skips.add(position[0], self.data.unreadable)
+        self.skips = SkipReport()  # training epochs only
+        self.eval_skips = SkipReport()  # the test split: each evaluation counts its own
         self._stall_hint_shown = False
         self.metrics = MetricsLog(self.run_dir, t.tensorboard, enabled=self.dist.is_main)
         self.last_eval: dict[str, Any] | None = None
@@ -274,9 +274,10 @@ class Trainer:
         Raises:
             NonFiniteError: ``train.max_nonfinite_steps`` refused steps in a row.
         """
-        accum, inputs = len(batches), []
+        accum = len(batches)
         self._set_resolution()
         total = torch.zeros((), device=self.device)
+        inputs_finite = torch.ones((), dtype=torch.bool, device=self.device)  # for the guard's diagnosis only
         for i, batch in enumerate(batches):
             x, y = self.loader.pipeline(batch)
             with self.parallel.sync_grads(i == accum - 1):
@@ -284,10 +285,11 @@ class Trainer:
                     loss = self.criterion(self.net(x), y, x) / accum
                 self.precision.backward(loss)
             total += loss.detach()
-            inputs.append(x)
+            inputs_finite &= torch.isfinite(x).all()  # a flag, not the input: micro-batches are freed as they go
         loss = float(self.dist.mean(total))
         norm = self.precision.clip_grad_norm(self.optimizer, self.model.parameters(), self.cfg.optim.clip_grad_norm)
-        take = self.guard.check(self.step, loss, norm, self.precision.scaler is not None, inputs)
+        take = self.guard.check(self.step, loss, norm, self.precision.scaler is not None,
+                                inputs_finite)
         self.precision.step(self.optimizer, take)
         self.optimizer.zero_grad(set_to_none=True)
         if take:
@@ -307,7 +309,9 @@ class Trainer:
             The final metrics: ``test_loss``, ``test_top1``, ``test_top5`` (fractions, of the
             weights inference uses: the EMA when ``train.ema_decay`` is set, with the trained
             weights' figures as ``raw_test_*``), ``step``, ``run_dir``, ``checkpoint``,
-            ``train_images_per_s``, ``skipped_images``, ``skipped_steps``, ``elapsed_s``; or, when
+            ``train_images_per_s``, ``skipped_images`` (unreadable training images, summed over
+            the epochs), ``test_skipped`` (unreadable test images, as in ``eval.json``),
+            ``skipped_steps``, ``elapsed_s``; or, when
             interrupted, ``interrupted``, ``step``, ``run_dir``, ``checkpoint``, ``elapsed_s``.
         Raises:
             NonFiniteError: see :meth:`train_step`.
@@ -330,11 +334,14 @@ class Trainer:
             summary = {"test_loss": result["loss"], "test_top1": result["top1"], "test_top5": result["top5"],
                        "step": self.step, "run_dir": str(self.run_dir), "checkpoint": str(path),
                        "train_images_per_s": images_seen * self.dist.world_size / train_time if train_time else 0.0,
-                       "skipped_images": self.skips.total, "skipped_steps": self.guard.skipped,
+                       "skipped_images": self.skips.total, "test_skipped": result["skipped"],
+                       "skipped_steps": self.guard.skipped,
                        "elapsed_s": time.perf_counter() - started}
             if self.ema is not None:
                 summary.update({f"raw_test_{k}": result[f"raw_{k}"] for k in ("loss", "top1", "top5")})
-            if isinstance(self.data.test, TensorSource) and self.dist.is_main:  # embedded data: give predict files
+            test = getattr(self.data.test, "base", None) or self.data.test  # the files behind a RAM cache
+            if not isinstance(test, FileSource) and self.dist.is_main:  # no image files (embedded data, CIFAR
+                # batches, packed): write a few, so that `vitflow predict` can be tried at once
                 summary["samples"] = str(export_samples(self.data.test, self.run_dir / "samples")[0].parent)
             self.metrics.write("summary", **summary)
             return summary
@@ -473,7 +480,7 @@ class Trainer:
         for part in (np.arange(min(len(self.data.test), bs)), np.arange(min(len(self.data.test), 2 * bs))):
             loader = eval_loader(self.data.test.subset(part), self.data.preprocess, bs, self.cfg.data.num_workers)
             t0 = time.perf_counter()
-            evaluate(self.model, loader, self.device, self.precision, self.data.preprocess)
+            evaluate(self.model, loader, self.device, self.precision, self.data.preprocess, self.eval_skips)
             seconds, n = time.perf_counter() - t0, len(part)
         share = len(self.data.test) / (self.dist.world_size if self.parallel.kind == "ddp" else 1)
         return seconds / n * share
@@ -496,7 +503,8 @@ class Trainer:
             reduce = self.dist.all_reduce_sum
         loader = eval_loader(test, self.data.preprocess, self.cfg.data.eval_batch_size or self.micro_batch,
                              self.cfg.data.num_workers)
-        args = (loader, self.device, self.precision, self.data.preprocess, self.skips, reduce, len(self.data.classes))
+        args = (loader, self.device, self.precision, self.data.preprocess, self.eval_skips, reduce,
+                len(self.data.classes))
         raw = evaluate(self.model, *args)
         ema = evaluate(self.ema.module, *args) if self.ema is not None else None
         scalars = scalar_metrics(raw)
