@@ -1,4 +1,5 @@
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,9 @@ def test_user_errors_exit_2_naming_the_problem(tmp_path, capsys):
     assert "did you mean 'train.batch_size'" in capsys.readouterr().err
     assert main(["train", "--preset", "cifar10-vit-tiny", f"data.path={tmp_path / 'missing'}"]) == 2
     assert "missing" in capsys.readouterr().err
+    assert main(["train", "--preset", "cifar10-vit-tiny", "--print-config", f"data.path={tmp_path / 'missing'}"]) == 0
+    out, err = capsys.readouterr()
+    assert "path: " in out and err.strip() == f"warning: data.path {tmp_path / 'missing'} does not exist"
     assert main(["eval", str(tmp_path / "none.pt")]) == 2
     assert "none.pt" in capsys.readouterr().err
     assert main(["predict", str(tmp_path / "none.pt"), str(tmp_path)]) == 2
@@ -73,6 +77,7 @@ def test_own_folder_train_with_slices(tmp_path, capsys):
     assert code == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["step"] == 20 and 0 <= r["test_top1"] <= 1
+    assert "samples" not in r and not (tmp_path / "run" / "samples").exists()  # its images are files already
 
 
 def test_presets_and_models_listing(capsys):
@@ -83,3 +88,18 @@ def test_presets_and_models_listing(capsys):
     assert "vit_cifar_patch4_32" in capsys.readouterr().out
     assert main(["models", "vit_base_*"]) == 0
     assert "vit_base_patch16_224" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, level", [(["models"], logging.NOTSET), (["-v", "models"], logging.DEBUG),
+                                         (["models", "-v"], logging.DEBUG), (["models", "--quiet"], logging.WARNING),
+                                         (["-q", "models"], logging.WARNING)])
+def test_verbosity_flags_set_vitflow_log_level_for_the_command(monkeypatch, argv, level):
+    import vitflow.cli as cli
+
+    seen = []
+    monkeypatch.setitem(cli.COMMANDS, "models", lambda args: seen.append(logging.getLogger("vitflow").level) or 0)
+    assert main(argv) == 0
+    assert seen == [level]  # default: vitflow's logger inherits the root (INFO), as before
+    assert logging.getLogger("vitflow").level == logging.NOTSET  # restored after the command
+    with pytest.raises(SystemExit):
+        main(["-q", "-v", "models"])  # one or the other

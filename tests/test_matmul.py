@@ -67,7 +67,7 @@ def test_auto_times_each_shape_once_logs_and_keeps_the_rng(caplog):
     layer = torch.nn.Linear(48, 24)
     x = torch.randn(37, 48)
     rng = torch.get_rng_state()
-    with caplog.at_level(logging.INFO, logger="vitflow.models.matmul"), _autocast():
+    with caplog.at_level(logging.DEBUG, logger="vitflow.models.matmul"), _autocast():
         y = linear(layer, x)
         linear(layer, x)
         with torch.no_grad():
@@ -115,7 +115,7 @@ def test_auto_inside_gradient_checkpointing_trains_and_times_every_attention_can
                               attention="auto")
     model.set_grad_checkpointing("all")
     x = torch.randn(6, 3, 16, 16)
-    with caplog.at_level(logging.INFO), _autocast():
+    with caplog.at_level(logging.DEBUG), _autocast():
         loss = model(x).float().square().mean()
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

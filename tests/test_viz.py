@@ -75,3 +75,18 @@ def test_attention_command_writes_a_png(digits_run, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "vitflow", "attention", str(run), str(tmp_path / "nope.png")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "nope.png" in bad.stderr
+
+
+def test_single_point_series_is_drawn(tmp_path):
+    """One evaluation is one point: the accuracy panel must show it (a marker), not an empty axis."""
+    import numpy as np
+    from PIL import Image
+
+    from vitflow.viz.curves import line_plot
+
+    red = {"color": (1.0, 0.0, 0.0)}
+    one = line_plot(tmp_path / "one.png", "acc", [("top-1", [100], [0.5], red)], "%")
+    one = np.asarray(Image.open(one).convert("RGB"))
+    is_red = (one[..., 0] > 200) & (one[..., 1] < 80) & (one[..., 2] < 80)
+    assert is_red.sum() > 100  # legend line alone: ~50 red pixels; with the point marker (and its legend marker) ~170
+    assert line_plot(tmp_path / "two.png", "acc", [("top-1", [100, 200], [0.5, 0.6], red)], "%").exists()

@@ -24,9 +24,20 @@ def _add_weights_arg(p: argparse.ArgumentParser) -> None:
                    help="auto: the EMA weights when the checkpoint has them (default), else the trained ones")
 
 
+def _add_verbosity(p: argparse.ArgumentParser, default) -> None:
+    """``-v`` / ``-q``, accepted before and after the command (``default`` is SUPPRESS on the
+    commands, so that they do not reset a value given before them)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("-v", "--verbose", dest="log_level", action="store_const", const=logging.DEBUG, default=default,
+                   help="also vitflow's debug lines (every auto-tuning measurement, loader decisions)")
+    g.add_argument("-q", "--quiet", dest="log_level", action="store_const", const=logging.WARNING, default=default,
+                   help="warnings and errors only (no info lines)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitflow", description="Train, evaluate and deploy Vision Transformers.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    _add_verbosity(parser, logging.INFO)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a model (default: a small ViT on the embedded digits data)")
@@ -154,6 +165,9 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("models", help="list model variants")
     p.add_argument("pattern", nargs="?", help="shell pattern, e.g. 'vit_small_*'")
+    for name, p in [*sub.choices.items(), *bench.choices.items()]:
+        if name != "bench":
+            _add_verbosity(p, argparse.SUPPRESS)
     return parser
 
 
@@ -161,11 +175,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = build_config(args.preset, args.config, args.overrides)
     if args.print_config:
         print(to_yaml(cfg), end="")
+        if cfg.data.path and not os.path.exists(cfg.data.path):  # shown, but training would stop here
+            print(f"warning: data.path {cfg.data.path} does not exist", file=sys.stderr)
         return 0
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:  # become torchrun; it starts the N ranks
         from vitflow.train.distributed import torchrun_command
 
-        argv = (["--debug"] if args.debug else []) + ["train"] + (["--preset", args.preset] if args.preset else []) + (
+        argv = (["--debug"] if args.debug else []) + {logging.DEBUG: ["-v"], logging.WARNING: ["-q"]}.get(
+            args.log_level, []) + ["train"] + (["--preset", args.preset] if args.preset else []) + (
             ["--config", args.config] if args.config else []) + (["--json"] if args.json else []) + args.overrides
         cmd = torchrun_command(args.nproc, argv)
         os.execv(cmd[0], cmd)
@@ -187,8 +204,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 128 + {"SIGTERM": 15, "SIGINT": 2}[r["interrupted"]]
     print(f"test top-1 {r['test_top1']:.2%}  top-5 {r['test_top5']:.2%}  loss {r['test_loss']:.4f}  "
           f"({r['step']} steps, {r['elapsed_s']:.0f} s, {r['train_images_per_s']:.0f} img/s)")
-    if r["skipped_images"]:
-        print(f"skipped {r['skipped_images']} unreadable image(s); see the warnings above")
+    if r["skipped_images"] or r["test_skipped"]:
+        print(f"skipped unreadable images: {r['skipped_images']} in training, {r['test_skipped']} in the final "
+              "evaluation; see the warnings above")
     print(f"run directory: {r['run_dir']}\ncheckpoint: {r['checkpoint']}")
     if "samples" in r:
         print(f"sample test images: {r['samples']}  (try: vitflow predict {r['run_dir']} {r['samples']})")
@@ -203,6 +221,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     r = evaluate_checkpoint(args.checkpoint, args.overrides, weights=args.weights)
     print(f"test top-1 {r['test_top1']:.2%}  top-5 {r['test_top5']:.2%}  loss {r['test_loss']:.4f}  "
           f"({r['test_images']} images, {r['weights']} weights, {r['checkpoint']})")
+    if r["test_skipped"]:
+        print(f"skipped {r['test_skipped']} unreadable image(s); see the warnings above")
     if args.json:
         print(json.dumps(r))
     return 0
@@ -389,8 +409,11 @@ COMMANDS = {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "atten
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    quiet = os.environ.get("RANK", "0") != "0"  # other ranks of a torchrun job: warnings only
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    level = logging.WARNING if os.environ.get("RANK", "0") != "0" else args.log_level  # other ranks: warnings only
+    logging.basicConfig(level=max(level, logging.INFO), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    vitflow_log, previous = logging.getLogger("vitflow"), logging.getLogger("vitflow").level
+    if level != logging.INFO:
+        vitflow_log.setLevel(level)  # -v: vitflow's debug lines, not every library's
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, ValueError, FileNotFoundError) as e:
@@ -408,3 +431,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        vitflow_log.setLevel(previous)

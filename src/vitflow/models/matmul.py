@@ -122,7 +122,7 @@ def _choose(key: tuple, layer: nn.Linear) -> str:
 
         best = fastest({"bf16": native, "fp32": fp32}, TIMED_CALLS)
     choice = "fp32" if best["fp32"] < best["bf16"] * (1 - TIE) else "bf16"
-    log.info("cpu_bf16_matmul=auto: %s GEMM for (%d x %d) @ (%d x %d)^T, %s (ms: bf16 %.2f, fp32 %.2f)", choice, rows,
+    log.debug("cpu_bf16_matmul=auto: %s GEMM for (%d x %d) @ (%d x %d)^T, %s (ms: bf16 %.2f, fp32 %.2f)", choice, rows,
              k, k, n, "fwd+bwd" if backward else "fwd", best["bf16"] * 1e3, best["fp32"] * 1e3)
     _CHOICES[key] = choice
     return choice

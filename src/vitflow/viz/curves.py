@@ -55,14 +55,19 @@ def _depth(cfg: Config) -> int:
     return int(MODELS[cfg.model.name]["depth"])
 
 
+def _visible(xs: Sequence[float], kw: dict) -> dict:
+    return {"marker": "o", **kw} if len(xs) == 1 else kw
+
+
 def line_plot(path: str | Path, title: str, series: Sequence[tuple[str, Sequence[float], Sequence[float], dict]],
               ylabel: str, logy: bool = False, right: Sequence[tuple[str, Sequence[float], Sequence[float], dict]] = (),
               right_label: str = "") -> Path:
     """One PNG of ``(label, xs, ys, matplotlib kwargs)`` series over optimizer steps, with an
-    optional second y axis (``right``)."""
+    optional second y axis (``right``). A series of a single point (one evaluation) is drawn as a
+    marker, since a line through one point is invisible."""
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for label, xs, ys, kw in series:
-        ax.plot(xs, ys, label=label, **kw)
+        ax.plot(xs, ys, label=label, **_visible(xs, kw))
     if logy:
         ax.set_yscale("log")
     ax.set(xlabel="step", ylabel=ylabel, title=title)
@@ -71,7 +76,7 @@ def line_plot(path: str | Path, title: str, series: Sequence[tuple[str, Sequence
     if right:
         ax2 = ax.twinx()
         for label, xs, ys, kw in right:
-            ax2.plot(xs, ys, label=label, **kw)
+            ax2.plot(xs, ys, label=label, **_visible(xs, kw))
         ax2.set_ylabel(right_label)
         h2, l2 = ax2.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
