@@ -29,7 +29,7 @@ def _add_verbosity(p: argparse.ArgumentParser, default) -> None:
     commands, so that they do not reset a value given before them)."""
     g = p.add_mutually_exclusive_group()
     g.add_argument("-v", "--verbose", dest="log_level", action="store_const", const=logging.DEBUG, default=default,
-                   help="also vitflow's debug lines (every auto-tuning measurement, loader decisions)")
+                   help="also vitflow's debug lines (e.g. each cpu_bf16_matmul=auto timing)")
     g.add_argument("-q", "--quiet", dest="log_level", action="store_const", const=logging.WARNING, default=default,
                    help="warnings and errors only (no info lines)")
 

@@ -52,12 +52,14 @@ def fused_supported(params) -> bool:
     """True when torch's fused (single-kernel, all parameters at once) AdamW / SGD step can run
     over ``params``: plain floating-point tensors (not DTensor shards) on one device type that
     has fused kernels (the CPU included since torch 2.4)."""
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
+    try:  # torch's own list (private): cpu, cuda, mps, xpu, ... in torch 2.4+
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices as supported_devices
+    except ImportError:
+        def supported_devices() -> list[str]:
+            return ["cuda"]
     params = list(params)
     return bool(params) and all(type(p) is torch.nn.Parameter and p.is_floating_point() for p in params) \
-        and len({p.device.type for p in params}) == 1 \
-        and params[0].device.type in _get_fused_kernels_supported_devices()
+        and len({p.device.type for p in params}) == 1 and params[0].device.type in supported_devices()
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
