@@ -189,12 +189,14 @@ class TrainLoader:
     Attributes:
         pipeline: the device-side step (crop/flip when batched, normalise, Mixup/CutMix).
         num_workers: loader processes used; ``batched``: which path was taken.
+        batches_per_epoch: batches of one epoch on this rank (batch ``index`` runs 0 .. this - 1).
     """
 
     def __init__(self, loader, pipeline: DevicePipeline, device: torch.device, prefetch: int, threaded: bool,
-                 num_workers: int, batched: bool):
+                 num_workers: int, batched: bool, batches_per_epoch: int):
         self.loader, self.pipeline, self.device, self.prefetch = loader, pipeline, device, prefetch
         self.threaded, self.num_workers, self.batched = threaded, num_workers, batched
+        self.batches_per_epoch = batches_per_epoch
         self._prefetcher: Prefetcher | None = None
 
     def __iter__(self):
@@ -237,17 +239,19 @@ def train_loader(source: ImageSource, cfg: DataConfig, image_size: int, batch_si
         kwargs = dict(prefetch_factor=cfg.prefetch, persistent_workers=True) if workers else {}
         loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers,
                                              generator=torch.Generator(), **kwargs)
+        per_epoch = dataset.batches_per_epoch
     else:
         sampler = EpochSampler(len(source), batch_size, shuffle=True, drop_last=True, seed=seed, start=start,
                                rank=rank, world_size=world_size)
         loader = make_loader(source, transform, sampler, workers, cfg.prefetch, aug_seed)
+        per_epoch = sampler.batches_per_epoch
     mix = None
     if cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0:
         mix = MixupCutmix(num_classes, cfg.mixup_alpha, cfg.cutmix_alpha, cfg.mix_prob, cfg.mix_switch_prob)
     pipeline = DevicePipeline(device, cfg.mean, cfg.std, aug_seed, (cfg.padding if augment == "pad_crop" else 0)
                               if batched else None, cfg.hflip, mix, host_threads=1 if workers else None)
     threaded = workers > 0 or batched  # never with 0 workers per-image: it seeds the global RNG per batch
-    return TrainLoader(loader, pipeline, device, cfg.prefetch, threaded, workers, batched)
+    return TrainLoader(loader, pipeline, device, cfg.prefetch, threaded, workers, batched, per_epoch)
 
 
 def eval_loader(source: ImageSource, pp: Preprocess, batch_size: int, num_workers: int | str = 0):

@@ -188,6 +188,7 @@ class Trainer:
         self.position = position
         self.skips = SkipReport()  # training epochs only
         self.eval_skips = SkipReport()  # the test split: each evaluation counts its own
+        self._epoch_done: int | None = None  # an epoch whose last batch was drawn, recorded after its step
         self._stall_hint_shown = False
         self.metrics = MetricsLog(self.run_dir, t.tensorboard, enabled=self.dist.is_main)
         self.last_eval: dict[str, Any] | None = None
@@ -248,13 +249,15 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
 
     def next_batch(self, it) -> dict:
-        """The next micro-batch with at least one readable image; records skips and position."""
+        """The next micro-batch with at least one readable image; records skips and position, and
+        notes an epoch's end when its last batch is drawn (its record is written after that step,
+        so a run that ends with an epoch has the record too)."""
         while True:
             batch = next(it)
-            if batch["epoch"] > self.position[0]:
-                self._end_epoch(self.position[0])
             self.skips.add(batch["epoch"], batch["bad"])
             self.position = (batch["epoch"], batch["index"] + 1)
+            if self.position[1] == self.loader.batches_per_epoch:
+                self._epoch_done = batch["epoch"]
             if len(batch["labels"]):
                 return batch
 
@@ -372,6 +375,9 @@ class Trainer:
             meter.data_wait += time.perf_counter() - t0
             step_cost = self._step_cost(self.step, self.total_steps)
             loss, grad_norm, stepped = self.train_step(batches)
+            if self._epoch_done is not None:
+                self._end_epoch(self._epoch_done)
+                self._epoch_done = None
             n = sum(len(b["labels"]) for b in batches)
             meter.steps, meter.images, meter.loss = meter.steps + 1, meter.images + n, meter.loss + loss
             images_seen += n
