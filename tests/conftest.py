@@ -4,6 +4,7 @@ of the project's shared real data."""
 from __future__ import annotations
 
 import io
+import os
 import tarfile
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# the project's real data: ../shared/data beside the checkout, or wherever VITFLOW_SHARED_DATA points
+SHARED_DATA = Path(os.environ.get("VITFLOW_SHARED_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
 CIFAR_TAR = SHARED_DATA / "cifar10-jpg.tar"
 IMAGENET_TAR = SHARED_DATA / "imagenet-sample-1000.tar"
 

@@ -96,10 +96,25 @@ def test_presets_and_models_listing(capsys):
 def test_verbosity_flags_set_vitflow_log_level_for_the_command(monkeypatch, argv, level):
     import vitflow.cli as cli
 
+    from vitflow.runtime import quiet
+
     seen = []
-    monkeypatch.setitem(cli.COMMANDS, "models", lambda args: seen.append(logging.getLogger("vitflow").level) or 0)
+    monkeypatch.setitem(cli.COMMANDS, "models",
+                        lambda args: seen.append((logging.getLogger("vitflow").level, quiet())) or 0)
     assert main(argv) == 0
-    assert seen == [level]  # default: vitflow's logger inherits the root (INFO), as before
+    assert seen == [(level, level == logging.WARNING)]  # default: inherits the root (INFO); -q: no progress bars
     assert logging.getLogger("vitflow").level == logging.NOTSET  # restored after the command
     with pytest.raises(SystemExit):
         main(["-q", "-v", "models"])  # one or the other
+
+
+def test_small_user_errors_name_what_is_wrong(tmp_path, capsys):
+    assert main(["models", "vit_nothing_*"]) == 2
+    assert "no model matches 'vit_nothing_*'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["predict", "run", "img.png", "--topk", "0"])
+    assert e.value.code == 2 and "--topk: must be >= 1 (got 0)" in capsys.readouterr().err
+    assert main(["prepare", str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: SRC {tmp_path / 'nope'} does not exist"
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope'} does not exist"

@@ -42,6 +42,16 @@ def test_digits_run_learns_and_writes_run_dir(digits_run):
     assert len(list((run / "samples").glob("*.png"))) == 10
 
 
+def test_resume_past_total_steps_is_refused_and_leaves_the_run_untouched(digits_run, tmp_path, capsys):
+    run, r, _ = digits_run
+    files = {p: p.read_bytes() for p in [run / "config.yaml", run / "eval.json", Path(r["checkpoint"])]}
+    assert main(["train", f"train.resume={r['checkpoint']}", "train.total_steps=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: train.resume: {r['checkpoint']} is at step 400, past train.total_steps=2; "
+                   "raise train.total_steps to train on (vitflow eval evaluates it)")
+    assert all(p.read_bytes() == data for p, data in files.items())
+
+
 @pytest.mark.parametrize("max_in_memory", [0, 1000], ids=["files", "ram_cache"])
 def test_unreadable_images_counted_per_split_and_same_in_eval_json_and_vitflow_eval(tmp_path, caplog, capsys,
                                                                                   max_in_memory):

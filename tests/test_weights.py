@@ -175,3 +175,27 @@ def test_pretrained_into_relative_and_linformer_models(tmp_path):
     assert big.blocks[0].attn.rel_pos.relative_position_bias_table.shape == (23 * 23 + 3, 3)
     with pytest.raises(ValueError, match="missing"):
         load_pretrained(vitflow.create_model("vit_cifar_patch4_32", num_classes=10, layer_scale_init=0.1), path)
+
+
+class _Pickled:  # a class, so torch.save pickles an object weights_only loading refuses
+    pass
+
+
+def test_unreadable_weights_files_give_one_short_line(tmp_path):
+    """Not a weights file, an ONNX model, a pickle with objects, a truncated zip: one line each,
+    naming the file and why, never torch's advice to load with weights_only=False."""
+    (tmp_path / "notes.pt").write_text("hello\n")
+    (tmp_path / "m.onnx").write_bytes(b"\x08\x07")
+    torch.save({"a": _Pickled()}, tmp_path / "objects.pt")
+    torch.save({"w": torch.zeros(2)}, tmp_path / "ok.pt")
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "ok.pt").read_bytes()[:60])
+    expected = {"notes.pt": r"not a PyTorch file \(it starts with b'hello\\n'\)", "m.onnx": "is an ONNX model, not weights",
+                "objects.pt": r"holding pickled objects other than tensors \(refused.*Unsupported global",
+                "cut.pt": "failed reading zip archive"}
+    for name, pattern in expected.items():
+        with pytest.raises(ValueError, match=pattern) as err:
+            read_state_dict(tmp_path / name)
+        msg = str(err.value)
+        assert name in msg and "\n" not in msg and "weights_only=False" not in msg
+        assert len(msg.replace(str(tmp_path), "")) < 260, msg
+    assert torch.equal(read_state_dict(tmp_path / "ok.pt")["w"], torch.zeros(2))

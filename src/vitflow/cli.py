@@ -24,14 +24,25 @@ def _add_weights_arg(p: argparse.ArgumentParser) -> None:
                    help="auto: the EMA weights when the checkpoint has them (default), else the trained ones")
 
 
+def _positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
+    return value
+
+
 def _add_verbosity(p: argparse.ArgumentParser, default) -> None:
     """``-v`` / ``-q``, accepted before and after the command (``default`` is SUPPRESS on the
     commands, so that they do not reset a value given before them)."""
     g = p.add_mutually_exclusive_group()
     g.add_argument("-v", "--verbose", dest="log_level", action="store_const", const=logging.DEBUG, default=default,
-                   help="also vitflow's debug lines (e.g. each cpu_bf16_matmul=auto timing)")
+                   help="also vitflow's debug lines (each cpu_bf16_matmul=auto timing, the num_workers=auto probe)")
     g.add_argument("-q", "--quiet", dest="log_level", action="store_const", const=logging.WARNING, default=default,
-                   help="warnings and errors only (no info lines)")
+                   help="warnings and errors only (no info lines, no progress bars)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,8 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("predict", help="classify images, folders or tars")
     p.add_argument("checkpoint", help="checkpoint file, run directory, or an exported .onnx model")
     p.add_argument("inputs", nargs="+", metavar="IMAGE_OR_DIR", help="image files, folders or .tar archives")
-    p.add_argument("--topk", type=int, default=5, help="classes to show per image (default 5)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--topk", type=_positive, default=5, help="classes to show per image (default 5)")
+    p.add_argument("--batch-size", type=_positive, default=32)
     p.add_argument("--workers", type=int, default=2, help="image decoding threads (default 2)")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="bf16/fp16: run a PyTorch model with its weights cast to that dtype (fp16 needs CUDA)")
@@ -394,7 +405,11 @@ def cmd_presets(args: argparse.Namespace) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
     from vitflow.models import MODELS, list_models
 
-    for name in list_models(args.pattern):
+    names = list_models(args.pattern)
+    if not names:
+        print(f"error: no model matches {args.pattern!r} (`vitflow models` lists them all)", file=sys.stderr)
+        return 2
+    for name in names:
         m = MODELS[name]
         print(f"{name:26s} img {m['img_size']:>3}  patch {m['patch_size']:>2}  dim {m['embed_dim']:>4}  "
               f"depth {m['depth']:>2}  heads {m['num_heads']:>2}  mlp {m.get('mlp_ratio', 4.0):g}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import logging
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
 
@@ -29,3 +30,9 @@ def configure_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = (1 
     if mallopt is None:
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+
+
+def quiet() -> bool:
+    """True when vitflow's logger was set to WARNING or above (``vitflow -q``): progress bars are
+    hidden then too. Library use (the logger's level unset) keeps them."""
+    return logging.getLogger("vitflow").level >= logging.WARNING

@@ -32,9 +32,11 @@ from typing import Iterator
 import numpy as np
 import torch
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from vitflow.data.decode import CorruptImageError, decode_image
 from vitflow.data.sources import DataError, ImageSource, TensorSource
+from vitflow.runtime import quiet
 
 log = logging.getLogger(__name__)
 
@@ -207,12 +209,13 @@ def encode_images(source: ImageSource, kind: str, max_side: int | None, quality:
     processes and a progress bar; yields ``(index, payload or None, why the image is unreadable
     or None)`` in index order."""
     jobs = [(i, kind, max_side, quality) for i in range(len(source))]
-    bar = dict(total=len(jobs), desc=desc, unit="img", mininterval=1.0)
-    if workers <= 1:
-        yield from tqdm((_encode_one(source, *j) for j in jobs), **bar)
-        return
-    with mp.get_context("fork").Pool(workers, _init_worker, (source,)) as pool:
-        yield from tqdm(pool.imap(_work, jobs, chunksize=64), **bar)
+    bar = dict(total=len(jobs), desc=desc, unit="img", mininterval=1.0, disable=quiet())
+    with logging_redirect_tqdm():  # warnings about bad images print above the bar, not into it
+        if workers <= 1:
+            yield from tqdm((_encode_one(source, *j) for j in jobs), **bar)
+            return
+        with mp.get_context("fork").Pool(workers, _init_worker, (source,)) as pool:
+            yield from tqdm(pool.imap(_work, jobs, chunksize=64), **bar)
 
 
 def write_split(source: ImageSource, folder: Path, kind: str, max_side: int | None, quality: int,
@@ -260,11 +263,11 @@ def _splits_of(src: Path) -> dict[str, ImageSource]:
     if is_cifar_batches(src):
         return {s: cifar_batches_source(src, s) for s in ("train", "test")}
     found: dict[str, ImageSource] = {}
-    train = open_split(src, "train")
+    train = open_split(src, "train", label="SRC")
     found["train"] = train
     for name in SPLIT_NAMES[1:]:
         try:
-            found[name] = open_split(src, name, classes=train.classes)
+            found[name] = open_split(src, name, classes=train.classes, label="SRC")
         except DataError as e:
             if "not found" not in str(e):
                 raise

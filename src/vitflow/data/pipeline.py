@@ -179,7 +179,10 @@ def choose_workers(cfg: DataConfig, source: ImageSource, transform, batched: boo
             except CorruptImageError:
                 pass
     per_image = (time.perf_counter() - t0) / max(n, 1)
-    return 0 if per_image < 2e-4 else min(os.cpu_count() or 1, 8)
+    workers = 0 if per_image < 2e-4 else min(os.cpu_count() or 1, 8)
+    log.debug("data.num_workers=auto: %d (probe: %.3f ms per image over %d images; workers from 0.2 ms)",
+              workers, per_image * 1e3, n)
+    return workers
 
 
 class TrainLoader:

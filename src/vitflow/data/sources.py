@@ -350,7 +350,7 @@ def open_images(path: str | Path) -> FileSource:
 
 
 def open_split(path: str | Path | None, split: str | Split, source: str = "auto",
-               classes: list[str] | None = None) -> ImageSource:
+               classes: list[str] | None = None, label: str = "data.path") -> ImageSource:
     """Open one split of a dataset.
 
     Args:
@@ -361,6 +361,7 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
             ``digits``.
         classes: the class list to label with (from the train split or a checkpoint); ``None``
             uses this split's sorted class folders.
+        label: what errors call ``path`` (``data.path``; ``vitflow prepare`` says ``SRC``).
     Returns:
         An :class:`ImageSource` with the selected images, sorted by path before slicing.
     Raises:
@@ -378,7 +379,7 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
         raise DataError("data.path is not set: give an image folder or a .tar of one")
     p = Path(path).expanduser()
     if not p.exists():
-        raise DataError(f"data.path {p} does not exist")
+        raise DataError(f"{label} {p} does not exist")
     from vitflow.data.packed import cifar_batches_source, is_cifar_batches, is_packed, open_packed
 
     if source in ("auto", "packed") and is_packed(p):
@@ -388,12 +389,12 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
         src = _relabel(cifar_batches_source(p, sp.name), classes)
         return src.subset(sp.select(len(src)))
     if source in ("packed", "cifar"):
-        raise DataError(f"data.path {p} is not a {'vitflow packed dataset' if source == 'packed' else 'CIFAR batches folder'}")
+        raise DataError(f"{label} {p} is not a {'vitflow packed dataset' if source == 'packed' else 'CIFAR batches folder'}")
     kind = source if source != "auto" else ("folder" if p.is_dir() else "tar")
     if kind == "folder" and not p.is_dir():
-        raise DataError(f"data.path {p} is not a directory (data.source=folder)")
+        raise DataError(f"{label} {p} is not a directory (data.source=folder)")
     if kind == "tar" and (p.is_dir() or not tarfile.is_tarfile(p)):
-        raise DataError(f"data.path {p} is not a tar archive; give an image folder or a .tar of one")
+        raise DataError(f"{label} {p} is not a tar archive; give an image folder or a .tar of one")
     reader: FolderReader | TarReader = FolderReader(p) if kind == "folder" else TarReader(p)
     files, dirs = reader.list()
     prefix = _split_prefix(files, dirs, sp.name, str(p))

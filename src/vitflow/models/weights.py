@@ -23,6 +23,29 @@ log = logging.getLogger(__name__)
 _WRAPPER_KEYS = ("model", "state_dict", "model_state", "module")
 
 
+def load_error_reason(e: BaseException, path: str | Path | None = None) -> str:
+    """One short line saying why ``torch.load(..., weights_only=True)`` (or safetensors) refused a
+    file, instead of torch's multi-line advice (which suggests ``weights_only=False``: never for
+    an untrusted file). With the ``path`` of a ``torch.load`` file, a file that is neither a zip
+    (torch >= 1.6) nor a pickle is named as such."""
+    if path is not None:
+        with open(path, "rb") as f:
+            head = f.read(8)
+        if not head.startswith((b"PK\x03\x04", b"\x80")):
+            return f"not a PyTorch file (it starts with {head!r})"
+    msg = str(e).strip()
+    if "Weights only load failed" in msg:
+        detail = msg.split("WeightsUnpickler error:", 1)[-1] if "WeightsUnpickler error:" in msg else ""
+        return ("not a PyTorch weights file, or one holding pickled objects other than tensors (refused: loading "
+                f"them could run code){f'; {_first_sentence(detail)}' if detail else ''}")
+    return _first_sentence(msg) if msg else type(e).__name__
+
+
+def _first_sentence(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line.split(". ")[0].rstrip(".") if len(line) > 120 else line
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """Load a flat ``{name: tensor}`` dict in timm's ViT layout from a weights file or a vitflow
     checkpoint.
@@ -37,6 +60,8 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"weights file not found: {path}")
+    if path.suffix.lower() == ".onnx":
+        raise ValueError(f"{path} is an ONNX model, not weights (.safetensors, .pth, .bin, .npz or a vitflow .pt)")
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -47,7 +72,8 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         else:
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt, truncated, or carrying pickled code
-        raise ValueError(f"cannot read weights from {path}: {e}") from e
+        torch_file = path.suffix not in (".safetensors", ".npz")
+        raise ValueError(f"cannot read weights from {path}: {load_error_reason(e, path if torch_file else None)}") from e
     if path.suffix == ".npz":
         try:
             return convert_jax_npz(arrays)

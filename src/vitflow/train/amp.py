@@ -85,7 +85,7 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
         else:
             name = "bf16" if device.type == "cpu" and cpu_bf16_supported() else "fp32"
     if name == "fp16" and device.type != "cuda":
-        raise ValueError(f"precision fp16 needs a CUDA device (this run is on {device.type}); use bf16 or fp32")
+        raise ValueError(f"train.precision=fp16 needs a CUDA device (this run is on {device.type}); use bf16 or fp32")
     dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
     scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
     return Precision(name, device.type, dtype, scaler)

@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vitflow.models.weights import load_error_reason
+
 FORMAT = "vitflow-checkpoint"
 VERSION = 1
 _NAME = re.compile(r"^step-(\d{8})\.pt$")
@@ -78,8 +80,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             warnings.filterwarnings("ignore", message=".*quantized tensor creation functions")
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"cannot read checkpoint {path} (truncated, corrupt or not a PyTorch file?): {first}") from e
+        raise ValueError(f"cannot read checkpoint {path} (truncated, corrupt or not a PyTorch file?): "
+                         f"{load_error_reason(e, path)}") from e
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not a vitflow checkpoint (for plain weights use create_model(pretrained=...))")
     state["path"] = str(path)

@@ -30,7 +30,7 @@ from vitflow.data.augment import progressive_resolution
 from vitflow.data.loader import mix_seed
 from vitflow.data.sources import FileSource, export_samples
 from vitflow.models import MODELS, create_model
-from vitflow.runtime import configure_allocator
+from vitflow.runtime import configure_allocator, quiet
 from vitflow.train import checkpoint as ckpt
 from vitflow.train.amp import resolve_device, resolve_precision
 from vitflow.train.distill import build_criterion
@@ -65,9 +65,14 @@ def find_resume(cfg: Config) -> Path | None:
             raise FileNotFoundError(f"train.resume={r}: no checkpoint there")
         return found
     if cfg.train.run_dir:
-        return ckpt.latest_checkpoint(cfg.train.run_dir)
-    runs = [c for d in Path("runs").glob(f"{cfg.preset}-*") if (c := ckpt.latest_checkpoint(d))]
-    return max(runs, key=lambda c: c.stat().st_mtime) if runs else None
+        found = ckpt.latest_checkpoint(cfg.train.run_dir)
+    else:
+        runs = [c for d in Path("runs").glob(f"{cfg.preset}-*") if (c := ckpt.latest_checkpoint(d))]
+        found = max(runs, key=lambda c: c.stat().st_mtime) if runs else None
+    if found is None:
+        log.info("train.resume=auto: no checkpoint in %s; starting a new run",
+                 cfg.train.run_dir or f"runs/{cfg.preset}-*")
+    return found
 
 
 def model_args(cfg: Config, num_classes: int) -> dict[str, Any]:
@@ -148,6 +153,9 @@ class Trainer:
         self.precision = resolve_precision(t.precision, self.device)
         resume = self.dist.broadcast(find_resume(cfg) if self.dist.is_main else None)
         self.state = ckpt.load_checkpoint(resume) if resume else None
+        if self.state and int(self.state["step"]) > t.total_steps and not t.time_budget:  # would rewrite a longer run
+            raise ValueError(f"train.resume: {resume} is at step {self.state['step']}, past train.total_steps="
+                             f"{t.total_steps}; raise train.total_steps to train on (vitflow eval evaluates it)")
         if self.state and self.dist.is_main:
             _warn_config_changes(self.state.get("config") or {}, cfg, resume)
         self.run_dir = Path(self.dist.broadcast(str(self._run_dir(resume)) if self.dist.is_main else None))
@@ -366,7 +374,7 @@ class Trainer:
         rank, seconds since the first step completed)."""
         t = self.cfg.train
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                   mininterval=1.0, disable=not self.dist.is_main)
+                   mininterval=1.0, disable=not self.dist.is_main or quiet())
         it, meter, images_seen, first_step_at, cost = iter(self.loader), Meter(), 0, None, 0.0
         self.net.train()
         while self.step < self.total_steps:

@@ -172,7 +172,8 @@ def write_report(run_dir: str | Path, output: str | Path | None = None) -> Path:
     """
     run = Path(run_dir)
     if not (run / "metrics.jsonl").is_file():
-        raise FileNotFoundError(f"{run} is not a run directory: no metrics.jsonl")
+        raise FileNotFoundError(f"{run} does not exist" if not run.exists() else
+                                f"{run} is not a run directory: no metrics.jsonl")
     records = read_metrics(run / "metrics.jsonl")
     html_path = Path(output) if output else run / "report.html"
     pngs = write_curves(records, html_path.parent / "report")
