@@ -23,6 +23,28 @@ def test_eval_matches_training_result(digits_run, capsys):
     assert e["test_top1"] == pytest.approx(r["test_top1"]) and e["test_images"] == 359  # 1797 - round(0.8 * 1797)
 
 
+def test_eval_applies_kernel_overrides(digits_run, capsys, monkeypatch):
+    """model.attention / model.cpu_bf16_matmul on `vitflow eval` choose the kernels (fixed kernels
+    make bf16 repeats bit-identical); the weights and the result stay the checkpoint's."""
+    from vitflow.models.vit import VisionTransformer
+
+    run, r, _ = digits_run
+    calls = []
+    for name in ("set_attention_backend", "set_cpu_bf16_matmul"):
+        original = getattr(VisionTransformer, name)
+        monkeypatch.setattr(VisionTransformer, name,
+                            lambda self, mode, _f=original, _n=name: calls.append((_n, mode)) or _f(self, mode))
+    results = []
+    for _ in range(2):
+        assert main(["eval", str(run), "train.precision=bf16", "model.attention=sdpa", "model.cpu_bf16_matmul=fp32",
+                     "--json"]) == 0  # the digits preset trains with math attention in fp32
+        results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    overrides = [c for c in calls if c != ("set_cpu_bf16_matmul", "auto")]  # the constructor sets auto
+    assert overrides == [("set_attention_backend", "sdpa"), ("set_cpu_bf16_matmul", "fp32")] * 2
+    assert results[0] == results[1] and results[0]["test_top1"] == pytest.approx(r["test_top1"], abs=0.01)
+    assert main(["eval", str(run), "model.attention=bogus"]) == 2
+
+
 def test_predict_sample_images(digits_run, capsys):
     run, r, _ = digits_run
     samples = sorted(Path(r["samples"]).glob("*.png"))

@@ -75,6 +75,16 @@ def scalar_metrics(result: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in result.items() if k not in ("confusion", "per_class_top1")}
 
 
+def _apply_kernel_overrides(model: torch.nn.Module, saved: dict, wanted) -> None:
+    """Apply ``model.attention`` / ``model.cpu_bf16_matmul`` when they differ from the checkpoint's:
+    they choose kernels, not weights (e.g. fixed kernels for bit-identical repeats under bf16).
+    Raises ValueError for a backend the model cannot use."""
+    if wanted.attention != saved.get("attention", wanted.attention) and hasattr(model, "set_attention_backend"):
+        model.set_attention_backend(wanted.attention)
+    if wanted.cpu_bf16_matmul != saved.get("cpu_bf16_matmul", "auto") and hasattr(model, "set_cpu_bf16_matmul"):
+        model.set_cpu_bf16_matmul(wanted.cpu_bf16_matmul)
+
+
 def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: str = "auto") -> dict:
     """Evaluate a checkpoint on its config's ``data.test_split`` (after ``key=value`` overrides,
     e.g. ``data.path=...`` or ``data.test_split=...``), labelling with the checkpoint's classes.
@@ -106,6 +116,7 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
     test = open_split(cfg.data.path, cfg.data.test_split, cfg.data.source, classes=list(state["classes"]))
     loader = eval_loader(test, pp, cfg.data.eval_batch_size or 256, cfg.data.num_workers)
     model = model_from_checkpoint(state, weights).to(dev)
+    _apply_kernel_overrides(model, state["config"].get("model", {}), cfg.model)
     result = evaluate(model, loader, dev, precision, pp)
     used = "ema" if state.get("ema") and weights != "raw" else "raw"
     return {**{f"test_{k}": v for k, v in scalar_metrics(result).items()},
