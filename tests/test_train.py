@@ -36,8 +36,11 @@ def test_digits_run_learns_and_writes_run_dir(digits_run):
     trains = [x for x in recs if x["kind"] == "train"]
     assert len(trains) == 16 and trains[0]["loss"] > trains[-1]["loss"] + 0.5
     assert all(0 <= x["data_stall"] <= 1 and x["images_per_s"] > 0 for x in trains)
-    # 1438 training images give 11 full batches of 128 an epoch: steps 0..399 complete epochs 0..35
-    assert [x["epoch"] for x in recs if x["kind"] == "epoch"] == list(range(36))
+    # 1438 training images give 11 full batches of 128 an epoch: 400 steps = epochs 0..35 and 4 batches of 36
+    epochs = [x for x in recs if x["kind"] == "epoch"]
+    assert [x["epoch"] for x in epochs] == list(range(37)) and [x.get("partial") for x in epochs[-2:]] == [None, True]
+    assert epochs[-1]["step"] == 400 and epochs[-1]["batches"] == 4
+    assert sum(x["skipped_images"] for x in epochs) == r["skipped_images"] == 0
     assert (run / "config.yaml").read_text().count("vit_digits_patch2_8") == 1
     assert len(list((run / "samples").glob("*.png"))) == 10
 

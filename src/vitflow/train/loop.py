@@ -269,9 +269,12 @@ class Trainer:
             if len(batch["labels"]):
                 return batch
 
-    def _end_epoch(self, epoch: int) -> None:
+    def _end_epoch(self, epoch: int, partial: bool = False) -> None:
+        """Write epoch ``epoch``'s metrics record (``partial``: the run stopped inside it, after
+        ``batches`` of its batches)."""
         skipped = self.skips.per_epoch.get(epoch, 0)
-        self.metrics.write("epoch", epoch=epoch, step=self.step, skipped_images=skipped)
+        extra = {"partial": True, "batches": self.position[1]} if partial else {}
+        self.metrics.write("epoch", epoch=epoch, step=self.step, skipped_images=skipped, **extra)
         if skipped:
             log.warning("epoch %d: skipped %d unreadable image(s)", epoch, skipped)
 
@@ -338,6 +341,8 @@ class Trainer:
                     images_seen, train_time = self._loop(budget, started)
                 finally:
                     self.loader.close()
+            if 0 < self.position[1] < self.loader.batches_per_epoch:  # stopped inside an epoch: record
+                self._end_epoch(self.position[0], partial=True)  # its part, so the records sum to the total
             if self.stop.signum:
                 return self._interrupted(started)
             result = self.run_eval()
