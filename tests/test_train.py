@@ -45,6 +45,16 @@ def test_digits_run_learns_and_writes_run_dir(digits_run):
     assert len(list((run / "samples").glob("*.png"))) == 10
 
 
+def test_every_epoch_gets_its_record_when_one_step_spans_several(tmp_path):
+    """1,438 digits training images, micro-batches of 1,024: one batch an epoch, and each step's two
+    micro-batches end two epochs. Every epoch gets its record after the step that ended it."""
+    run = tmp_path / "run"
+    Trainer(tiny(run, "train.batch_size=2048", "train.accum_steps=2", "train.total_steps=2",
+                 "optim.warmup_steps=0")).fit()
+    epochs = [(x["epoch"], x["step"]) for x in read_metrics(run / "metrics.jsonl") if x["kind"] == "epoch"]
+    assert epochs == [(0, 1), (1, 1), (2, 2), (3, 2)]
+
+
 def test_resume_past_total_steps_is_refused_and_leaves_the_run_untouched(digits_run, tmp_path, capsys):
     run, r, _ = digits_run
     files = {p: p.read_bytes() for p in [run / "config.yaml", run / "eval.json", Path(r["checkpoint"])]}

@@ -196,7 +196,7 @@ class Trainer:
         self.position = position
         self.skips = SkipReport()  # training epochs only
         self.eval_skips = SkipReport()  # the test split: each evaluation counts its own
-        self._epoch_done: int | None = None  # an epoch whose last batch was drawn, recorded after its step
+        self._epochs_done: list[int] = []  # epochs whose last batch was drawn, recorded after their step
         self._stall_hint_shown = False
         self.metrics = MetricsLog(self.run_dir, t.tensorboard, enabled=self.dist.is_main)
         self.last_eval: dict[str, Any] | None = None
@@ -265,7 +265,7 @@ class Trainer:
             self.skips.add(batch["epoch"], batch["bad"])
             self.position = (batch["epoch"], batch["index"] + 1)
             if self.position[1] == self.loader.batches_per_epoch:
-                self._epoch_done = batch["epoch"]
+                self._epochs_done.append(batch["epoch"])  # one step's micro-batches may end several
             if len(batch["labels"]):
                 return batch
 
@@ -388,9 +388,9 @@ class Trainer:
             meter.data_wait += time.perf_counter() - t0
             step_cost = self._step_cost(self.step, self.total_steps)
             loss, grad_norm, stepped = self.train_step(batches)
-            if self._epoch_done is not None:
-                self._end_epoch(self._epoch_done)
-                self._epoch_done = None
+            for epoch in self._epochs_done:
+                self._end_epoch(epoch)
+            self._epochs_done.clear()
             n = sum(len(b["labels"]) for b in batches)
             meter.steps, meter.images, meter.loss = meter.steps + 1, meter.images + n, meter.loss + loss
             images_seen += n
