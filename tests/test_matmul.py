@@ -122,3 +122,88 @@ def test_auto_inside_gradient_checkpointing_trains_and_times_every_attention_can
     picks = [r.getMessage() for r in caplog.records if "attention=auto" in r.getMessage()]
     assert len(picks) == 1 and "block stack" in picks[0] and "inf" not in picks[0], picks
     assert any("cpu_bf16_matmul=auto" in r.getMessage() for r in caplog.records)
+
+
+class _AtenOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the aten ops that run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket).split(".")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+def _residual_operands(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    layer = torch.nn.Linear(6, 8)
+    with torch.no_grad():
+        layer.bias.normal_(generator=g)  # nn.Linear's default bias is random too; make it explicit
+    residual = torch.randn(2, 5, 8, generator=g, requires_grad=True)
+    x = torch.randn(2, 5, 6, generator=g, requires_grad=True)
+    return layer, residual, x
+
+
+def test_linear_residual_accumulates_in_the_gemm_and_matches_the_plain_sum():
+    layer, residual, x = _residual_operands()
+    with _AtenOps() as rec:
+        out = matmul.linear_residual(residual, layer, x)
+    assert "addmm_" in rec.ops and "addmm" not in rec.ops  # the GEMM writes onto residual + bias
+    ref = residual + layer(x)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (residual, x, layer.weight, layer.bias), grad)
+    want = torch.autograd.grad(ref, (residual, x, layer.weight, layer.bias), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_linear_residual_falls_back_where_the_fusion_would_change_behaviour():
+    layer, residual, x = _residual_operands()
+    calls = []
+    handle = layer.register_forward_pre_hook(lambda mod, args: calls.append(1))
+    torch.testing.assert_close(matmul.linear_residual(residual, layer, x), residual + layer(x))
+    assert len(calls) == 2  # the hook ran for the fused call too (it took the plain path)
+    handle.remove()
+    with _autocast(), _AtenOps() as rec:
+        out = matmul.linear_residual(residual, layer, x, "bf16")
+        assert "addmm_" not in rec.ops and out.dtype == torch.float32  # bf16 projection + fp32 residual
+        torch.testing.assert_close(out, residual + layer(x))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_vit_blocks_with_the_residual_in_the_gemm_match_the_unfused_blocks(monkeypatch, train):
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=16, patch_size=4, embed_dim=24, depth=2, num_heads=2, num_classes=5,
+                              drop_path_rate=0.2 if not train else 0.0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)
+    model.train(train)
+    x = torch.randn(3, 3, 16, 16)
+
+    def run():
+        model.zero_grad()
+        with _AtenOps() as rec:
+            out = model(x)
+        out.square().sum().backward()
+        return out, [p.grad.clone() for p in model.parameters()], rec.ops.count("addmm_")
+
+    fused, fused_grads, n_fused = run()
+    monkeypatch.setattr(type(model.blocks[0]), "_plain", staticmethod(lambda *args: False))
+    plain, plain_grads, n_plain = run()
+    assert (n_fused, n_plain) == (4, 0)  # proj and fc2 of both blocks; drop path is inactive in eval
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    for a, b in zip(fused_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_active_stochastic_depth_keeps_the_unfused_residual():
+    model = VisionTransformer(img_size=16, patch_size=4, embed_dim=24, depth=2, num_heads=2, num_classes=5,
+                              drop_path_rate=0.5).train()
+    with _AtenOps() as rec:
+        model(torch.randn(3, 3, 16, 16))
+    assert rec.ops.count("addmm_") == 2  # block 0 (drop-path rate 0: rates rise linearly from 0) fuses both; block 1 none

@@ -113,7 +113,7 @@ def _choose(key: tuple, layer: nn.Linear) -> str:
             x16, w16 = x.to(bf16), w.to(bf16)
             F.linear(x16, w16, None if b is None else b.to(bf16))
             if backward:
-                _ = (g @ w16).to(dtype), (g.t() @ x16).to(w.dtype), g.sum(0)
+                _ = (g @ w16).to(dtype), (g.t() @ x16).to(w.dtype), g.sum(0) if has_bias else None
 
         def fp32() -> None:
             _, x16, w16 = _fp32_forward(x, w, b)
@@ -139,6 +139,29 @@ def linear(layer: nn.Module, x: torch.Tensor, mode: str = "auto") -> torch.Tenso
                backward)
         mode = _CHOICES.get(key) or _choose(key, layer)
     return linear_fp32_gemm(x, layer.weight, layer.bias) if mode == "fp32" else layer(x)
+
+
+def linear_residual(residual: torch.Tensor, layer: nn.Module, x: torch.Tensor, mode: str = "auto") -> torch.Tensor:
+    """``residual + layer(x)``, for a plain ``nn.Linear`` with bias outside autocast, with the
+    residual add inside the GEMM: ``(residual + bias).addmm_(x, W^T)`` (BLAS ``C = A B + C``).
+
+    The unfused form writes the bias into a new output (``addmm``'s broadcast copy), runs the
+    GEMM into it and adds the residual in a third tensor; this one makes one pass for
+    ``residual + bias`` and lets the GEMM accumulate onto it — two fewer passes over the
+    ``(tokens, out_features)`` activation and one allocation fewer. Autograd is unaffected (the
+    in-place GEMM writes a temporary that nothing saved). Anywhere else (autocast, no bias,
+    another module type or one with forward hooks, compile / export tracing, mixed dtypes) it is
+    ``residual + linear(layer, x, mode)``. ``residual (..., out)``, ``x (..., in)`` with the same leading shape -> ``(..., out)``.
+    """
+    w, b = getattr(layer, "weight", None), getattr(layer, "bias", None)
+    if (type(layer) is not nn.Linear or b is None or tracing() or torch.is_autocast_enabled(x.device.type)
+            or not residual.dtype == x.dtype == w.dtype == b.dtype or residual.shape[:-1] != x.shape[:-1]
+            or type(w) is not nn.Parameter or type(residual) is not torch.Tensor
+            or layer._forward_hooks or layer._forward_pre_hooks):
+        return residual + linear(layer, x, mode)
+    out = torch.add(residual.reshape(-1, residual.shape[-1]), b)
+    out.addmm_(x.reshape(-1, x.shape[-1]), w.t())
+    return out.view(residual.shape)
 
 
 def clear_choices() -> None:

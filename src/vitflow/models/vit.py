@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from vitflow.models.attention import AttentionContext, AutoKernel, attention_probs, make_kernel, split_heads
 from vitflow.models.attention import auto
 from vitflow.models.checkpointing import CheckpointPlan, saved_activation_bytes
-from vitflow.models.matmul import check_mode, linear
+from vitflow.models.matmul import check_mode, linear, linear_residual
 from vitflow.models.timing import tracing
 from vitflow.models.position import POS_EMBEDS, RelativePositionBias, resample_pos_embed, sincos_2d
 
@@ -99,9 +99,12 @@ class Attention(nn.Module):
         bias = self.rel_pos(grid) if self.rel_pos is not None else None
         return AttentionContext(grid, self.num_prefix_tokens, bias, self.attn_drop if self.training else 0.0)
 
-    def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
-        qkv = linear(self.qkv, x, self.matmul)
-        return self.proj_drop(linear(self.proj, self.kernel(qkv, self.num_heads, self.context(grid)), self.matmul))
+    def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``(B, N, D) -> (B, N, D)``; with ``residual`` (``(B, N, D)``) ``residual + attn(x)``, the
+        add done by the output projection's GEMM where possible (:func:`linear_residual`)."""
+        h = self.kernel(linear(self.qkv, x, self.matmul), self.num_heads, self.context(grid))
+        return _project(self.proj, h, self.proj_drop, residual, self.matmul)
 
     def probs(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
         """Attention probabilities ``(B, H, N, N)`` float32 computed explicitly (the math path,
@@ -131,10 +134,21 @@ class Mlp(nn.Module):
         self.drop2 = nn.Dropout(drop)
         self.matmul = "auto"  # bf16 CPU GEMM choice (vitflow.models.matmul)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``(B, N, D) -> (B, N, D)``; with ``residual``, ``residual + mlp(x)`` (as in :class:`Attention`)."""
         h = linear(self.fc1, x, self.matmul)
         h = torch.ops.aten.gelu_(h) if not torch.is_grad_enabled() else self.act(h)
-        return self.drop2(linear(self.fc2, self.drop1(h), self.matmul))
+        return _project(self.fc2, self.drop1(h), self.drop2, residual, self.matmul)
+
+
+def _project(layer: nn.Linear, h: torch.Tensor, drop: nn.Dropout, residual: torch.Tensor | None,
+             mode: str) -> torch.Tensor:
+    """``drop(layer(h))``, plus ``residual`` if given: fused into the GEMM when the dropout is inactive."""
+    if residual is None:
+        return drop(linear(layer, h, mode))
+    if drop.training and drop.p > 0:
+        return residual + drop(linear(layer, h, mode))
+    return linear_residual(residual, layer, h, mode)
 
 
 class DropPath(nn.Module):
@@ -209,8 +223,20 @@ class Block(nn.Module):
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), grid)))
+        if self._plain(self.attn, Attention, self.ls1, self.drop_path1):  # the add goes into proj's GEMM
+            x = self.attn(self.norm1(x), grid, residual=x)
+        else:
+            x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), grid)))
+        if self._plain(self.mlp, Mlp, self.ls2, self.drop_path2):
+            return self.mlp(self.norm2(x), residual=x)
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+    @staticmethod
+    def _plain(branch: nn.Module, kind: type, layer_scale: nn.Module, drop_path: nn.Module) -> bool:
+        """The branch is vitflow's own module (export swaps in others) and adds its output unscaled:
+        no LayerScale, stochastic depth off or inactive."""
+        return (isinstance(branch, kind) and isinstance(layer_scale, nn.Identity)
+                and (isinstance(drop_path, nn.Identity) or not drop_path.training))
 
 
 class VisionTransformer(nn.Module):
