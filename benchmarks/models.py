@@ -1,6 +1,6 @@
 """ViT training and inference throughput: vitflow vs timm vs vit-pytorch, side by side.
 
-    python benchmarks/models.py [--json] [--quick] [--models cifar,tiny,small] [--repeats 3]
+    python benchmarks/models.py [--json] [--quick] [--models cifar,tiny,small] [--repeats 5]
 
 For vit_tiny_patch16_224 and vit_small_patch16_224 (batch 32) and the 32x32 CIFAR variant
 vit_cifar_patch4_32 (dim 192, depth 9, 3 heads, MLP ratio 2, patch 4; batch 64), in fp32 and
@@ -12,10 +12,12 @@ bf16 autocast, it measures images/s of
   a per-tensor loop on the CPU);
 - inference: ``model.eval()`` under ``torch.inference_mode()``;
 for vitflow's ``VisionTransformer`` with ``attention=auto``, timm's ``VisionTransformer`` and
-vit-pytorch's ``ViT`` of the same configuration (synthetic inputs). Each cell builds the three
-models, warms them up (vitflow's ``auto`` times its backends there), then runs ``--repeats``
-rounds; in each round every implementation runs for ``--seconds`` (at least one step), in a
-rotating order. Figures are medians (min-max) over the rounds. The process uses the glibc
+vit-pytorch's ``ViT`` of the same configuration (synthetic inputs). Each cell runs ``--repeats``
+rounds; each round builds the three models afresh (the same speed can differ by up to ~8%
+between two instances of one model in one process, from where their memory landed, so no
+implementation keeps one placement for the whole cell), warms them up (vitflow's ``auto``
+times its backends in the first round) and runs every implementation for ``--seconds`` (at
+least one step), in an order rotating between rounds. Figures are medians (min-max) over the rounds. The process uses the glibc
 allocator settings that ``vitflow train`` applies (``vitflow.runtime.configure_allocator``: freed
 memory is kept and reused instead of being faulted in again per tensor) — for all three
 implementations alike.
@@ -77,13 +79,19 @@ def matmul_peak(dtype: torch.dtype, sizes=(1024, 2048, 4096), repeats: int = 3) 
     return best
 
 
+def _addmm_flops(self_shape, mat1_shape, mat2_shape, *args, **kwargs) -> int:
+    """FLOPs of ``addmm_`` (``FlopCounterMode`` counts only the out-of-place ``addmm``)."""
+    return 2 * mat1_shape[0] * mat1_shape[1] * mat2_shape[1]
+
+
 def forward_gflops(name: str, num_classes: int) -> float:
     """Forward GFLOP per image, counted on vitflow's explicit (math) attention path."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model = vitflow.create_model(name, num_classes=num_classes, attention="math").eval()
     size = MODELS[name]["img_size"]
-    counter = FlopCounterMode(display=False)
+    # the blocks' proj / fc2 accumulate onto the residual in place (vitflow.models.matmul.linear_residual)
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: _addmm_flops})
     with counter, torch.no_grad():
         model(torch.randn(1, 3, size, size))
     return counter.get_total_flops() / 1e9
@@ -149,19 +157,22 @@ def run_cell(key: str, mode: str, dt: str, repeats: int, seconds: float) -> dict
     torch.manual_seed(0)
     x, y = torch.randn(batch, 3, size, size), torch.randint(0, classes, (batch,))
     impls = ("vitflow", "timm", "vit_pytorch")
-    steps = {impl: make_step(impl, build(impl, name, classes), mode, DTYPES[dt], x, y) for impl in impls}
-    for step in steps.values():  # warm-up (vitflow's attention=auto decides here)
-        step()
-        step()
     rates: dict[str, list[float]] = {impl: [] for impl in impls}
     for r in range(repeats):
+        torch.manual_seed(r)  # fresh models each round: no implementation keeps one memory placement
+        steps = {impl: make_step(impl, build(impl, name, classes), mode, DTYPES[dt], x, y) for impl in impls}
+        for step in steps.values():  # warm-up (vitflow's attention=auto decides in the first round)
+            for _ in range(2 if r == 0 else 1):
+                step()
         for impl in impls[r % 3:] + impls[:r % 3]:  # rotate the order between rounds
             n, t0 = 0, time.perf_counter()
             while n < 1 or time.perf_counter() - t0 < seconds:
                 steps[impl]()
                 n += 1
             rates[impl].append(n * batch / (time.perf_counter() - t0))
-    return {impl: rates[impl] for impl in impls}
+        del steps
+        gc.collect()
+    return rates
 
 
 def main() -> None:
@@ -169,14 +180,14 @@ def main() -> None:
     ap.add_argument("--models", default="cifar,tiny,small", help="comma list of cifar, tiny, small")
     ap.add_argument("--modes", default="train,infer")
     ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--repeats", type=int, default=3, help="timed rounds per cell (median reported)")
-    ap.add_argument("--seconds", type=float, default=2.0, help="minimum seconds per implementation per round")
+    ap.add_argument("--repeats", type=int, default=5, help="timed rounds per cell (median reported)")
+    ap.add_argument("--seconds", type=float, default=1.5, help="minimum seconds per implementation per round")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     ap.add_argument("--quick", action="store_true", help="CIFAR variant only, 3 rounds of 1 s")
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
     args = ap.parse_args()
     if args.quick:
-        args.models, args.seconds = "cifar", 1.0
+        args.models, args.repeats, args.seconds = "cifar", 3, 1.0
     torch.set_num_threads(args.threads)
     configure_allocator()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
