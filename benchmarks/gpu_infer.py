@@ -66,7 +66,7 @@ def main() -> int:
         print("no CUDA device: this script needs an NVIDIA GPU", file=sys.stderr)
         return 2
     from vitflow.data.transforms import Preprocess
-    from vitflow.infer.runtime import ModelInfo
+    from vitflow.infer.onnx_model import ModelInfo
     from vitflow.models import create_model
     from vitflow.train.checkpoint import load_checkpoint, model_from_checkpoint
 

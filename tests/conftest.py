@@ -58,7 +58,7 @@ def need(path: Path) -> Path:
 @pytest.fixture(scope="session")
 def digits_run(tmp_path_factory):
     """One short real training run of the default preset through the CLI, shared by tests:
-    ``(run_dir, final JSON summary, stdout)``."""
+    ``(run_dir, final JSON summary, the finished process)``."""
     import json
     import subprocess
     import sys
@@ -67,4 +67,4 @@ def digits_run(tmp_path_factory):
     out = subprocess.run([sys.executable, "-m", "vitflow", "train", "--json", "train.total_steps=400",
                           "train.eval_every=200", "train.log_every=25", f"train.run_dir={run}"],
                          capture_output=True, text=True, check=True)
-    return run, json.loads(out.stdout.strip().splitlines()[-1]), out.stdout
+    return run, json.loads(out.stdout.strip().splitlines()[-1]), out

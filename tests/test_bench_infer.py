@@ -16,12 +16,14 @@ def test_bench_infer_json_format(digits_run, capsys):
     code = main(["bench", "infer", r["checkpoint"], "--repeats", "2", "--latency-calls", "3", "--min-time", "0.05",
                  "--json"])
     assert code == 0
-    out = capsys.readouterr().out.strip().splitlines()
+    captured = capsys.readouterr()
+    out = captured.out.strip().splitlines()
+    assert len(out) == 1  # with --json stdout is the JSON line alone; the table goes to stderr
     result = json.loads(out[-1])
     assert list(result) == list(PATHS) == ["timm_eager_fp32", "timm_eager_bf16", "eager_fp32", "eager_bf16",
                                            "compiled", "onnxruntime_fp32", "onnxruntime_int8"]
     for v in result.values():
         assert set(v) == {"latency_ms_p50", "latency_ms_p90", "throughput_ips"}
         assert 0 < v["latency_ms_p50"] <= v["latency_ms_p90"] and v["throughput_ips"] > 0
-    table = "\n".join(out[:-1])
+    table = captured.err
     assert "best vitflow path" in table and "timm's best path" in table

@@ -9,17 +9,21 @@ from vitflow.cli import main
 
 
 def test_train_json_last_line(digits_run):
-    run, r, stdout = digits_run
+    run, r, proc = digits_run
     assert {"test_top1", "test_top5", "run_dir", "checkpoint"} <= set(r)
     assert 0.7 < r["test_top1"] <= r["test_top5"] <= 1.0  # 10 classes: chance is 0.1
     assert Path(r["checkpoint"]).is_file() and r["run_dir"] == str(run)
-    assert "test top-1" in stdout and "run directory" in stdout
+    assert len(proc.stdout.splitlines()) == 1  # --json: stdout is the JSON line alone (pipe it to jq)
+    assert "test top-1" in proc.stderr and "run directory" in proc.stderr
 
 
 def test_eval_matches_training_result(digits_run, capsys):
     run, r, _ = digits_run
     assert main(["eval", str(run), "--json"]) == 0
-    e = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    (line,) = captured.out.strip().splitlines()
+    e = json.loads(line)
+    assert f"test top-1 {e['test_top1']:.2%}" in captured.err
     assert e["test_top1"] == pytest.approx(r["test_top1"]) and e["test_images"] == 359  # 1797 - round(0.8 * 1797)
 
 

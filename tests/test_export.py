@@ -15,7 +15,7 @@ from vitflow.data.transforms import Preprocess
 from vitflow.infer.calibration import images_from_files, sample_images
 from vitflow.infer.export import (export_onnx, export_program, export_torchscript, load_exported, optimize_onnx,
                                   verify)
-from vitflow.infer.runtime import ModelInfo, OnnxModel
+from vitflow.infer.onnx_model import ModelInfo, OnnxModel
 from vitflow.models import create_model
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)

@@ -9,7 +9,7 @@ import torch
 from vitflow.cli import main
 from vitflow.infer.export import export_onnx, verify
 from vitflow.infer.prune import Importance, importance_scores, prune_heads_, prune_mlp_, prune_model, select_units
-from vitflow.infer.runtime import ModelInfo, OnnxModel
+from vitflow.infer.onnx_model import ModelInfo, OnnxModel
 from vitflow.data.transforms import Preprocess
 from vitflow.models import create_model
 from vitflow.train.checkpoint import load_checkpoint, model_from_checkpoint

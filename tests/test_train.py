@@ -93,9 +93,9 @@ def test_unreadable_images_counted_per_split_and_same_in_eval_json_and_vitflow_e
     capsys.readouterr()
     with caplog.at_level("WARNING"):
         assert main(["eval", r["checkpoint"], "--json"]) == 0
-    out = capsys.readouterr().out
-    ev = json.loads(out.strip().splitlines()[-1])
-    assert (ev["test_skipped"], ev["test_images"]) == (1, 9) and "skipped 1 unreadable image(s)" in out
+    captured = capsys.readouterr()
+    ev = json.loads(captured.out.strip().splitlines()[-1])
+    assert (ev["test_skipped"], ev["test_images"]) == (1, 9) and "skipped 1 unreadable image(s)" in captured.err
     assert any(str(data / "test" / "b" / "empty.jpg") in m.getMessage() for m in caplog.records)
 
 

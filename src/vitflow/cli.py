@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import logging
@@ -182,6 +183,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _print_json(args: argparse.Namespace, obj) -> None:
+    """The ``--json`` result line, on the real stdout (:func:`main` sends every other line of a
+    ``--json`` command to stderr, so that ``vitflow eval RUN --json | jq`` works)."""
+    print(json.dumps(obj), file=getattr(args, "json_stdout", None) or sys.stdout)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = build_config(args.preset, args.config, args.overrides)
     if args.print_config:
@@ -211,7 +218,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"{r['interrupted']}: stopped at step {r['step']}; checkpoint: {r['checkpoint']}\n"
               f"continue with: vitflow train ... train.resume=auto train.run_dir={r['run_dir']}")
         if args.json:
-            print(json.dumps(r))
+            _print_json(args, r)
         return 128 + {"SIGTERM": 15, "SIGINT": 2}[r["interrupted"]]
     print(f"test top-1 {r['test_top1']:.2%}  top-5 {r['test_top5']:.2%}  loss {r['test_loss']:.4f}  "
           f"({r['step']} steps, {r['elapsed_s']:.0f} s, {r['train_images_per_s']:.0f} img/s)")
@@ -222,7 +229,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if "samples" in r:
         print(f"sample test images: {r['samples']}  (try: vitflow predict {r['run_dir']} {r['samples']})")
     if args.json:
-        print(json.dumps(r))
+        _print_json(args, r)
     return 0
 
 
@@ -235,7 +242,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if r["test_skipped"]:
         print(f"skipped {r['test_skipped']} unreadable image(s); see the warnings above")
     if args.json:
-        print(json.dumps(r))
+        _print_json(args, r)
     return 0
 
 
@@ -274,7 +281,7 @@ def cmd_attention(args: argparse.Namespace) -> int:
     print(f"{r['image']}: predicted {r['class']} ({r['prob']:.1%}); {r['heads']} heads of block {r['layer']} "
           f"and the rollout on a {r['grid'][0]}x{r['grid'][1]} grid -> {r['output']}")
     if args.json:
-        print(json.dumps(r))
+        _print_json(args, r)
     return 0
 
 
@@ -301,7 +308,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"fused ({target}): " + ", ".join(f"{k} {v}" for k, v in r["fused"].items()))
     print(f"verified on {r['images']} real images: {r['summary']}")
     if args.json:
-        print(json.dumps({k: v for k, v in r.items() if k != "summary"}))
+        _print_json(args, {k: v for k, v in r.items() if k != "summary"})
     return 0 if r["ok"] else 1
 
 
@@ -322,7 +329,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     ops = ", ".join(f"{k} {v}" for k, v in r.get("ops", {}).items())
     print(f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB{'; ' + ops if ops else ''})")
     if args.json:
-        print(json.dumps(r))
+        _print_json(args, r)
     return 0
 
 
@@ -341,7 +348,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
           f"batch-1 latency x{r['speedup_latency']:.2f} faster")
     print(f"wrote {r['path']}")
     if args.json:
-        print(json.dumps(r))
+        _print_json(args, r)
     return 0
 
 
@@ -352,7 +359,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = run(args.data, args.image_size, args.workers, args.repeats, args.passes, args.batch_size,
                      args.max_side)
         if args.json:
-            print(json.dumps(result))
+            _print_json(args, result)
         return 0
     import torch
 
@@ -368,7 +375,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"rounds; ratios are speed-ups over timm_eager_fp32")
     print(format_table(results, notes, args.batch_size))
     if args.json:
-        print(json.dumps(results))
+        _print_json(args, results)
     return 0
 
 
@@ -429,15 +436,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     vitflow_log, previous = logging.getLogger("vitflow"), logging.getLogger("vitflow").level
     if level != logging.INFO:
         vitflow_log.setLevel(level)  # -v: vitflow's debug lines, not every library's
+    json_only = getattr(args, "json", False) and args.command != "predict"  # predict --json: one line per image
+    args.json_stdout = sys.stdout
     try:
-        return COMMANDS[args.command](args)
+        with contextlib.redirect_stdout(sys.stderr) if json_only else contextlib.nullcontext():
+            return COMMANDS[args.command](args)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         if args.debug or os.environ.get("VITFLOW_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        from vitflow.infer.runtime import UnavailableError  # a target this machine cannot serve
+        from vitflow.infer.onnx_model import UnavailableError  # a target this machine cannot serve
 
         if not isinstance(e, UnavailableError) or args.debug:
             raise

@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from vitflow.infer.runtime import ModelInfo, OnnxModel
+from vitflow.infer.onnx_model import ModelInfo, OnnxModel
 from vitflow.train.amp import cpu_bf16_supported
 
 PATHS = ("timm_eager_fp32", "timm_eager_bf16", "eager_fp32", "eager_bf16", "compiled", "onnxruntime_fp32",

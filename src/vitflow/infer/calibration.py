@@ -69,7 +69,7 @@ def images_from_files(paths: list[str], pp: Preprocess, n: int = 8) -> torch.Ten
 
 def accuracy(model: torch.nn.Module, source: ImageSource, pp: Preprocess, batch_size: int = 256,
              num_workers: int = 2) -> dict[str, float]:
-    """Top-1 / top-5 / loss of ``model`` (PyTorch or :class:`~vitflow.infer.runtime.OnnxModel`,
+    """Top-1 / top-5 / loss of ``model`` (PyTorch or :class:`~vitflow.infer.onnx_model.OnnxModel`,
     fp32 on the CPU) over ``source`` with :func:`vitflow.train.evaluate.evaluate`."""
     from vitflow.train.amp import resolve_precision
     from vitflow.train.evaluate import evaluate

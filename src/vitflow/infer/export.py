@@ -27,8 +27,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from vitflow.infer.runtime import (INPUT_NAME, OUTPUT_NAME, ModelInfo, OnnxModel, UnavailableError, copy_metadata,
-                                   quiet, require, set_metadata)
+from vitflow.infer.onnx_model import (INPUT_NAME, OUTPUT_NAME, ModelInfo, OnnxModel, UnavailableError, copy_metadata,
+                                      quiet_toolchain, require, set_metadata)
 from vitflow.models.attention import EXACT_BACKENDS
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ def export_onnx(model: nn.Module, path: str | Path, info: ModelInfo, opset: int 
 
     Uses the ``torch.export``-based exporter (``torch.onnx.export(dynamo=True)``, needs
     ``onnxscript``). Input ``pixel_values`` ``float32 (batch, 3, S, S)``, output ``logits``
-    ``float32 (batch, num_classes)``; see :mod:`vitflow.infer.runtime` for the metadata. Models
+    ``float32 (batch, num_classes)``; see :mod:`vitflow.infer.onnx_model` for the metadata. Models
     over 2 GiB get their weights in an external ``<path>.data`` file (the protobuf limit).
 
     Raises:
@@ -120,7 +120,7 @@ def export_onnx(model: nn.Module, path: str | Path, info: ModelInfo, opset: int 
     path.parent.mkdir(parents=True, exist_ok=True)
     m = deployable(model)
     batch = torch.export.Dim("batch", min=1, max=65536)
-    with quiet(), torch.no_grad():
+    with quiet_toolchain(), torch.no_grad():
         torch.onnx.export(m, (_sample_input(info),), str(path), dynamo=True, opset_version=max(opset, OPSET),
                           input_names=[INPUT_NAME], output_names=[OUTPUT_NAME], dynamic_shapes=({0: batch},),
                           external_data=_param_bytes(m) > _TWO_GB * 0.9, verbose=False, report=False)
@@ -164,7 +164,7 @@ def optimize_onnx(src: str | Path, dst: str | Path, target: str = "cpu", num_hea
     options = FusionOptions("vit")
     if target == "cpu":
         options.enable_attention = options.enable_skip_layer_norm = options.enable_bias_skip_layer_norm = False
-    with quiet():
+    with quiet_toolchain():
         opt = optimizer.optimize_model(str(src), model_type="vit", num_heads=num_heads, hidden_size=hidden_size,
                                        optimization_options=options, opt_level=0)
     stats = {k: v for k, v in opt.get_fused_operator_statistics().items() if v and k in FUSED_OPS}

@@ -81,7 +81,7 @@ class ModelInfo:
 
 
 @contextlib.contextmanager
-def quiet():
+def quiet_toolchain():
     """Silence the INFO logging, warnings and prints of the ONNX tool chain (exporter, optimizer,
     quantizer) for the duration of the block; warnings and errors of vitflow's own code are not
     affected outside it."""

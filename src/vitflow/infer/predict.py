@@ -20,7 +20,7 @@ from vitflow.data import normalize
 from vitflow.data.decode import CorruptImageError, decode_image, is_image_name
 from vitflow.data.sources import TarReader, is_hidden
 from vitflow.data.transforms import Preprocess, eval_transform
-from vitflow.infer.runtime import OnnxModel, is_onnx
+from vitflow.infer.onnx_model import OnnxModel, is_onnx
 from vitflow.runtime import configure_allocator
 from vitflow.train.amp import resolve_device, resolve_precision
 from vitflow.train.checkpoint import load_checkpoint, model_from_checkpoint
@@ -72,7 +72,7 @@ def _tar_reader(reader: TarReader, loc):
 
 class Predictor:
     """A model with its class names and preprocessing: a PyTorch model or an ONNX Runtime
-    session (:class:`vitflow.infer.runtime.OnnxModel`).
+    session (:class:`vitflow.infer.onnx_model.OnnxModel`).
 
     ``predict(images)``: ``uint8 (B, 3, S, S)`` -> probabilities ``float32 (B, num_classes)``.
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from vitflow.infer.runtime import copy_metadata, quiet, require
+from vitflow.infer.onnx_model import copy_metadata, quiet_toolchain, require
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def quantize_onnx(src: str | Path, dst: str | Path, per_channel: bool = True) ->
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    with tempfile.TemporaryDirectory() as tmp, quiet():
+    with tempfile.TemporaryDirectory() as tmp, quiet_toolchain():
         pre = Path(tmp) / "pre.onnx"
         quant_pre_process(str(src), str(pre), skip_optimization=False, skip_symbolic_shape=False)
         quantize_dynamic(pre, Path(dst), weight_type=QuantType.QInt8, per_channel=per_channel,
@@ -137,7 +137,7 @@ def quantize_file(model_path: str | Path, out: str | Path, backend: str = "onnxr
 
     from vitflow.data import open_split
     from vitflow.infer.calibration import accuracy
-    from vitflow.infer.runtime import ModelInfo, OnnxModel, is_onnx
+    from vitflow.infer.onnx_model import ModelInfo, OnnxModel, is_onnx
     from vitflow.train.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 
     if backend not in ("onnxruntime", "torch"):
