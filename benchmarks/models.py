@@ -17,10 +17,10 @@ rounds; each round builds the three models afresh (the same speed can differ by 
 between two instances of one model in one process, from where their memory landed, so no
 implementation keeps one placement for the whole cell), warms them up (vitflow's ``auto``
 times its backends in the first round) and runs every implementation for ``--seconds`` (at
-least one step), in an order rotating between rounds. Figures are medians (min-max) over the rounds. The process uses the glibc
-allocator settings that ``vitflow train`` applies (``vitflow.runtime.configure_allocator``: freed
-memory is kept and reused instead of being faulted in again per tensor) — for all three
-implementations alike.
+least one step), in an order rotating between rounds. Figures are medians (min-max) over the
+rounds. The process uses the glibc allocator settings that ``vitflow train`` applies
+(``vitflow.runtime.configure_allocator``: freed memory is kept and reused instead of being
+faulted in again per tensor) — for all three implementations alike.
 
 The machine's matmul peak (``torch.mm``, 1024..4096, fp32 and bf16, best median) gives each
 cell's MFU: model FLOPs per image (``FlopCounterMode`` on the explicit-attention forward; x3 for

@@ -206,4 +206,4 @@ def test_active_stochastic_depth_keeps_the_unfused_residual():
                               drop_path_rate=0.5).train()
     with _AtenOps() as rec:
         model(torch.randn(3, 3, 16, 16))
-    assert rec.ops.count("addmm_") == 2  # block 0 (drop-path rate 0: rates rise linearly from 0) fuses both; block 1 none
+    assert rec.ops.count("addmm_") == 2  # block 0 (drop-path rate 0: rates rise from 0) fuses both; block 1 none

@@ -245,3 +245,33 @@ def test_warmup_longer_than_the_run_is_warned(tmp_path, caplog):
         Trainer(tiny(tmp_path / "b", "train.total_steps=20", "optim.warmup_steps=40"))
     msg = caplog.records[-1].getMessage()
     assert "optim.warmup_steps=40" in msg and "train.total_steps (20 steps)" in msg and "0.5 of the peak lr" in msg
+
+
+@pytest.mark.parametrize("native, gflops, expected", [
+    (True, {"fp32": 340.0, "bf16": 190.0}, "fp32"),  # AVX512-BF16 without AMX (this machine): bf16 is slower
+    (True, {"fp32": 340.0, "bf16": 1500.0}, "bf16"),  # AMX
+    (False, {"fp32": 340.0, "bf16": 1500.0}, "fp32"),  # no native bf16 kernels
+])
+def test_precision_auto_on_a_cpu_takes_bf16_only_where_its_gemm_is_faster(monkeypatch, caplog, native, gflops,
+                                                                            expected):
+    from vitflow.train import amp
+
+    monkeypatch.setattr(amp, "cpu_bf16_supported", lambda: native)
+    monkeypatch.setattr(amp, "cpu_gemm_gflops", lambda: gflops)
+    with caplog.at_level("INFO", logger="vitflow"):
+        p = amp.resolve_precision("auto", torch.device("cpu"))
+    assert p.name == expected and p.dtype == {"fp32": None, "bf16": torch.bfloat16}[expected]
+    assert amp.resolve_precision("bf16", torch.device("cpu")).name == "bf16"  # an explicit choice stays
+    if native:  # the choice is logged with both figures
+        assert f"precision auto: {expected} (this CPU's GEMM: bf16 {gflops['bf16']:.0f} GFLOP/s" in caplog.text
+
+
+def test_cpu_gemm_probe_measures_both_gemms_and_leaves_the_rng_alone():
+    from vitflow.train import amp
+
+    amp.cpu_gemm_gflops.cache_clear()
+    state = torch.get_rng_state()
+    g = amp.cpu_gemm_gflops()
+    assert torch.equal(torch.get_rng_state(), state)
+    assert set(g) == {"fp32", "bf16"} and all(1.0 < v < 1e6 for v in g.values())
+    assert amp.cpu_gemm_gflops() is g  # measured once per process

@@ -151,7 +151,10 @@ def linear_residual(residual: torch.Tensor, layer: nn.Module, x: torch.Tensor, m
     ``(tokens, out_features)`` activation and one allocation fewer. Autograd is unaffected (the
     in-place GEMM writes a temporary that nothing saved). Anywhere else (autocast, no bias,
     another module type or one with forward hooks, compile / export tracing, mixed dtypes) it is
-    ``residual + linear(layer, x, mode)``. ``residual (..., out)``, ``x (..., in)`` with the same leading shape -> ``(..., out)``.
+    ``residual + linear(layer, x, mode)``.
+
+    Shapes: ``residual (..., out_features)``, ``x (..., in_features)`` with the same leading
+    dimensions -> ``(..., out_features)`` in their dtype.
     """
     w, b = getattr(layer, "weight", None), getattr(layer, "bias", None)
     if (type(layer) is not nn.Linear or b is None or tracing() or torch.is_autocast_enabled(x.device.type)

@@ -150,7 +150,10 @@ class Trainer:
             torch.set_num_threads(t.threads)
         self.dist = init_distributed(t.device)
         self.device = rank_device(resolve_device(t.device), self.dist)
-        self.precision = resolve_precision(t.precision, self.device)
+        precision = t.precision
+        if precision == "auto":  # a timed choice on a CPU: rank 0 makes it, every rank trains alike
+            precision = self.dist.broadcast(resolve_precision("auto", self.device).name if self.dist.is_main else None)
+        self.precision = resolve_precision(precision, self.device)
         resume = self.dist.broadcast(find_resume(cfg) if self.dist.is_main else None)
         self.state = ckpt.load_checkpoint(resume) if resume else None
         if self.state and int(self.state["step"]) > t.total_steps and not t.time_budget:  # would rewrite a longer run
