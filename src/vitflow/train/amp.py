@@ -39,9 +39,9 @@ def cpu_bf16_supported() -> bool:
 
 @functools.cache
 def cpu_gemm_gflops() -> dict[str, float]:
-    """GFLOP/s of this CPU's fp32 and bf16 GEMMs (``torch.mm`` of two constant
-    ``GEMM_PROBE_SIZE``-square matrices, current thread count; fastest of 3 calls after a
-    warm-up, rotating order; measured once per process, ~0.1 s; the RNG is not touched).
+    """GFLOP/s of this CPU's fp32 and bf16 GEMMs (``torch.mm`` of a constant
+    ``GEMM_PROBE_SIZE``-square matrix with itself, current thread count; fastest of 3 calls after
+    a warm-up, rotating order; measured once per process, ~0.1 s; the RNG is not touched).
     Returns ``{"fp32": ..., "bf16": ...}``."""
     n = GEMM_PROBE_SIZE
     a = torch.full((n, n), 0.5)

@@ -305,8 +305,7 @@ class Trainer:
             inputs_finite &= torch.isfinite(x).all()  # a flag, not the input: micro-batches are freed as they go
         loss = float(self.dist.mean(total))
         norm = self.precision.clip_grad_norm(self.optimizer, self.model.parameters(), self.cfg.optim.clip_grad_norm)
-        take = self.guard.check(self.step, loss, norm, self.precision.scaler is not None,
-                                inputs_finite)
+        take = self.guard.check(self.step, loss, norm, self.precision.scaler is not None, inputs_finite)
         self.precision.step(self.optimizer, take)
         self.optimizer.zero_grad(set_to_none=True)
         if take:
