@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from vitflow.models.attention import AttentionContext, make_kernel  # noqa: E402
-from vitflow.models.checkpointing import saved_activation_bytes  # noqa: E402
+from vitflow.models.grad_checkpointing import saved_activation_bytes  # noqa: E402
 
 MIB = 2 ** 20
 HEADS, HEAD_DIM = 6, 64

@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 
 from vitflow.config import build_config
+from vitflow.rundir import read_metrics
 from vitflow.train import Trainer
-from vitflow.train.logging import read_metrics
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -43,7 +43,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         packed = args.packed
         if packed is None:
-            from vitflow.data.packed import prepare
+            from vitflow.data.prepare import prepare
 
             packed = str(Path(tmp) / "cifar10-packed")
             prepare(args.tar, packed, workers=2)

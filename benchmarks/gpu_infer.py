@@ -65,10 +65,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: this script needs an NVIDIA GPU", file=sys.stderr)
         return 2
+    from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
     from vitflow.data.transforms import Preprocess
     from vitflow.infer.onnx_model import ModelInfo
     from vitflow.models import create_model
-    from vitflow.train.checkpoint import load_checkpoint, model_from_checkpoint
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -101,7 +101,8 @@ def main() -> int:
             traceback.print_exc()
 
     # --- TensorRT FP16 engine from the ONNX export ---------------------------------------------
-    from vitflow.infer.export import TensorRTModel, build_tensorrt_engine, export_onnx, tensorrt_available, verify
+    from vitflow.infer.export import export_onnx, verify
+    from vitflow.infer.tensorrt import TensorRTModel, build_tensorrt_engine, tensorrt_available
 
     reason = tensorrt_available()
     if reason:

@@ -23,7 +23,7 @@ import torch
 
 from vitflow import create_model
 from vitflow.config import OptimConfig
-from vitflow.train.amp import resolve_precision
+from vitflow.runtime import resolve_precision
 from vitflow.train.optim import build_optimizer
 
 

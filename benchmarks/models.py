@@ -90,7 +90,7 @@ def forward_gflops(name: str, num_classes: int) -> float:
 
     model = vitflow.create_model(name, num_classes=num_classes, attention="math").eval()
     size = MODELS[name]["img_size"]
-    # the blocks' proj / fc2 accumulate onto the residual in place (vitflow.models.matmul.linear_residual)
+    # the blocks' proj / fc2 accumulate onto the residual in place (vitflow.models.matmul.Linear)
     counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: _addmm_flops})
     with counter, torch.no_grad():
         model(torch.randn(1, 3, size, size))

@@ -1,58 +1,17 @@
-"""Shared fixtures: small real-looking image folders and tars generated per test, and the path
-of the project's shared real data."""
+"""Shared fixtures (the helpers they use are in ``helpers.py``)."""
 
 from __future__ import annotations
 
-import io
-import os
-import tarfile
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
-# the project's real data: ../shared/data beside the checkout, or wherever VITFLOW_SHARED_DATA points
-SHARED_DATA = Path(os.environ.get("VITFLOW_SHARED_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
-CIFAR_TAR = SHARED_DATA / "cifar10-jpg.tar"
-IMAGENET_TAR = SHARED_DATA / "imagenet-sample-1000.tar"
-
-
-def encode(array: np.ndarray, fmt: str = "PNG", **kw) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(array).save(buf, fmt, **kw)
-    return buf.getvalue()
-
-
-def make_folder(root: Path, classes=("a", "b", "c"), per_class: int = 8, size: int = 8, split: str | None = None,
-                seed: int = 0) -> Path:
-    """``root/[split/]<class>/<i>.png``: each class a distinct mean colour plus noise, so a model can
-    learn it."""
-    rng = np.random.default_rng(seed)
-    base = root / split if split else root
-    for ci, c in enumerate(classes):
-        (base / c).mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
-            arr = np.clip(rng.normal(40 + 80 * ci, 20, (size, size, 3)), 0, 255).astype(np.uint8)
-            (base / c / f"{i:03d}.png").write_bytes(encode(arr))
-    return root
-
-
-def tar_folder(folder: Path, tar_path: Path, arcname: str | None = None) -> Path:
-    with tarfile.open(tar_path, "w") as tf:
-        tf.add(folder, arcname=arcname or folder.name)
-    return tar_path
+from helpers import make_folder
 
 
 @pytest.fixture
 def image_folder(tmp_path: Path) -> Path:
     return make_folder(tmp_path / "imgs")
-
-
-def need(path: Path) -> Path:
-    if not path.exists():
-        pytest.skip(f"shared data not found: {path}")
-    return path
 
 
 @pytest.fixture(scope="session")

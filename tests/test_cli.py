@@ -98,7 +98,7 @@ def test_user_errors_exit_2_naming_the_problem(tmp_path, capsys):
 def test_own_folder_train_with_slices(tmp_path, capsys):
     data = make_folder(tmp_path / "pets", classes=("cat", "dog"), per_class=12, size=16)
     code = main(["train", "data.source=folder", f"data.path={data}", "data.train_split=train[:75%]",
-                 "data.test_split=train[75%:]", "model.image_size=8", "train.total_steps=20", "train.batch_size=8",
+                 "data.test_split=train[75%:]", "model.img_size=8", "train.total_steps=20", "train.batch_size=8",
                  f"train.run_dir={tmp_path / 'run'}", "--json"])
     assert code == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -121,7 +121,6 @@ def test_presets_and_models_listing(capsys):
                                          (["-q", "models"], logging.WARNING)])
 def test_verbosity_flags_set_vitflow_log_level_for_the_command(monkeypatch, argv, level):
     import vitflow.cli as cli
-
     from vitflow.runtime import quiet
 
     seen = []

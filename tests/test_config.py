@@ -1,5 +1,6 @@
 import pytest
 
+from vitflow.cli import CONFIG_CHECKS
 from vitflow.config import ConfigError, build_config, list_presets, parse_duration, parse_override, to_yaml
 
 
@@ -16,7 +17,7 @@ def test_required_presets_exist_with_their_recipes():
     ft = build_config("cifar10-vit-b16-ft384", overrides=["data.path=/x"])
     assert (ft.train.total_steps, ft.data.train_split, ft.data.test_split) == (10_000, "train[:98%]", "test")
     assert (ft.train.batch_size, ft.train.accum_steps, ft.data.prefetch) == (512, 8, 2)
-    assert ft.model.image_size == 384
+    assert ft.model.img_size == 384
     inet = build_config("imagenet2012-vit-b16", overrides=["data.path=/x"])
     assert (inet.train.total_steps, inet.data.train_split, inet.data.test_split) == (20_000, "train[:99%]",
                                                                                        "validation")
@@ -54,11 +55,12 @@ def test_unknown_key_names_key_and_nearest(override, message):
     ("train.time_budget=soon", "train.time_budget"),
     ("data.mean=0.1,0.2", "data.mean"),
     ("train.batch_size=100", "train.batch_size"),  # with accum_steps=8 below: not a multiple
-    ("model.image_size=31", "model.image_size"),  # the default variant's patch is 2: not a multiple
+    ("model.img_size=31", "model.img_size"),  # the default variant's patch is 2: not a multiple
 ])
 def test_bad_values_name_the_key(override, key):
+    overrides = [override, "train.accum_steps=8"] if override.endswith("=100") else [override]
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
-        build_config(overrides=[override, "train.accum_steps=8"] if override.endswith("=100") else [override])
+        build_config(overrides=overrides, checks=CONFIG_CHECKS)
     assert str(e.value).endswith("(in command line)")  # where the bad value came from
 
 
@@ -100,3 +102,28 @@ def test_parse_helpers():
     assert parse_duration("15m") == 900 and parse_duration("90") == 90 and parse_duration("1.5h") == 5400
     with pytest.raises(ConfigError):
         parse_override("novalue")
+
+
+def test_renamed_keys_are_read_under_their_new_names(caplog):
+    """The model section's keys are create_model's argument names; the old names still work (old
+    command lines with a warning, old checkpoints' configs silently)."""
+    with caplog.at_level("WARNING", logger="vitflow.config"):
+        cfg = build_config(overrides=["model.image_size=16", "model.layer_scale=1e-5"])
+    assert (cfg.model.img_size, cfg.model.layer_scale_init) == (16, 1e-5)
+    assert "model.image_size (in command line) is now called model.img_size" in caplog.text
+    old = build_config().to_dict()
+    old["model"]["image_size"] = old["model"].pop("img_size")
+    old["model"]["distill_token"] = old["model"].pop("distilled")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vitflow.config"):
+        assert build_config(base=old) == build_config()
+    assert caplog.text == ""
+
+
+def test_layer_checks_run_only_when_given():
+    """The config itself knows no model names or split syntax (it imports no layer): those checks
+    are the layers', passed in."""
+    cfg = build_config(overrides=["model.name=not_a_model", "data.train_split=train[:98"])
+    assert cfg.model.name == "not_a_model"
+    with pytest.raises(ConfigError, match=r"data\.train_split.*\(in command line\)"):
+        build_config(overrides=["data.train_split=train[:98"], checks=CONFIG_CHECKS)

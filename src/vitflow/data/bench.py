@@ -30,9 +30,11 @@ import torch
 
 from vitflow.config import DataConfig
 from vitflow.data.decode import decode_image
+from vitflow.data.dispatch import open_split
+from vitflow.data.folder import open_images
 from vitflow.data.packed import FORMAT, VERSION, open_packed, write_split
 from vitflow.data.pipeline import train_loader
-from vitflow.data.sources import DataError, ImageSource, open_images, open_split
+from vitflow.data.sources import DataError, ImageSource
 from vitflow.data.transforms import resolve_augment
 from vitflow.runtime import configure_allocator
 

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from vitflow.data.augment import MixupCutmix, batch_generator, pad_crop_flip
-from vitflow.data.loader import mix_seed
-from vitflow.data.transforms import normalize
+from vitflow.data.transforms import model_input
+from vitflow.runtime import mix_seed
 
 
 class Prefetcher:
@@ -135,7 +135,7 @@ class DevicePipeline:
         if self.batched_augment:
             images = pad_crop_flip(images, self.crop_padding, self.hflip,
                                    batch_generator(self.device, mix_seed(*key, 1)))
-        x = normalize(images, self.mean, self.std)
+        x = model_input(images, self.mean, self.std)
         if self.resolution is not None and self.resolution != x.shape[-1]:
             x = torch.nn.functional.interpolate(x, size=(self.resolution, self.resolution), mode="bilinear",
                                                 antialias=True, align_corners=False)

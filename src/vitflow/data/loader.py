@@ -25,6 +25,7 @@ import torch
 from vitflow.data.decode import CorruptImageError
 from vitflow.data.sources import ImageSource
 from vitflow.data.transforms import Transform, transform_encoded
+from vitflow.runtime import mix_seed
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +37,6 @@ class BatchRef:
     epoch: int
     index: int
     indices: np.ndarray
-
-
-def mix_seed(*parts: int) -> int:
-    """A 63-bit seed mixed from integers (NumPy ``SeedSequence``); distinct inputs give
-    unrelated seeds."""
-    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0] >> 1)
 
 
 class EpochSampler:

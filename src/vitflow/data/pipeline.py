@@ -20,18 +20,19 @@ import resource
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from vitflow.config import DataConfig
 from vitflow.data.augment import MixupCutmix
+from vitflow.data.cache import cache_in_memory, in_ram
 from vitflow.data.decode import CorruptImageError
 from vitflow.data.device import DevicePipeline, Prefetcher
-from vitflow.data.loader import EpochSampler, make_loader, mix_seed
-from vitflow.data.packed import PackedSource, encode_images
-from vitflow.data.sources import DataError, FileSource, ImageSource, TensorSource, open_split
+from vitflow.data.dispatch import open_split
+from vitflow.data.loader import EpochSampler, make_loader
+from vitflow.data.sources import DataError, FileSource, ImageSource
 from vitflow.data.stream import StreamBatches
 from vitflow.data.transforms import Preprocess, eval_transform, resolve_augment, train_transform
+from vitflow.runtime import mix_seed
 
 log = logging.getLogger(__name__)
 
@@ -47,87 +48,12 @@ class Datasets:
     preprocess: Preprocess
 
 
-class ListSource(ImageSource):
-    """Decoded images of different sizes kept in RAM (a list of ``uint8 (3, H, W)`` tensors) for
-    rows ``rows`` of ``base``. An image that could not be decoded is ``None`` and its reason is in
-    ``errors`` (by base row): loading it raises CorruptImageError, as reading the file would."""
-
-    def __init__(self, base: ImageSource, images: list[torch.Tensor | None], rows: np.ndarray,
-                 errors: dict[int, str] | None = None):
-        self.classes, self.labels, self.base, self.images, self.rows = base.classes, base.labels[rows], base, images, rows
-        self.errors = errors or {}
-
-    def name(self, i: int) -> str:
-        return self.base.name(int(self.rows[i]))
-
-    def load(self, i: int) -> torch.Tensor:
-        image = self.images[i]
-        if image is None:
-            raise CorruptImageError(self.name(i), self.errors[int(self.rows[i])])
-        return image
-
-    def subset(self, idx: np.ndarray) -> "ListSource":
-        return ListSource(self.base, [self.images[i] for i in idx], self.rows[np.asarray(idx)], self.errors)
-
-
-def _in_ram(source: ImageSource) -> bool:
-    return isinstance(source, (TensorSource, ListSource)) or (isinstance(source, PackedSource) and
-                                                             source.fixed_size is not None)
-
-
-def cache_in_memory(source: ImageSource, max_images: int, workers: int = 1, desc: str = "cache") -> ImageSource:
-    """Decode every image of ``source`` once into RAM when it has at most ``max_images`` images
-    and their decoded size (estimated from the first 32) fits in a quarter of physical memory.
-
-    Unreadable images keep their place (same length, order and labels as ``source``): loading one
-    raises CorruptImageError with the reason found while caching, so every epoch and every
-    evaluation skips, reports and counts it exactly as it would reading the files.
-
-    Returns:
-        A :class:`TensorSource` when all readable images share one size, else a
-        :class:`ListSource`; or ``source`` unchanged when it is already in RAM or does not fit.
-    Raises:
-        DataError: no image of ``source`` is readable.
-    """
-    if _in_ram(source) or len(source) == 0 or len(source) > max_images:
-        return source
-    probe = []
-    for i in range(min(32, len(source))):
-        try:
-            probe.append(source.load(i).numel())
-        except CorruptImageError:
-            pass
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if probe and np.mean(probe) * len(source) > ram / 4:
-        log.info("%s: %d images (~%.1f GB decoded) do not fit the RAM cache", desc, len(source),
-                 np.mean(probe) * len(source) / 1e9)
-        return source
-    t0 = time.perf_counter()
-    images: list = [None] * len(source)
-    errors: dict[int, str] = {}
-    for i, arr, err in encode_images(source, "raw", None, 0, workers, desc):
-        if arr is None:
-            errors[i] = err
-        else:
-            images[i] = torch.from_numpy(arr)
-    kept = [im for im in images if im is not None]
-    if not kept:
-        raise DataError(f"{desc}: no readable image")
-    log.info("%s: %d images decoded into RAM in %.1f s%s", desc, len(kept), time.perf_counter() - t0,
-             f" ({len(errors)} unreadable, reported when read)" if errors else "")
-    if len({tuple(t.shape) for t in kept}) == 1:
-        blank = torch.zeros_like(kept[0])  # the row of an unreadable image; never delivered
-        stacked = torch.stack([blank if im is None else im for im in images])
-        return TensorSource(source.classes, source.labels, stacked, desc, base=source, errors=errors)
-    return ListSource(source, images, np.arange(len(source)), errors)
-
-
 def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
     """Open ``cfg.train_split`` and ``cfg.test_split`` (the test split labelled with the train
     classes) and cache them in RAM when they fit ``cfg.max_in_memory`` (not in stream access).
 
     Raises:
-        DataError: see :func:`vitflow.data.sources.open_split`.
+        DataError: see :func:`vitflow.data.dispatch.open_split`.
     """
     raise_open_file_limit()
     train = open_split(cfg.path, cfg.train_split, cfg.source)
@@ -212,6 +138,21 @@ class TrainLoader:
         if self._prefetcher is not None:
             self._prefetcher.close()
 
+    def device_batch(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of this loader finished on the device: ``(x, targets)``, the model's input (batched
+        crop/flip, :func:`~vitflow.data.transforms.model_input`, Mixup/CutMix; see
+        :class:`DevicePipeline`)."""
+        return self.pipeline(batch)
+
+    def set_resolution(self, pixels: int | None) -> None:
+        """Progressive resizing: resize the batches to ``pixels`` square from the next
+        :meth:`device_batch` on (``None``: the loader's own size)."""
+        self.pipeline.resolution = pixels
+
+    @property
+    def resolution(self) -> int | None:
+        return self.pipeline.resolution
+
     def describe(self) -> str:
         path = "batched in-RAM gather + device crop/flip" if self.batched else "per-image decode/augment"
         return f"{path}, {self.num_workers} worker(s), prefetch {self.prefetch}{' (thread)' if self.threaded else ''}"
@@ -262,6 +203,6 @@ def eval_loader(source: ImageSource, pp: Preprocess, batch_size: int, num_worker
     are already at the eval size), last batch short."""
     sampler = EpochSampler(len(source), batch_size, shuffle=False, drop_last=False, epochs=1)
     identity = source.fixed_size == (pp.image_size, pp.image_size) and pp.crop_pct == 1.0
-    workers = 0 if identity or num_workers == "auto" and _in_ram(source) else (
+    workers = 0 if identity or num_workers == "auto" and in_ram(source) else (
         min(os.cpu_count() or 1, 8) if num_workers == "auto" else int(num_workers))
     return make_loader(source, None if identity else eval_transform(pp), sampler, workers)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vitflow.config import ConfigError, DataConfig
+
 _SPLIT = re.compile(r"^\s*([A-Za-z0-9_\-]+)\s*(?:\[\s*(-?\d+%?)?\s*:\s*(-?\d+%?)?\s*\])?\s*$")
 SLICE_SEED = 0
 
@@ -64,3 +66,16 @@ def parse_split(text: str) -> Split:
         else:
             bounds.append(None if b is None else int(b))
     return Split(name, *bounds)
+
+
+def check_config(d: DataConfig) -> None:
+    """The data section's checks that need the data layer: the split expressions.
+
+    Raises:
+        ConfigError: a malformed ``data.train_split`` / ``data.test_split``, naming the key.
+    """
+    for key in ("train_split", "test_split"):
+        try:
+            parse_split(getattr(d, key))
+        except ValueError as e:
+            raise ConfigError(f"data.{key}: {e}", f"data.{key}") from None

@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from vitflow.data.decode import CorruptImageError
-from vitflow.data.loader import mix_seed, stack_images
+from vitflow.data.loader import stack_images
 from vitflow.data.sources import FileSource
 from vitflow.data.transforms import Transform, transform_encoded
+from vitflow.runtime import mix_seed
 
 
 def shuffle_buffer(items: Iterator, buffer_size: int, rng: np.random.Generator) -> Iterator:

@@ -1,7 +1,7 @@
 """Per-image transforms (torchvision.transforms.v2 on ``uint8`` tensors) and batched
 normalisation on the device.
 
-Images stay ``uint8`` ``(3, H, W)`` from decode to the device; :func:`normalize` turns a
+Images stay ``uint8`` ``(3, H, W)`` from decode to the device; :func:`model_input` turns a
 ``uint8`` batch into the model's float input in one batched op there.
 """
 
@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms import v2
+from torchvision.transforms import InterpolationMode, v2
 
 from vitflow.data.decode import decode_image, reducible_size
 
@@ -216,9 +215,24 @@ class _ResizeIfNeeded(torch.nn.Module):
         return v2.functional.resize(img, target, interpolation=self.interpolation, antialias=True)
 
 
-def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    """``uint8 (B, 3, H, W)`` in 0..255 -> ``float32`` ``(x / 255 - mean) / std``, batched on the
-    images' device."""
-    m = torch.tensor(mean, device=images.device, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
-    s = torch.tensor(std, device=images.device, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
-    return images.to(torch.float32).sub_(m).div_(s)  # one allocation, then in place
+def model_input(images: torch.Tensor, mean: Sequence[float], std: Sequence[float], device: torch.device | str | None = None,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The one conversion of a batch of images into a model's input, used by training,
+    evaluation, prediction, pruning and export checks.
+
+    Args:
+        images: ``uint8 (B, 3, H, W)`` in 0..255 (or one image ``(3, H, W)``), on any device.
+        mean: per-channel means on the 0..1 scale (the checkpoint's preprocessing).
+        std: per-channel standard deviations on the 0..1 scale.
+        device: where the model runs (the copy is non-blocking); ``None`` keeps the images' device.
+        dtype: the model's input dtype, e.g. ``torch.bfloat16`` for bf16 weights; ``None`` = float32.
+    Returns:
+        ``(x / 255 - mean) / std`` as ``dtype`` on ``device``, computed in float32 with one
+        allocation.
+    """
+    if device is not None:
+        images = images.to(device, non_blocking=True)
+    m = torch.tensor(mean, device=images.device, dtype=torch.float32).view(-1, 1, 1) * 255.0
+    s = torch.tensor(std, device=images.device, dtype=torch.float32).view(-1, 1, 1) * 255.0
+    x = images.to(torch.float32).sub_(m).div_(s)  # one allocation, then in place
+    return x if dtype in (None, torch.float32) else x.to(dtype)

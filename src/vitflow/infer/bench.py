@@ -36,8 +36,12 @@ from typing import Callable
 
 import torch
 
+from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
+from vitflow.infer.export import export_onnx, optimize_onnx
 from vitflow.infer.onnx_model import ModelInfo, OnnxModel
-from vitflow.train.amp import cpu_bf16_supported
+from vitflow.infer.quantize import quantize_onnx
+from vitflow.models import model_kwargs
+from vitflow.runtime import cpu_bf16_supported
 
 PATHS = ("timm_eager_fp32", "timm_eager_bf16", "eager_fp32", "eager_bf16", "compiled", "onnxruntime_fp32",
          "onnxruntime_int8")
@@ -72,7 +76,6 @@ def timm_model(model_args: dict) -> torch.nn.Module:
         from timm.models.vision_transformer import VisionTransformer as TimmViT
     except ImportError:
         raise ValueError("vitflow bench infer compares against timm: pip install timm") from None
-    from vitflow.models import model_kwargs
 
     args = {k: v for k, v in model_args.items() if k not in ("block_heads", "block_mlp_hidden")}
     kw = model_kwargs(args.pop("name"), **args)
@@ -94,8 +97,6 @@ def build_paths(model: torch.nn.Module, info: ModelInfo, workdir: str | Path,
 
     ``model`` is a float32 vitflow model in eval mode; ONNX files go to ``workdir``.
     """
-    from vitflow.infer.export import export_onnx, optimize_onnx
-    from vitflow.infer.quantize import quantize_onnx
 
     runners: dict[str, Runner] = {}
     notes: dict[str, str] = {}
@@ -178,7 +179,6 @@ def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = PATHS, batch_si
     Raises:
         FileNotFoundError / ValueError: unreadable checkpoint, unknown path, timm missing.
     """
-    from vitflow.train.checkpoint import load_checkpoint, model_from_checkpoint
 
     unknown = sorted(set(paths) - set(PATHS))
     if unknown:

@@ -8,10 +8,13 @@ from typing import Callable, Iterable
 
 import torch
 
-from vitflow.data import eval_loader, normalize, open_split
+from vitflow.data import eval_loader, model_input, open_split
 from vitflow.data.decode import CorruptImageError, decode_image
 from vitflow.data.sources import ImageSource
 from vitflow.data.transforms import Preprocess, eval_transform
+from vitflow.evaluation import evaluate
+from vitflow.infer.predict import collect_images
+from vitflow.runtime import resolve_precision
 
 
 def checkpoint_split(state: dict, path: str | Path | None = None, split: str | None = None) -> ImageSource:
@@ -43,7 +46,7 @@ def _first_readable(loads: Iterable[Callable[[], torch.Tensor]], pp: Preprocess,
             continue
     if not images:
         raise ValueError(nothing)
-    return normalize(torch.stack(images), pp.mean, pp.std)
+    return model_input(torch.stack(images), pp.mean, pp.std)
 
 
 def sample_images(source: ImageSource, pp: Preprocess, n: int = 8) -> torch.Tensor:
@@ -60,8 +63,6 @@ def sample_images(source: ImageSource, pp: Preprocess, n: int = 8) -> torch.Tens
 def images_from_files(paths: list[str], pp: Preprocess, n: int = 8) -> torch.Tensor:
     """Like :func:`sample_images` for image files, folders or tars (see
     :func:`vitflow.infer.predict.collect_images`)."""
-    from vitflow.infer.predict import collect_images
-
     loads = (lambda ref=ref: decode_image(ref.read(), ref.name) for ref in collect_images(paths))
     return _first_readable(loads, pp, n, (CorruptImageError, OSError),
                            f"no readable image in {' '.join(map(str, paths))}")
@@ -70,10 +71,7 @@ def images_from_files(paths: list[str], pp: Preprocess, n: int = 8) -> torch.Ten
 def accuracy(model: torch.nn.Module, source: ImageSource, pp: Preprocess, batch_size: int = 256,
              num_workers: int = 2) -> dict[str, float]:
     """Top-1 / top-5 / loss of ``model`` (PyTorch or :class:`~vitflow.infer.onnx_model.OnnxModel`,
-    fp32 on the CPU) over ``source`` with :func:`vitflow.train.evaluate.evaluate`."""
-    from vitflow.train.amp import resolve_precision
-    from vitflow.train.evaluate import evaluate
-
+    fp32 on the CPU) over ``source`` with :func:`vitflow.evaluation.evaluate`."""
     cpu = torch.device("cpu")
     loader = eval_loader(source, pp, batch_size, num_workers)
     return evaluate(model, loader, cpu, resolve_precision("fp32", cpu), pp)

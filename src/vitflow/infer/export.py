@@ -27,8 +27,22 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from vitflow.infer.onnx_model import (INPUT_NAME, OUTPUT_NAME, ModelInfo, OnnxModel, UnavailableError, copy_metadata,
-                                      quiet_toolchain, require, set_metadata)
+from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
+from vitflow.data import DataError
+from vitflow.data.transforms import Preprocess
+from vitflow.infer.calibration import checkpoint_split, images_from_files, sample_images
+from vitflow.infer.onnx_model import (
+    INPUT_NAME,
+    OUTPUT_NAME,
+    ModelInfo,
+    OnnxModel,
+    UnavailableError,
+    copy_metadata,
+    quiet_toolchain,
+    require,
+    set_metadata,
+)
+from vitflow.infer.tensorrt import TensorRTModel, build_tensorrt_engine, tensorrt_available
 from vitflow.models.attention import EXACT_BACKENDS
 
 log = logging.getLogger(__name__)
@@ -213,8 +227,6 @@ def load_exported(path: str | Path, fmt: str) -> tuple[Callable[[torch.Tensor], 
     Raises:
         FileNotFoundError: no such file. ValueError: unreadable or without vitflow metadata.
     """
-    from vitflow.data.transforms import Preprocess
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"exported model not found: {path}")
@@ -289,101 +301,6 @@ def verify(reference: nn.Module, candidate: Callable[[torch.Tensor], torch.Tenso
 
 
 # ---------------------------------------------------------------------------------------------
-# TensorRT
-
-
-def tensorrt_available() -> str | None:
-    """``None`` when TensorRT engines can be built here, else the reason they cannot."""
-    import importlib.util
-
-    if importlib.util.find_spec("tensorrt") is None:
-        return "the tensorrt Python package is not installed (pip install tensorrt, on a machine with an NVIDIA GPU)"
-    if not torch.cuda.is_available():
-        return "no NVIDIA GPU is visible to PyTorch (torch.cuda.is_available() is False)"
-    return None
-
-
-def build_tensorrt_engine(onnx_path: str | Path, engine_path: str | Path, fp16: bool = True,
-                          batch_sizes: tuple[int, int, int] = (1, 32, 128), workspace_gib: float = 4.0) -> dict:
-    """Build a serialized TensorRT engine from a vitflow ONNX export (NVIDIA TensorRT 8.6+/10.x
-    Python API: ``OnnxParser`` -> builder config with an optimisation profile over the batch
-    dimension ``(min, opt, max) = batch_sizes``; FP16 kernels allowed when ``fp16``).
-
-    Returns:
-        ``{"engine": path, "build_s": seconds, "bytes": size, "fp16": bool}``.
-    Raises:
-        UnavailableError: no ``tensorrt`` package or no CUDA GPU (the message says which).
-        ValueError: the ONNX model cannot be parsed or the build fails.
-    """
-    reason = tensorrt_available()
-    if reason:
-        raise UnavailableError(f"cannot build a TensorRT engine: {reason}")
-    import tensorrt as trt
-
-    t0 = time.perf_counter()
-    logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
-    flags = 0
-    if hasattr(trt.NetworkDefinitionCreationFlag, "EXPLICIT_BATCH") and int(trt.__version__.split(".")[0]) < 10:
-        flags = 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
-    network = builder.create_network(flags)
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise ValueError(f"TensorRT cannot parse {onnx_path}: {errors}")
-    config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * 1024**3))
-    if fp16:
-        config.set_flag(trt.BuilderFlag.FP16)
-    inp = network.get_input(0)
-    shape = tuple(inp.shape)[1:]
-    profile = builder.create_optimization_profile()
-    profile.set_shape(inp.name, *[(b, *shape) for b in batch_sizes])
-    config.add_optimization_profile(profile)
-    serialized = builder.build_serialized_network(network, config)
-    if serialized is None:
-        raise ValueError(f"TensorRT failed to build an engine from {onnx_path} (see the TensorRT log above)")
-    data = bytes(serialized)
-    Path(engine_path).write_bytes(data)
-    return {"engine": str(engine_path), "build_s": time.perf_counter() - t0, "bytes": len(data), "fp16": fp16}
-
-
-class TensorRTModel(nn.Module):
-    """A TensorRT engine (from :func:`build_tensorrt_engine`) as a module (TensorRT 10 tensor API).
-
-    ``forward(x)``: ``float32 (B, 3, S, S)`` on the GPU or CPU -> logits ``float32 (B, C)`` on the
-    GPU. Raises UnavailableError without TensorRT or a GPU.
-    """
-
-    def __init__(self, engine_path: str | Path):
-        super().__init__()
-        reason = tensorrt_available()
-        if reason:
-            raise UnavailableError(f"cannot run a TensorRT engine: {reason}")
-        import tensorrt as trt
-
-        self.runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-        self.engine = self.runtime.deserialize_cuda_engine(Path(engine_path).read_bytes())
-        if self.engine is None:
-            raise ValueError(f"cannot deserialize TensorRT engine {engine_path}")
-        self.context = self.engine.create_execution_context()
-        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
-        self.input_name = next(n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT)
-        self.output_name = next(n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to("cuda", torch.float32).contiguous()
-        self.context.set_input_shape(self.input_name, tuple(x.shape))
-        out = torch.empty(tuple(self.context.get_tensor_shape(self.output_name)), device="cuda", dtype=torch.float32)
-        self.context.set_tensor_address(self.input_name, x.data_ptr())
-        self.context.set_tensor_address(self.output_name, out.data_ptr())
-        stream = torch.cuda.current_stream()
-        if not self.context.execute_async_v3(stream.cuda_stream):
-            raise RuntimeError("TensorRT execution failed")
-        return out
-
-
-# ---------------------------------------------------------------------------------------------
 # the `vitflow export` pipeline
 
 
@@ -394,9 +311,6 @@ def verification_images(state: dict, data: str | None, pp, n: int = 8) -> torch.
     Raises:
         ValueError: no readable image there (the message says how to give some).
     """
-    from vitflow.data import DataError
-    from vitflow.infer.calibration import checkpoint_split, images_from_files, sample_images
-
     if data is not None:
         return images_from_files([data], pp, n)
     try:
@@ -424,8 +338,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "onnx"
         FileNotFoundError / ValueError: unreadable or incompatible checkpoint, bad format, no
         verification images. UnavailableError: TensorRT without tensorrt or a GPU.
     """
-    from vitflow.train.checkpoint import load_checkpoint, model_from_checkpoint
-
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {list(FORMATS)}")
     if fmt == "tensorrt":  # fail before any work when the machine cannot do it
@@ -443,6 +355,19 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "onnx"
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    candidate, fused = _write(model, out, fmt, info, opset, optimize, target, fp16, log)
+    export_s = time.perf_counter() - t0
+    tol = tolerance if tolerance is not None else (0.1 if fmt == "tensorrt" and fp16 else 1e-4)
+    check = verify(model, candidate, x, batch_sizes, tol)
+    return {"format": fmt, "path": str(out), "bytes": out.stat().st_size, "export_s": round(export_s, 2),
+            "max_abs_diff": check.max_abs_diff, "tolerance": tol, "ok": check.ok, "fused": fused,
+            "images": len(x), "summary": check.summary()}
+
+
+def _write(model: nn.Module, out: Path, fmt: str, info: ModelInfo, opset: int, optimize: bool, target: str,
+           fp16: bool, log: Callable[[str], None]) -> tuple[Callable[[torch.Tensor], torch.Tensor], dict[str, int]]:
+    """Write ``model`` to ``out`` in format ``fmt``; returns the export loaded back as a callable
+    and the fused node counts (``optimize``)."""
     fused: dict[str, int] = {}
     if fmt in ("onnx", "tensorrt"):
         onnx_path = out if fmt == "onnx" else out.with_suffix(".onnx")
@@ -450,20 +375,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "onnx"
         if optimize:
             fused = optimize_onnx(onnx_path, onnx_path, target, model.blocks[0].attn.num_heads, model.embed_dim)
     if fmt == "onnx":
-        candidate = OnnxModel(out)
-    elif fmt == "tensorrt":
+        return OnnxModel(out), fused
+    if fmt == "tensorrt":
         build = build_tensorrt_engine(onnx_path, out, fp16=fp16)
         log(f"TensorRT engine built in {build['build_s']:.1f} s ({'FP16' if fp16 else 'FP32'})")
-        candidate = TensorRTModel(out)
-    elif fmt == "torchscript":
-        export_torchscript(model, out, info)
-        candidate, _ = load_exported(out, fmt)
-    else:
-        export_program(model, out, info)
-        candidate, _ = load_exported(out, fmt)
-    export_s = time.perf_counter() - t0
-    tol = tolerance if tolerance is not None else (0.1 if fmt == "tensorrt" and fp16 else 1e-4)
-    check = verify(model, candidate, x, batch_sizes, tol)
-    return {"format": fmt, "path": str(out), "bytes": out.stat().st_size, "export_s": round(export_s, 2),
-            "max_abs_diff": check.max_abs_diff, "tolerance": tol, "ok": check.ok, "fused": fused,
-            "images": len(x), "summary": check.summary()}
+        return TensorRTModel(out), fused
+    (export_torchscript if fmt == "torchscript" else export_program)(model, out, info)
+    return load_exported(out, fmt)[0], fused

@@ -16,14 +16,13 @@ from typing import Iterable, Iterator
 
 import torch
 
-from vitflow.data import normalize
+from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
+from vitflow.data import model_input
 from vitflow.data.decode import CorruptImageError, decode_image, is_image_name
-from vitflow.data.sources import TarReader, is_hidden
+from vitflow.data.readers import TarReader, is_hidden
 from vitflow.data.transforms import Preprocess, eval_transform
 from vitflow.infer.onnx_model import OnnxModel, is_onnx
-from vitflow.runtime import configure_allocator
-from vitflow.train.amp import resolve_device, resolve_precision
-from vitflow.train.checkpoint import load_checkpoint, model_from_checkpoint
+from vitflow.runtime import configure_allocator, resolve_device, resolve_precision
 
 
 @dataclass
@@ -125,7 +124,7 @@ class Predictor:
 
     @torch.no_grad()
     def predict(self, images: torch.Tensor) -> torch.Tensor:
-        x = normalize(images.to(self.device), self.pp.mean, self.pp.std).to(self.dtype)
+        x = model_input(images, self.pp.mean, self.pp.std, self.device, self.dtype)
         return self.model(x).float().softmax(dim=-1).cpu()
 
     def _decode(self, ref: ImageRef) -> torch.Tensor | str:

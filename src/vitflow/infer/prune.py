@@ -20,21 +20,29 @@ evaluates, predicts, exports and quantises like any other.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitflow.data import normalize
+from vitflow.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+from vitflow.config import build_config
+from vitflow.data import ImageSource, eval_loader, model_input, train_loader
+from vitflow.data.splits import parse_split
 from vitflow.data.transforms import Preprocess
+from vitflow.infer.bench import time_paths
+from vitflow.infer.calibration import accuracy, checkpoint_split
+from vitflow.infer.quantize import inference_state
+from vitflow.models.matmul import Linear
+from vitflow.runtime import resolve_precision
 
 log = logging.getLogger(__name__)
+Finetune = Callable[..., object]
 
 
 @dataclass
@@ -81,7 +89,7 @@ def importance_scores(model: nn.Module, batches: Iterable[dict], pp: Preprocess,
                 if n >= max_images:
                     break
                 continue
-            x = normalize(batch["images"].to(device), pp.mean, pp.std)
+            x = model_input(batch["images"], pp.mean, pp.std, device)
             loss = F.cross_entropy(m(x), batch["labels"].to(device), reduction="sum")
             grads = torch.autograd.grad(loss, head_gates + mlp_gates)
             for acc, g in zip(head_acc + mlp_acc, grads):
@@ -151,13 +159,14 @@ def prune_mlp_(mlp: nn.Module, keep: list[int]) -> None:
     mlp.fc2 = _slice_linear(mlp.fc2, cols=idx)
 
 
-def _slice_linear(lin: nn.Linear, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None) -> nn.Linear:
+def _slice_linear(lin: nn.Linear, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None) -> Linear:
     w = lin.weight
     if rows is not None:
         w = w[rows]
     if cols is not None:
         w = w[:, cols]
-    out = nn.Linear(w.shape[1], w.shape[0], bias=lin.bias is not None).to(w.device, w.dtype)
+    out = Linear(w.shape[1], w.shape[0], bias=lin.bias is not None, gemm=getattr(lin, "gemm", "auto")).to(w.device,
+                                                                                                         w.dtype)
     out.weight.copy_(w)
     if lin.bias is not None:
         out.bias.copy_(lin.bias[rows] if rows is not None else lin.bias)
@@ -169,7 +178,8 @@ def prune_model(model: nn.Module, importance: Importance, heads: float = 0.25, m
     """A pruned copy of ``model`` and its per-block sizes.
 
     Args:
-        heads, mlp: fractions of all attention heads / MLP hidden units to remove.
+        heads: fraction of all attention heads to remove.
+        mlp: fraction of all MLP hidden units to remove.
     Returns:
         ``(pruned model, {"block_heads": [...], "block_mlp_hidden": [...]})``; the dict extends
         the checkpoint's ``model_args`` so :func:`vitflow.create_model` rebuilds the shape.
@@ -186,56 +196,6 @@ def prune_model(model: nn.Module, importance: Importance, heads: float = 0.25, m
     return m, sizes
 
 
-def distill_finetune(student: nn.Module, teacher: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                     steps: int, lr: float = 5e-4, weight_decay: float = 0.05, alpha: float = 0.5,
-                     temperature: float = 2.0, label_smoothing: float = 0.1, precision=None,
-                     device: torch.device | str = "cpu", log_every: int = 50) -> list[float]:
-    """Fine-tune ``student`` in place for ``steps`` batches with knowledge distillation (Hinton,
-    Vinyals & Dean 2015): ``loss = alpha * T^2 * KL(p_teacher^T || p_student^T) + (1 - alpha) *
-    CE(student, labels)``. AdamW over vitflow's parameter groups, linear warmup over 5% of the
-    steps then cosine decay to 0 (:mod:`vitflow.train.schedules`), gradient clipping at 1.0.
-
-    Args:
-        batches: an endless iterator of ``(x, targets)`` on ``device``: normalised ``float32
-            (B, 3, S, S)`` and class indices ``int64 (B,)`` or soft targets ``(B, C)`` (Mixup),
-            e.g. a vitflow train loader finished by its ``pipeline``.
-        precision: a :class:`vitflow.train.amp.Precision` (autocast); ``None`` for fp32.
-    Returns:
-        The loss of every step.
-    """
-    from vitflow.config import OptimConfig
-    from vitflow.train.optim import build_optimizer
-    from vitflow.train.schedules import build_scheduler
-
-    student.to(device).train()
-    teacher = teacher.to(device).eval()
-    cfg = OptimConfig(lr=lr, weight_decay=weight_decay, warmup_steps=max(1, steps // 20))
-    opt = build_optimizer(student, cfg)
-    sched = build_scheduler(opt, cfg, steps)
-    autocast = precision.autocast if precision is not None else contextlib.nullcontext
-    losses, it, t0 = [], iter(batches), time.perf_counter()
-    for step in range(steps):
-        x, y = next(it)
-        with torch.no_grad(), autocast():
-            t_logits = teacher(x).float()
-        with autocast():
-            s_logits = student(x).float()
-        kd = F.kl_div(F.log_softmax(s_logits / temperature, -1), F.log_softmax(t_logits / temperature, -1),
-                      reduction="batchmean", log_target=True) * temperature**2
-        loss = alpha * kd + (1 - alpha) * F.cross_entropy(s_logits, y, label_smoothing=label_smoothing)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(float(loss.detach()))
-        if log_every and (step + 1) % log_every == 0:
-            log.info("fine-tune step %d/%d: loss %.4f (%.0f s)", step + 1, steps,
-                     sum(losses[-log_every:]) / log_every, time.perf_counter() - t0)
-    student.eval()
-    return losses
-
-
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -243,8 +203,13 @@ def count_params(model: nn.Module) -> int:
 def prune_checkpoint(checkpoint, out, heads: float = 0.25, mlp: float = 0.0, data: str | None = None,
                      calib_images: int = 1024, finetune_steps: int = 0, batch_size: int = 128, lr: float = 5e-4,
                      alpha: float = 0.5, temperature: float = 2.0, evaluate: bool = True, eval_split: str | None = None,
-                     log=print) -> dict:
+                     log=print, finetune: Finetune | None = None) -> dict:
     """Prune a checkpoint, optionally fine-tune with distillation, measure, and save.
+
+    ``finetune`` runs the fine-tune (``finetune_steps > 0``), e.g.
+    :func:`vitflow.train.distill.distill_finetune`: called as ``finetune(student, teacher, pairs,
+    steps, lr, alpha=, temperature=, label_smoothing=, precision=)`` with ``pairs`` an endless
+    iterator of ``(x, targets)`` model inputs (the inference layer does not train).
 
     Data come from the checkpoint's config (``data.path``, train / test splits) or ``data``:
     calibration from ``<train split>[:calib_images]``, fine-tuning from the train split with
@@ -257,34 +222,18 @@ def prune_checkpoint(checkpoint, out, heads: float = 0.25, mlp: float = 0.0, dat
         (accuracy keys only with ``evaluate``).
     Raises:
         FileNotFoundError / ValueError / DataError: unreadable checkpoint or data, bad fractions,
-        an already quantised checkpoint.
+        an already quantised checkpoint, fine-tune steps without ``finetune``.
     """
-    from vitflow.config import build_config
-    from vitflow.data import eval_loader, train_loader
-    from vitflow.data.splits import parse_split
-    from vitflow.infer.bench import time_paths
-    from vitflow.infer.calibration import accuracy, checkpoint_split
-    from vitflow.infer.quantize import inference_state
-    from vitflow.train.amp import resolve_precision
-    from vitflow.train.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
-
+    if finetune_steps and finetune is None:
+        raise ValueError("finetune_steps > 0 needs a finetune function (vitflow.train.distill.distill_finetune)")
     if not (0 <= heads < 1 and 0 <= mlp < 1) or heads == mlp == 0:
         raise ValueError(f"give --heads and/or --mlp as fractions in [0, 1) to remove (got {heads}, {mlp})")
-    state = load_checkpoint(checkpoint)
-    if state.get("quantization"):
-        raise ValueError(f"{state['path']} is quantized; prune the float checkpoint")
+    state = _float_checkpoint(checkpoint)
     cfg = build_config(base=state["config"])
     model = model_from_checkpoint(state).float()
     pp = Preprocess.from_dict(state["preprocess"])
-    train_name = parse_split(cfg.data.train_split).name
     result: dict = {"path": str(out), "params_before": count_params(model)}
-
-    calib = checkpoint_split(state, data, f"{train_name}[:{calib_images}]")
-    t0 = time.perf_counter()
-    scores = importance_scores(model, eval_loader(calib, pp, 64, cfg.data.num_workers), pp, calib_images)
-    pruned, sizes = prune_model(model, scores, heads, mlp)
-    log(f"importance from {scores.images} calibration images ({time.perf_counter() - t0:.0f} s); "
-        f"heads per block {sizes['block_heads']}, MLP hidden {sizes['block_mlp_hidden']}")
+    pruned, sizes, scores = _calibrate_and_prune(model, state, cfg, pp, data, calib_images, heads, mlp, log)
     result.update(sizes, params_after=count_params(pruned), heads_before=sum(len(s) for s in scores.heads),
                   heads_after=sum(sizes["block_heads"]))
 
@@ -294,28 +243,59 @@ def prune_checkpoint(checkpoint, out, heads: float = 0.25, mlp: float = 0.0, dat
         result["top1_pruned"] = accuracy(pruned, test, pp)["top1"]
         log(f"top-1 on {len(test)} images: {result['top1_before']:.2%} before, {result['top1_pruned']:.2%} pruned")
     if finetune_steps:
-        cpu = torch.device("cpu")
-        train = checkpoint_split(state, data, cfg.data.train_split)
-        loader = train_loader(train, cfg.data, pp.image_size, batch_size, cfg.train.seed, cpu, len(state["classes"]))
-        pairs = (loader.pipeline(b) for b in loader if len(b["labels"]))
         t0 = time.perf_counter()
-        try:
-            distill_finetune(pruned, model, pairs, finetune_steps, lr, alpha=alpha, temperature=temperature,
-                             label_smoothing=cfg.train.label_smoothing,
-                             precision=resolve_precision(cfg.train.precision, cpu))
-        finally:
-            loader.close()
+        _finetune(finetune, pruned, model, checkpoint_split(state, data, cfg.data.train_split), cfg, pp,
+                  finetune_steps, batch_size, lr, alpha, temperature)
         result.update(finetune_steps=finetune_steps, finetune_s=round(time.perf_counter() - t0, 1))
         if test is not None:
             result["top1_after"] = accuracy(pruned, test, pp)["top1"]
             log(f"top-1 after {finetune_steps} distillation steps: {result['top1_after']:.2%}")
-    timing = time_paths({"unpruned": model.eval(), "pruned": pruned.eval()}, pp.image_size, log=lambda s: None)
-    before, after = timing["unpruned"].summary(), timing["pruned"].summary()
-    result.update(speedup_throughput=round(after["throughput_ips"] / before["throughput_ips"], 3),
-                  speedup_latency=round(before["latency_ms_p50"] / after["latency_ms_p50"], 3),
-                  timing={"unpruned": before, "pruned": after})
+    result.update(_speedups(model, pruned, pp.image_size))
     save_checkpoint({**inference_state(state), "model": pruned.state_dict(),
                      "model_args": {**state["model_args"], **sizes},
                      "metrics": {"top1": result.get("top1_after", result.get("top1_pruned"))},
                      "pruning": {k: v for k, v in result.items() if k != "path"}}, out)
     return result
+
+
+def _finetune(finetune: Finetune, pruned: nn.Module, model: nn.Module, train: ImageSource, cfg, pp: Preprocess,
+              steps: int, batch_size: int, lr: float, alpha: float, temperature: float) -> None:
+    """Run ``finetune`` on the CPU over ``train`` with the checkpoint's training augmentation."""
+    cpu = torch.device("cpu")
+    loader = train_loader(train, cfg.data, pp.image_size, batch_size, cfg.train.seed, cpu, len(train.classes))
+    pairs = (loader.device_batch(b) for b in loader if len(b["labels"]))
+    try:
+        finetune(pruned, model, pairs, steps, lr, alpha=alpha, temperature=temperature,
+                 label_smoothing=cfg.train.label_smoothing, precision=resolve_precision(cfg.train.precision, cpu))
+    finally:
+        loader.close()
+
+
+def _speedups(model: nn.Module, pruned: nn.Module, image_size: int) -> dict:
+    """fp32 batch throughput and batch-1 latency of both models, timed side by side."""
+    timing = time_paths({"unpruned": model.eval(), "pruned": pruned.eval()}, image_size, log=lambda s: None)
+    before, after = timing["unpruned"].summary(), timing["pruned"].summary()
+    return {"speedup_throughput": round(after["throughput_ips"] / before["throughput_ips"], 3),
+            "speedup_latency": round(before["latency_ms_p50"] / after["latency_ms_p50"], 3),
+            "timing": {"unpruned": before, "pruned": after}}
+
+
+def _float_checkpoint(path) -> dict:
+    """The checkpoint at ``path``; raises ValueError for a quantized one (prune the float one)."""
+    state = load_checkpoint(path)
+    if state.get("quantization"):
+        raise ValueError(f"{state['path']} is quantized; prune the float checkpoint")
+    return state
+
+
+def _calibrate_and_prune(model: nn.Module, state: dict, cfg, pp: Preprocess, data: str | None, calib_images: int,
+                         heads: float, mlp: float, log) -> tuple[nn.Module, dict, Importance]:
+    """Importance scores on the first ``calib_images`` of the training split, then the pruned copy
+    (:func:`prune_model`)."""
+    calib = checkpoint_split(state, data, f"{parse_split(cfg.data.train_split).name}[:{calib_images}]")
+    t0 = time.perf_counter()
+    scores = importance_scores(model, eval_loader(calib, pp, 64, cfg.data.num_workers), pp, calib_images)
+    pruned, sizes = prune_model(model, scores, heads, mlp)
+    log(f"importance from {scores.images} calibration images ({time.perf_counter() - t0:.0f} s); "
+        f"heads per block {sizes['block_heads']}, MLP hidden {sizes['block_mlp_hidden']}")
+    return pruned, sizes, scores

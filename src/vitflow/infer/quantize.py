@@ -15,13 +15,19 @@ and the accuracy guard that refuses a quantised model that lost too much top-1.
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
 import tempfile
 from pathlib import Path
 
 import torch
 
-from vitflow.infer.onnx_model import copy_metadata, quiet_toolchain, require
+from vitflow.checkpoint import apply_quantization, load_checkpoint, model_from_checkpoint, save_checkpoint
+from vitflow.data import open_split
+from vitflow.infer.calibration import accuracy
+from vitflow.infer.export import export_onnx
+from vitflow.infer.onnx_model import ModelInfo, OnnxModel, copy_metadata, is_onnx, quiet_toolchain, require
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +67,7 @@ def quantize_torch(model: torch.nn.Module) -> torch.nn.Module:
     """PyTorch dynamic INT8 of every ``nn.Linear`` (``torch.ao.quantization.quantize_dynamic``,
     ``qint8`` weights per output channel; activations quantised per batch at run time). Returns a
     new CPU model; ``model`` is not modified. Loading: see
-    :func:`vitflow.train.checkpoint.model_from_checkpoint` (``quantization: dynamic-int8``)."""
-    from vitflow.train.checkpoint import apply_quantization
-
-    import copy
-
+    :func:`vitflow.checkpoint.model_from_checkpoint` (``quantization: dynamic-int8``)."""
     return apply_quantization(copy.deepcopy(model).cpu().eval(), "dynamic-int8")
 
 
@@ -123,9 +125,9 @@ def quantize_file(model_path: str | Path, out: str | Path, backend: str = "onnxr
         backend: ``onnxruntime`` (INT8 ONNX; a checkpoint is exported first) or ``torch``
             (INT8 dynamic checkpoint, or an FP16/BF16 weight cast with ``dtype``).
         dtype: ``int8``; ``fp16`` / ``bf16`` (torch backend: weight casting).
-        data, split: an image folder / tar and split (``test``, ``test[:2000]``, ...) to measure
-            top-1 before and after; the output is written only if top-1 dropped by at most
-            ``max_drop`` percentage points, or with ``force``.
+        data: an image folder or tar to measure top-1 on before and after; the output is written
+            only if top-1 dropped by at most ``max_drop`` percentage points, or with ``force``.
+        split: the split of ``data`` (``test``, ``test[:2000]``, ...).
     Returns:
         ``{"path", "bytes", "ops", "top1_before", "top1_after", "drop_points",
         "images", "written"}`` (accuracy keys only with ``data``).
@@ -133,13 +135,29 @@ def quantize_file(model_path: str | Path, out: str | Path, backend: str = "onnxr
         AccuracyDropError: the drop exceeds ``max_drop`` (and not ``force``); ``out`` not written.
         FileNotFoundError / ValueError: unreadable model, unsupported combination, bad data.
     """
-    import os
+    _check_request(model_path, out, backend, dtype)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    result: dict = {"path": str(out)}
+    with tempfile.TemporaryDirectory() as workdir:
+        if backend == "onnxruntime":
+            reference, candidate, info, result["ops"] = _quantize_to_onnx(model_path, tmp, Path(workdir), per_channel)
+        else:
+            reference, candidate, info = _quantize_checkpoint(model_path, tmp, dtype)
+        try:
+            if data is not None:
+                result.update(_accuracy_guard(reference, candidate, info, data, split, max_drop, force, out, log))
+            os.replace(tmp, out)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+    result.update(bytes=out.stat().st_size, written=True)
+    return result
 
-    from vitflow.data import open_split
-    from vitflow.infer.calibration import accuracy
-    from vitflow.infer.onnx_model import ModelInfo, OnnxModel, is_onnx
-    from vitflow.train.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 
+def _check_request(model_path: str | Path, out: str | Path, backend: str, dtype: str) -> None:
+    """Raises ValueError for a backend / dtype / input / output combination that cannot work."""
     if backend not in ("onnxruntime", "torch"):
         raise ValueError(f"unknown quantization backend {backend!r}; choose onnxruntime or torch")
     if dtype not in ("int8", "fp16", "bf16"):
@@ -147,60 +165,58 @@ def quantize_file(model_path: str | Path, out: str | Path, backend: str = "onnxr
     if backend == "onnxruntime" and dtype != "int8":
         raise ValueError("the onnxruntime backend writes INT8 models; for FP16/BF16 weights use --backend torch "
                          "(or build an FP16 TensorRT engine with `vitflow export --format tensorrt`)")
-    src_onnx = is_onnx(model_path)
-    if src_onnx and backend == "torch":
+    if is_onnx(model_path) and backend == "torch":
         raise ValueError(f"{model_path} is an ONNX model; the torch backend needs a vitflow checkpoint")
-    out = Path(out)
     want = ".onnx" if backend == "onnxruntime" else ".pt"
-    if out.suffix.lower() != want:
+    if Path(out).suffix.lower() != want:
         raise ValueError(f"output {out}: the {backend} backend writes a {want} file; name it *{want}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    result: dict = {"path": str(out)}
-    with tempfile.TemporaryDirectory() as workdir:
-        if backend == "onnxruntime":
-            if src_onnx:
-                reference = OnnxModel(model_path)
-                info, src = reference.info(), Path(model_path)
-            else:
-                from vitflow.infer.export import export_onnx
 
-                state = load_checkpoint(model_path)
-                info, src = ModelInfo.from_checkpoint(state), Path(workdir) / "fp32.onnx"
-                export_onnx(model_from_checkpoint(state), src, info)
-                reference = OnnxModel(src)
-            result["ops"] = quantize_onnx(src, tmp, per_channel)
-            candidate = OnnxModel(tmp)
-        else:
-            state = load_checkpoint(model_path)
-            if state.get("quantization"):
-                raise ValueError(f"{state['path']} is already quantized ({state['quantization']})")
-            info, reference = ModelInfo.from_checkpoint(state), model_from_checkpoint(state)
-            if dtype == "int8":
-                qmodel = quantize_torch(reference)
-                new_state = {**inference_state(state), "model": qmodel.state_dict(), "quantization": "dynamic-int8"}
-                candidate = qmodel
-            else:
-                new_state = cast_checkpoint(state, dtype)
-                dt = torch.float16 if dtype == "fp16" else torch.bfloat16
-                candidate = _Cast(model_from_checkpoint(state).to(dt), dt)
-            save_checkpoint(new_state, tmp)
-        try:
-            if data is not None:
-                source = open_split(data, split, "auto", classes=info.classes)
-                log(f"measuring top-1 on {len(source)} images of {data} [{split}] ...")
-                before = accuracy(reference, source, info.preprocess)
-                after = accuracy(candidate, source, info.preprocess)
-                drop = (before["top1"] - after["top1"]) * 100
-                result.update(top1_before=before["top1"], top1_after=after["top1"], drop_points=round(drop, 3),
-                              images=after["images"], max_drop=max_drop)
-                if drop > max_drop and not force:
-                    raise AccuracyDropError(
-                        f"top-1 fell from {before['top1']:.2%} to {after['top1']:.2%} ({drop:.2f} points > "
-                        f"--max-drop {max_drop:g}); {out} NOT written (use --force to write it anyway)")
-            os.replace(tmp, out)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-    result.update(bytes=out.stat().st_size, written=True)
-    return result
+
+def _quantize_to_onnx(model_path: str | Path, tmp: Path, workdir: Path, per_channel: bool):
+    """INT8 ONNX of a vitflow ``.onnx`` or checkpoint (exported first) written to ``tmp``; returns
+    ``(reference, candidate, info, op counts)``."""
+    if is_onnx(model_path):
+        reference = OnnxModel(model_path)
+        info, src = reference.info(), Path(model_path)
+    else:
+        state = load_checkpoint(model_path)
+        info, src = ModelInfo.from_checkpoint(state), workdir / "fp32.onnx"
+        export_onnx(model_from_checkpoint(state), src, info)
+        reference = OnnxModel(src)
+    ops = quantize_onnx(src, tmp, per_channel)
+    return reference, OnnxModel(tmp), info, ops
+
+
+def _quantize_checkpoint(model_path: str | Path, tmp: Path, dtype: str):
+    """An INT8 (dynamic) or FP16/BF16 checkpoint written to ``tmp``; returns ``(reference,
+    candidate, info)``."""
+    state = load_checkpoint(model_path)
+    if state.get("quantization"):
+        raise ValueError(f"{state['path']} is already quantized ({state['quantization']})")
+    info, reference = ModelInfo.from_checkpoint(state), model_from_checkpoint(state)
+    if dtype == "int8":
+        candidate = quantize_torch(reference)
+        new_state = {**inference_state(state), "model": candidate.state_dict(), "quantization": "dynamic-int8"}
+    else:
+        new_state = cast_checkpoint(state, dtype)
+        dt = torch.float16 if dtype == "fp16" else torch.bfloat16
+        candidate = _Cast(model_from_checkpoint(state).to(dt), dt)
+    save_checkpoint(new_state, tmp)
+    return reference, candidate, info
+
+
+def _accuracy_guard(reference, candidate, info: ModelInfo, data: str, split: str, max_drop: float, force: bool,
+                    out: Path, log) -> dict:
+    """Top-1 of both models on ``data [split]``; raises AccuracyDropError when it fell by more
+    than ``max_drop`` points (unless ``force``)."""
+    source = open_split(data, split, "auto", classes=info.classes)
+    log(f"measuring top-1 on {len(source)} images of {data} [{split}] ...")
+    before = accuracy(reference, source, info.preprocess)
+    after = accuracy(candidate, source, info.preprocess)
+    drop = (before["top1"] - after["top1"]) * 100
+    if drop > max_drop and not force:
+        raise AccuracyDropError(
+            f"top-1 fell from {before['top1']:.2%} to {after['top1']:.2%} ({drop:.2f} points > "
+            f"--max-drop {max_drop:g}); {out} NOT written (use --force to write it anyway)")
+    return {"top1_before": before["top1"], "top1_after": after["top1"], "drop_points": round(drop, 3),
+            "images": after["images"], "max_drop": max_drop}

@@ -59,7 +59,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -129,10 +129,6 @@ def convert_hf_vit(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 _NPZ_PREFIXES = ("opt/target/", "params/img/", "params/", "img/")
 
 
-def is_jax_npz(path: str | Path) -> bool:
-    return Path(path).suffix == ".npz"
-
-
 def read_npz(path: str | Path) -> dict[str, np.ndarray]:
     """All arrays of an ``.npz`` file (``allow_pickle=False``: no code is run)."""
     with np.load(path, allow_pickle=False) as f:
@@ -177,6 +173,15 @@ def convert_jax_npz(arrays: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]
     if "pre_logits/kernel" in w:
         log.warning("dropping the pre_logits representation layer of this .npz checkpoint (as timm does)")
 
+    sd.update(_npz_blocks(w, prefix, mha, ln2, mlp, t))
+    return sd
+
+
+def _npz_blocks(w: Mapping[str, np.ndarray], prefix: str, mha: str, ln2: str, mlp: str,
+                t: Callable[[np.ndarray], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The ``blocks.{i}.*`` tensors of a Flax ViT's encoder blocks (one ``encoderblock_{i}`` each,
+    or a scanned ``encoderblock`` whose arrays have a leading depth axis); ``mha``, ``ln2``,
+    ``mlp``: that checkpoint's module names."""
     scanned = "Transformer/encoderblock/LayerNorm_0/scale" in w
     if scanned:
         depth = w["Transformer/encoderblock/LayerNorm_0/scale"].shape[0]
@@ -189,6 +194,7 @@ def convert_jax_npz(arrays: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]
             raise ValueError(f".npz checkpoint lacks {prefix}{key}")
         return t(w[key][i] if scanned else w[key])
 
+    sd: dict[str, torch.Tensor] = {}
     for i in range(depth):
         b = f"blocks.{i}."
         sd[b + "norm1.weight"], sd[b + "norm1.bias"] = get(i, "LayerNorm_0/scale"), get(i, "LayerNorm_0/bias")

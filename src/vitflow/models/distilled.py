@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from vitflow.models.matmul import Linear
 from vitflow.models.vit import VisionTransformer
 
 
@@ -39,7 +40,8 @@ class VisionTransformerDistilled(VisionTransformer):
         self.distilled_training = False
         self.dist_token = nn.Parameter(torch.zeros(1, 1, self.embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, self.grid_size**2 + 2, self.embed_dim))
-        self.head_dist = nn.Linear(self.embed_dim, self.num_classes) if self.num_classes > 0 else nn.Identity()
+        self.head_dist = (Linear(self.embed_dim, self.num_classes, gemm=self.cpu_bf16_matmul) if self.num_classes > 0
+                          else nn.Identity())
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         nn.init.trunc_normal_(self.dist_token, std=0.02)
         if self.num_classes > 0:
@@ -68,7 +70,7 @@ class VisionTransformerDistilled(VisionTransformer):
 
     def reset_classifier(self, num_classes: int) -> None:
         super().reset_classifier(num_classes)
-        self.head_dist = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head_dist = Linear(self.embed_dim, num_classes, gemm=self.cpu_bf16_matmul) if num_classes > 0 else nn.Identity()
         if num_classes > 0:
             nn.init.trunc_normal_(self.head_dist.weight, std=0.02)
             nn.init.zeros_(self.head_dist.bias)

@@ -12,14 +12,19 @@ is then rounded to bf16 as before. The input, the output and what the backward k
 input's is rounded to the input's dtype, the weight's and bias's are fp32 (native autocast
 rounds the weight gradient to bf16 first).
 
-Modes (``VisionTransformer(cpu_bf16_matmul=...)``, config ``model.cpu_bf16_matmul``): ``bf16``
+Every linear layer of a vitflow model is a :class:`Linear` (an ``nn.Linear`` with the same
+parameters and state-dict names) whose attribute ``gemm`` holds its mode and whose forward makes
+the choice. Modes (``VisionTransformer(cpu_bf16_matmul=...)``, config ``model.cpu_bf16_matmul``): ``bf16``
 (always the native kernel), ``fp32`` (always the fp32 GEMM), ``auto`` (the default: on the first
 call of each ``(rows, in, out, bias?, input dtype, backward?)`` both run on constant data of that
 shape — forward, plus the backward's GEMMs when gradients are on, run without autograd so that a
 first call inside a checkpointed block is safe; one warm-up and :data:`TIMED_CALLS` timed calls
 each, fastest call — and ``fp32`` is kept only when it is more than :data:`TIE` faster; the
-choice is logged). Outside bf16 CPU autocast, or for a module that is not a plain
-``nn.Linear`` (e.g. dynamically quantized), :func:`linear` is ``layer(x)``.
+choice is logged, at debug level). Outside bf16 CPU autocast a :class:`Linear` is ``F.linear``.
+
+:class:`Linear` also takes an optional ``residual`` and then returns ``residual + linear(x)`` with
+the add inside the GEMM (BLAS ``C = A B + C``) where that is exact and safe: the pre-norm block's
+``x + proj(...)`` and ``x + fc2(...)`` without two extra passes over the activation.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitflow.models.timing import fastest, tracing
+from vitflow.timing import fastest, tracing
 
 log = logging.getLogger(__name__)
 
@@ -128,43 +133,68 @@ def _choose(key: tuple, layer: nn.Linear) -> str:
     return choice
 
 
-def linear(layer: nn.Module, x: torch.Tensor, mode: str = "auto") -> torch.Tensor:
-    """``layer(x)``; under bf16 CPU autocast a plain ``nn.Linear`` runs the GEMM that ``mode``
-    selects (see the module docstring). ``x (..., in_features)`` -> ``(..., out_features)``."""
-    if mode == "bf16" or type(layer) is not nn.Linear or not _bf16_cpu_autocast(x) or tracing():
-        return layer(x)
-    if mode == "auto":
-        backward = torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad)
-        key = (x.numel() // x.shape[-1], layer.in_features, layer.out_features, layer.bias is not None, x.dtype,
-               backward)
-        mode = _CHOICES.get(key) or _choose(key, layer)
-    return linear_fp32_gemm(x, layer.weight, layer.bias) if mode == "fp32" else layer(x)
+def _gemm_choice(layer: nn.Linear, x: torch.Tensor) -> str:
+    """``auto``'s choice for ``layer`` on ``x``: the recorded one for this shape, timed on first sight."""
+    backward = torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad)
+    key = (x.numel() // x.shape[-1], layer.in_features, layer.out_features, layer.bias is not None, x.dtype, backward)
+    return _CHOICES.get(key) or _choose(key, layer)
 
 
-def linear_residual(residual: torch.Tensor, layer: nn.Module, x: torch.Tensor, mode: str = "auto") -> torch.Tensor:
-    """``residual + layer(x)``, for a plain ``nn.Linear`` with bias outside autocast, with the
-    residual add inside the GEMM: ``(residual + bias).addmm_(x, W^T)`` (BLAS ``C = A B + C``).
+class Linear(nn.Linear):
+    """``nn.Linear`` with the same parameters and state-dict names (timm's checkpoints load as
+    they are) and two additions that leave the result unchanged (see the module docstring):
 
-    The unfused form writes the bias into a new output (``addmm``'s broadcast copy), runs the
-    GEMM into it and adds the residual in a third tensor; this one makes one pass for
-    ``residual + bias`` and lets the GEMM accumulate onto it — two fewer passes over the
-    ``(tokens, out_features)`` activation and one allocation fewer. Autograd is unaffected (the
-    in-place GEMM writes a temporary that nothing saved). Anywhere else (autocast, no bias,
-    another module type or one with forward hooks, compile / export tracing, mixed dtypes) it is
-    ``residual + linear(layer, x, mode)``.
+    - under bf16 CPU autocast, the GEMM that ``gemm`` (``auto`` | ``bf16`` | ``fp32``) selects;
+    - ``forward(x, residual)`` returns ``residual + linear(x)``, the add inside the GEMM
+      (``(residual + bias).addmm_(x, W^T)``) for fp32/fp64 eager calls with a bias; anywhere
+      else (autocast, tracing for export or compile, no bias, mixed dtypes, tensor subclasses such
+      as FSDP's DTensor) as an ordinary add.
 
-    Shapes: ``residual (..., out_features)``, ``x (..., in_features)`` with the same leading
-    dimensions -> ``(..., out_features)`` in their dtype.
+    Shapes: ``x (..., in_features)``, ``residual (..., out_features)`` with the same leading
+    dimensions -> ``(..., out_features)``.
+
+    Raises:
+        ValueError: an unknown ``gemm`` mode.
     """
-    w, b = getattr(layer, "weight", None), getattr(layer, "bias", None)
-    if (type(layer) is not nn.Linear or b is None or tracing() or torch.is_autocast_enabled(x.device.type)
-            or not residual.dtype == x.dtype == w.dtype == b.dtype or residual.shape[:-1] != x.shape[:-1]
-            or type(w) is not nn.Parameter or type(residual) is not torch.Tensor
-            or layer._forward_hooks or layer._forward_pre_hooks):
-        return residual + linear(layer, x, mode)
-    out = torch.add(residual.reshape(-1, residual.shape[-1]), b)
-    out.addmm_(x.reshape(-1, x.shape[-1]), w.t())
-    return out.view(residual.shape)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gemm: str = "auto", **kwargs):
+        super().__init__(in_features, out_features, bias, **kwargs)
+        self.gemm = check_mode(gemm)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.gemm != "bf16" and _bf16_cpu_autocast(x) and not tracing():
+            fp32 = self.gemm == "fp32" or _gemm_choice(self, x) == "fp32"
+            y = linear_fp32_gemm(x, self.weight, self.bias) if fp32 else F.linear(x, self.weight, self.bias)
+        elif residual is not None and self._fusable(x, residual):
+            out = torch.add(residual.reshape(-1, residual.shape[-1]), self.bias)
+            return out.addmm_(x.reshape(-1, x.shape[-1]), self.weight.t()).view(residual.shape)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if residual is None else residual + y
+
+    def _fusable(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        w, b = self.weight, self.bias
+        return (b is not None and not tracing() and not torch.is_autocast_enabled(x.device.type)
+                and residual.dtype == x.dtype == w.dtype == b.dtype and residual.shape[:-1] == x.shape[:-1]
+                and type(w) is nn.Parameter and type(residual) is torch.Tensor)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.gemm == "auto" else f", gemm={self.gemm}")
+
+
+def as_plain_linear(model: nn.Module) -> nn.Module:
+    """Replace every :class:`Linear` of ``model`` (in place) by an ``nn.Linear`` holding the same
+    parameters, for tools that match ``nn.Linear`` by exact type (PyTorch's dynamic
+    quantization). Returns ``model``."""
+    for name, child in model.named_children():
+        if type(child) is Linear:
+            plain = nn.Linear(child.in_features, child.out_features, child.bias is not None,
+                              device=child.weight.device, dtype=child.weight.dtype)
+            plain.weight, plain.bias = child.weight, child.bias
+            setattr(model, name, plain)
+        else:
+            as_plain_linear(child)
+    return model
 
 
 def clear_choices() -> None:

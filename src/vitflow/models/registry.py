@@ -1,87 +1,124 @@
-"""Named ViT variants and ``create_model`` / ``list_models``.
+"""The model-family registry: ``create_model``, ``list_models`` and the model config's checks.
 
-Widths, depths and heads of the 224-px variants follow the ViT paper (Dosovitskiy et al. 2021,
-table 1: Base, Large, Huge) and DeiT (Touvron et al. 2021: Tiny, Small); every variant uses a
-head dimension of 64 except where stated.
+Each family (:class:`~vitflow.models.family.ModelFamily`) owns a set of variant names;
+:func:`create_model` finds the family that owns a name and builds the variant with the given
+overrides. Families today: ViT and DeiT (:mod:`vitflow.models.vit_variants`); a new
+architecture adds its family to :data:`FAMILIES`.
 """
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 from pathlib import Path
 from typing import Any
 
-from vitflow.models.distilled import VisionTransformerDistilled
-from vitflow.models.vit import VisionTransformer
+import torch.nn as nn
 
-_SIZES = {  # name: (embed_dim, depth, num_heads)
-    "tiny": (192, 12, 3),
-    "small": (384, 12, 6),
-    "base": (768, 12, 12),
-    "large": (1024, 24, 16),
-    "huge": (1280, 32, 16),
-}
+from vitflow.config import ConfigError, ModelConfig
+from vitflow.models.attention import EXACT_BACKENDS
+from vitflow.models.family import ModelFamily
+from vitflow.models.grad_checkpointing import CheckpointPlan
+from vitflow.models.vit_variants import VIT
 
-MODELS: dict[str, dict[str, Any]] = {}
-for _size, (_dim, _depth, _heads) in _SIZES.items():
-    for _patch in (16, 32):
-        MODELS[f"vit_{_size}_patch{_patch}_224"] = dict(
-            img_size=224, patch_size=_patch, embed_dim=_dim, depth=_depth, num_heads=_heads)
-# Small-image variants for 32x32 inputs (CIFAR): patch 4 gives an 8x8 grid, 65 tokens.
-MODELS["vit_tiny_patch4_32"] = dict(img_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=3)
-MODELS["vit_small_patch4_32"] = dict(img_size=32, patch_size=4, embed_dim=384, depth=12, num_heads=6)
-# The compact CIFAR ViT used in the project's CPU baselines: ViT-Tiny width, 9 blocks, MLP ratio 2.
-MODELS["vit_cifar_patch4_32"] = dict(img_size=32, patch_size=4, embed_dim=192, depth=9, num_heads=3, mlp_ratio=2.0)
-# For 8x8 images (scikit-learn's handwritten digits, the embedded default): 4x4 grid of 2x2 patches.
-MODELS["vit_digits_patch2_8"] = dict(img_size=8, patch_size=2, embed_dim=64, depth=4, num_heads=2, mlp_ratio=2.0,
-                                     global_pool="avg")
-# DeiT with the distillation token (Touvron et al. 2021), timm's names and sizes.
-for _size in ("tiny", "small", "base"):
-    _dim, _depth, _heads = _SIZES[_size]
-    MODELS[f"deit_{_size}_distilled_patch16_224"] = dict(img_size=224, patch_size=16, embed_dim=_dim, depth=_depth,
-                                                        num_heads=_heads, distilled=True)
+FAMILIES: tuple[ModelFamily, ...] = (VIT,)
+MODELS: dict[str, dict[str, Any]] = {name: args for f in FAMILIES for name, args in f.variants.items()}
 
 
-def list_models(pattern: str | None = None) -> list[str]:
-    """Sorted registered variant names, optionally filtered by a shell-style ``pattern``
-    (e.g. ``"vit_small_*"``)."""
-    names = sorted(MODELS)
-    return [n for n in names if fnmatch.fnmatch(n, pattern)] if pattern else names
-
-
-def model_kwargs(name: str, **overrides: Any) -> dict[str, Any]:
-    """Constructor arguments of variant ``name`` with ``overrides`` applied.
+def family_of(name: str) -> ModelFamily:
+    """The family that owns variant ``name``.
 
     Raises:
         ValueError: unknown variant (the message names the closest registered ones).
     """
-    if name not in MODELS:
-        import difflib
+    for family in FAMILIES:
+        if name in family.variants:
+            return family
+    close = difflib.get_close_matches(name, MODELS, n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; see vitflow.list_models()"
+    raise ValueError(f"unknown model {name!r}{hint}")
 
-        close = difflib.get_close_matches(name, MODELS, n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else "; see vitflow.list_models()"
-        raise ValueError(f"unknown model {name!r}{hint}")
-    return {**MODELS[name], **{k: v for k, v in overrides.items() if v is not None}}
+
+def list_models(pattern: str | None = None, family: str | None = None) -> list[str]:
+    """Sorted registered variant names, optionally filtered by a shell-style ``pattern``
+    (e.g. ``"vit_small_*"``) and a family name (``"vit"``)."""
+    names = sorted(n for f in FAMILIES if family in (None, f.name) for n in f.variants)
+    return [n for n in names if fnmatch.fnmatch(n, pattern)] if pattern else names
 
 
-def create_model(name: str, pretrained: str | Path | None = None, **overrides: Any) -> VisionTransformer:
-    """Build a registered ViT variant, optionally loading weights.
+def model_kwargs(name: str, **overrides: Any) -> dict[str, Any]:
+    """Constructor arguments of variant ``name`` with ``overrides`` applied (``None`` values are
+    ignored).
+
+    Raises:
+        ValueError: unknown variant (the message names the closest registered ones).
+    """
+    return {**family_of(name).variants[name], **{k: v for k, v in overrides.items() if v is not None}}
+
+
+def create_model(name: str, pretrained: str | Path | None = None, **overrides: Any) -> nn.Module:
+    """Build a registered variant, optionally loading weights.
 
     Args:
         name: a name from :func:`list_models`.
-        pretrained: path to a weights file (``.safetensors``, or a ``.pt``/``.pth``/``.bin``
-            state_dict or vitflow checkpoint) in timm's ViT layout. A head of another class count
-            is reset; a position embedding of another grid is resampled bicubically.
-        **overrides: constructor arguments of :class:`VisionTransformer` (``num_classes``,
-            ``img_size``, ``drop_path_rate``, ``attention``, ...); ``None`` values are ignored.
-            ``distilled=True`` builds DeiT's :class:`~vitflow.models.distilled.VisionTransformerDistilled`.
+        pretrained: path to a weights file of the family's layout (for ViT: ``.safetensors``,
+            ``.pt``/``.pth``/``.bin`` state dict or vitflow checkpoint, Hugging Face or big_vision
+            ``.npz`` names converted). A head of another class count is reset; a position
+            embedding of another grid is resampled bicubically.
+        **overrides: constructor arguments (for ViT: ``num_classes``, ``img_size``,
+            ``drop_path_rate``, ``attention``, ..., ``distilled=True`` for DeiT's distilled ViT,
+            ``grad_checkpointing``); ``None`` values are ignored. These are the names of the
+            config's ``model`` section.
     Raises:
-        ValueError: unknown name or incompatible weights; FileNotFoundError: missing weights file.
+        ValueError: unknown name, invalid arguments or incompatible weights; FileNotFoundError:
+        missing weights file.
     """
-    kwargs = model_kwargs(name, **overrides)
-    model = (VisionTransformerDistilled if kwargs.pop("distilled", False) else VisionTransformer)(**kwargs)
+    family = family_of(name)
+    model = family.build(**model_kwargs(name, **overrides))
     if pretrained is not None:
-        from vitflow.models.weights import load_pretrained
-
-        load_pretrained(model, pretrained)
+        if family.load_pretrained is None:
+            raise ValueError(f"model family {family.name!r} reads no pretrained weights")
+        family.load_pretrained(model, pretrained)
     return model
+
+
+def check_config(m: ModelConfig) -> None:
+    """The model section's checks that need the registry (variant names, the variant's patch
+    size) and the model layer (checkpointing specs, which attention backends take any token set).
+
+    Raises:
+        ConfigError: naming the key and, for a name, the nearest registered ones.
+    """
+    if m.name not in MODELS:
+        close = difflib.get_close_matches(m.name, MODELS, n=3)
+        raise ConfigError(f"model.name: unknown model {m.name!r}"
+                          + (f"; did you mean {', '.join(close)}?" if close else "; see `vitflow models`"),
+                          "model.name")
+    size = m.img_size or MODELS[m.name].get("img_size", 224)
+    patch = m.patch_size or MODELS[m.name].get("patch_size", 16)
+    if size % patch:
+        raise ConfigError(f"model.img_size={size!r} is invalid: must be a multiple of the patch size {patch}",
+                          "model.img_size")
+    try:
+        CheckpointPlan.parse(m.grad_checkpointing, m.grad_checkpointing_budget)
+    except ValueError as e:
+        raise ConfigError(f"model.grad_checkpointing: {e}", "model.grad_checkpointing") from None
+    exact = (*EXACT_BACKENDS, "auto")  # attend over any token set, no grid structure
+    for key, on in (("model.patch_drop_rate", m.patch_drop_rate > 0), ("model.distilled", m.distilled)):
+        if on and m.attention not in exact:
+            raise ConfigError(f"model.attention={m.attention!r} is invalid: must be one of {', '.join(exact)} with "
+                              f"{key} (sparse and linear kernels assume the full token grid)", "model.attention")
+        if on and m.pos_embed == "relative":
+            raise ConfigError(f"model.pos_embed={m.pos_embed!r} is invalid: must be learned or sincos2d with {key}",
+                              "model.pos_embed")
+
+
+def model_args(m: ModelConfig, num_classes: int) -> dict[str, Any]:
+    """The :func:`create_model` arguments of a model config (saved in checkpoints as
+    ``model_args``): the section's fields as they are, without ``pretrained`` (the weights travel
+    in the checkpoint) and with the class count found in the data."""
+    args = {k: v for k, v in vars(m).items() if k != "pretrained"}
+    args["num_classes"] = num_classes
+    if m.distilled and m.global_pool is None:  # the distillation token needs token pooling
+        args["global_pool"] = "token"
+    return args

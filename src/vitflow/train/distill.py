@@ -8,14 +8,21 @@ normalised input batch the teacher also sees (after Mixup/CutMix, as in DeiT).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
+from typing import Iterable
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-from vitflow.config import DistillConfig
+from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
+from vitflow.config import DistillConfig, OptimConfig
 from vitflow.data.transforms import Preprocess
 from vitflow.train.losses import classification_loss, hard_distillation_loss, soft_distillation_loss
+from vitflow.train.optim import build_optimizer
+from vitflow.train.schedules import build_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +49,6 @@ class Teacher:
     """
 
     def __init__(self, path: str, classes: list[str], student_pp: Preprocess, device: torch.device):
-        from vitflow.train.checkpoint import load_checkpoint, model_from_checkpoint
-
         state = load_checkpoint(path)
         if list(state["classes"]) != list(classes):
             raise ValueError(f"distill.teacher={path}: the teacher was trained on classes "
@@ -101,3 +106,48 @@ def build_criterion(cfg: DistillConfig, label_smoothing: float, model: torch.nn.
     if hasattr(model, "distilled_training"):
         model.distilled_training = True
     return DistillationLoss(Teacher(cfg.teacher, classes, pp, device), cfg.kind, cfg.alpha, cfg.tau, label_smoothing)
+
+
+def distill_finetune(student: nn.Module, teacher: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                     steps: int, lr: float = 5e-4, weight_decay: float = 0.05, alpha: float = 0.5,
+                     temperature: float = 2.0, label_smoothing: float = 0.1, precision=None,
+                     device: torch.device | str = "cpu", log_every: int = 50) -> list[float]:
+    """Fine-tune ``student`` in place for ``steps`` batches with knowledge distillation (Hinton,
+    Vinyals & Dean 2015): ``loss = alpha * T^2 * KL(p_teacher^T || p_student^T) + (1 - alpha) *
+    CE(student, labels)``. AdamW over vitflow's parameter groups, linear warmup over 5% of the
+    steps then cosine decay to 0 (:mod:`vitflow.train.schedules`); used by ``vitflow prune --finetune-steps``, gradient clipping at 1.0.
+
+    Args:
+        batches: an endless iterator of ``(x, targets)`` on ``device``: normalised ``float32
+            (B, 3, S, S)`` and class indices ``int64 (B,)`` or soft targets ``(B, C)`` (Mixup),
+            e.g. a vitflow train loader finished by its ``pipeline``.
+        precision: a :class:`vitflow.runtime.Precision` (autocast); ``None`` for fp32.
+    Returns:
+        The loss of every step.
+    """
+    student.to(device).train()
+    teacher = teacher.to(device).eval()
+    cfg = OptimConfig(lr=lr, weight_decay=weight_decay, warmup_steps=max(1, steps // 20))
+    opt = build_optimizer(student, cfg)
+    sched = build_scheduler(opt, cfg, steps)
+    autocast = precision.autocast if precision is not None else contextlib.nullcontext
+    losses, it, t0 = [], iter(batches), time.perf_counter()
+    for step in range(steps):
+        x, y = next(it)
+        with torch.no_grad(), autocast():
+            t_logits = teacher(x).float()
+        with autocast():
+            s_logits = student(x).float()
+        loss = (alpha * soft_distillation_loss(s_logits, t_logits, temperature)
+                + (1 - alpha) * classification_loss(s_logits, y, label_smoothing))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+        if log_every and (step + 1) % log_every == 0:
+            log.info("fine-tune step %d/%d: loss %.4f (%.0f s)", step + 1, steps,
+                     sum(losses[-log_every:]) / log_every, time.perf_counter() - t0)
+    student.eval()
+    return losses

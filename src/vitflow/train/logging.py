@@ -19,14 +19,20 @@ import math
 import os
 import resource
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
+
+from vitflow.data import SkipReport
+from vitflow.rundir import METRICS
 
 log = logging.getLogger(__name__)
 
 CSV_KINDS = ("train", "eval")
+STALL_HINT = 0.1  # data-stall fraction above which a run says it is input-bound
 
 
 class MetricsLog:
@@ -45,7 +51,7 @@ class MetricsLog:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self._f = open(self.run_dir / METRICS, "a", buffering=1)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -93,10 +99,63 @@ class MetricsLog:
             self._tb.close()
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    """All records of a ``metrics.jsonl`` file."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+@dataclass
+class Meter:
+    """Sums over one logging interval: steps, images, loss and seconds spent waiting for data."""
+
+    start: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    images: int = 0
+    loss: float = 0.0
+    data_wait: float = 0.0
+
+    def add(self, images: int, loss: float, data_wait: float) -> None:
+        self.steps, self.images, self.loss, self.data_wait = (self.steps + 1, self.images + images, self.loss + loss,
+                                                             self.data_wait + data_wait)
+
+    def rate(self) -> tuple[float, float]:
+        """(images/s, fraction of wall time spent waiting for data)."""
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        return self.images / elapsed, self.data_wait / elapsed
+
+
+class EpochTracker:
+    """Where training is in its data and what each epoch skipped.
+
+    :meth:`drawn` records every micro-batch as it is drawn: its unreadable images (per epoch) and
+    the loader position ``(epoch, next batch index)`` a checkpoint saves. An epoch whose last batch
+    was drawn gets its ``epoch`` record from :meth:`flush`, after the step that used the batch
+    (one step's micro-batches may end several epochs), so a run that ends with an epoch has its
+    record; :meth:`end_partial` records the epoch a run stops in (``partial``, ``batches``), so
+    the records sum to the run's total.
+    """
+
+    def __init__(self, metrics: "MetricsLog", batches_per_epoch: int, position: tuple[int, int] = (0, 0)):
+        self.metrics, self.batches_per_epoch, self.position = metrics, batches_per_epoch, tuple(position)
+        self.skips = SkipReport()
+        self._ended: list[int] = []
+
+    def drawn(self, batch: dict) -> None:
+        self.skips.add(batch["epoch"], batch["bad"])
+        self.position = (batch["epoch"], batch["index"] + 1)
+        if self.position[1] == self.batches_per_epoch:
+            self._ended.append(batch["epoch"])
+
+    def flush(self, step: int) -> None:
+        for epoch in self._ended:
+            self._record(epoch, step)
+        self._ended.clear()
+
+    def end_partial(self, step: int) -> None:
+        if 0 < self.position[1] < self.batches_per_epoch:
+            self._record(self.position[0], step, partial=True)
+
+    def _record(self, epoch: int, step: int, partial: bool = False) -> None:
+        skipped = self.skips.per_epoch.get(epoch, 0)
+        extra = {"partial": True, "batches": self.position[1]} if partial else {}
+        self.metrics.write("epoch", epoch=epoch, step=step, skipped_images=skipped, **extra)
+        if skipped:
+            log.warning("epoch %d: skipped %d unreadable image(s)", epoch, skipped)
 
 
 def memory_mb(device: torch.device) -> float:
@@ -121,3 +180,17 @@ def _clean(v: Any) -> Any:
     if isinstance(v, float):
         return round(v, 6) if math.isfinite(v) else None
     return v
+
+
+class StallHint:
+    """Prints, once per run, a hint that the run is input-bound when the data-stall fraction
+    (time waiting for the next batch over wall time) passes :data:`STALL_HINT`."""
+
+    def __init__(self, pipeline: str):
+        self.pipeline, self.shown = pipeline, False
+
+    def __call__(self, stall: float) -> None:
+        if stall > STALL_HINT and not self.shown:
+            self.shown = True
+            tqdm.write(f"input-bound: {stall:.0%} of the time goes to waiting for data ({self.pipeline}); pack the "
+                       "dataset with `vitflow prepare` or raise data.num_workers")

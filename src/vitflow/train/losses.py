@@ -42,13 +42,3 @@ def hard_distillation_loss(student: torch.Tensor, teacher: torch.Tensor) -> torc
     """DeiT's hard-label distillation (Touvron et al. 2021, sec. 5.2): cross-entropy of the
     student against the teacher's argmax, ``(B, C), (B, C) -> float32 scalar``."""
     return F.cross_entropy(student.float(), teacher.detach().argmax(dim=1))
-
-
-@torch.no_grad()
-def topk_correct(logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...] = (1, 5)) -> list[int]:
-    """Number of rows whose label is among the top-``k`` logits, for each ``k`` (``k`` capped at
-    the class count). ``logits (B, C)``, ``labels int64 (B,)``."""
-    maxk = min(max(ks), logits.shape[1])
-    top = logits.topk(maxk, dim=1).indices
-    hit = top == labels.unsqueeze(1)
-    return [int(hit[:, :min(k, maxk)].any(dim=1).sum()) for k in ks]

@@ -28,12 +28,15 @@ dataclass: the scheduler's state, and therefore checkpoints, carry it.
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
 
 from vitflow.config import OptimConfig
+
+log = logging.getLogger(__name__)
 
 KINDS = ("cosine", "linear", "step", "restarts", "constant")
 
@@ -119,3 +122,49 @@ def set_total_steps(scheduler: torch.optim.lr_scheduler.LambdaLR, total_steps: i
     """Stretch or shrink a running schedule to ``total_steps`` (time budget, resumed runs)."""
     for fn in scheduler.lr_lambdas:
         fn.total_steps = total_steps
+
+
+@dataclass
+class LrCurve:
+    """The learning rate of every step of a config's schedule, for plots (``vitflow lr-schedule``).
+
+    Attributes:
+        lrs: ``optim.lr`` times the schedule, steps ``0 .. total_steps - 1``.
+        warmup_steps: the warmup length.
+        lowest_scale: with layer-wise decay, the embeddings' multiplier
+            ``layer_decay ** (depth + 1)`` (:func:`vitflow.train.optim.param_groups`); else ``None``.
+        title: the optimizer, peak lr, warmup and shape in words.
+    """
+
+    lrs: list[float]
+    warmup_steps: int
+    lowest_scale: float | None
+    title: str
+
+    def landmarks(self) -> list[tuple[int, float]]:
+        """``(step, lr)`` at 0, the end of warmup, 25/50/75 % and the last step."""
+        total = len(self.lrs)
+        marks = sorted({0, min(self.warmup_steps, total - 1), total // 4, total // 2, 3 * total // 4, total - 1})
+        return [(s, self.lrs[s]) for s in marks]
+
+
+def lr_curve(cfg: OptimConfig, total_steps: int, depth: int, time_budget: str | None = None) -> LrCurve:
+    """The :class:`LrCurve` of ``cfg`` over ``total_steps`` for a model of ``depth`` blocks. A
+    ``time_budget`` refits the length at run time: the title says so."""
+    fn = schedule_from_config(cfg, total_steps)
+    shape = {"step": f"step x{cfg.gamma:g} at {list(fn.milestone_steps())}",
+             "restarts": f"restarts: {cfg.cycles} cycles, mult {cfg.cycle_mult:g}, decay {cfg.cycle_decay:g}"}
+    title = f"{cfg.name}, peak lr {cfg.lr:g}, warmup {cfg.warmup_steps}, {shape.get(cfg.schedule, cfg.schedule)}"
+    if time_budget:
+        title += f"\n(train.time_budget={time_budget}: length fitted at run time)"
+    lowest = cfg.layer_decay ** (depth + 1) if cfg.layer_decay else None
+    return LrCurve([cfg.lr * fn(s) for s in range(total_steps)], cfg.warmup_steps, lowest, title)
+
+
+def warn_long_warmup(cfg: OptimConfig, total_steps: int, what: str) -> None:
+    """Warn when ``optim.warmup_steps`` is not below the schedule's length ``total_steps`` (named
+    ``what``): the run would end inside the warmup."""
+    if cfg.warmup_steps >= total_steps:
+        log.warning("optim.warmup_steps=%d is not below %s (%d steps): the run ends inside the warmup, at "
+                    "%.3g of the peak lr %g", cfg.warmup_steps, what, total_steps, total_steps / cfg.warmup_steps,
+                    cfg.lr)

@@ -17,6 +17,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vitflow.data import model_input
+from vitflow.data.decode import decode_image
+from vitflow.infer import Predictor
+
 HeadFusion = Literal["mean", "max", "min"]
 
 
@@ -111,10 +115,6 @@ def attention_figure(checkpoint: str | Path, image: str | Path, out: str | Path,
         FileNotFoundError: missing checkpoint or image. ValueError: unreadable image or
         checkpoint, or ``layer`` out of range.
     """
-    from vitflow.data import normalize
-    from vitflow.data.decode import decode_image
-    from vitflow.infer import Predictor
-
     image = Path(image)
     if not image.is_file():
         raise FileNotFoundError(f"image not found: {image}")
@@ -124,7 +124,7 @@ def attention_figure(checkpoint: str | Path, image: str | Path, out: str | Path,
     if not -depth <= layer < depth:
         raise ValueError(f"--layer {layer} out of range for a {depth}-block model")
     pixels = predictor.transform(decode_image(image.read_bytes(), str(image)))
-    x = normalize(pixels[None], pp.mean, pp.std)
+    x = model_input(pixels[None], pp.mean, pp.std)
     maps = model.attention_maps(x)
     probs = model(x).softmax(-1)[0]
     prob, idx = probs.max(0)

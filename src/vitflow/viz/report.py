@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vitflow.train.logging import read_metrics
+from vitflow.rundir import read_metrics
 from vitflow.viz.curves import line_plot
 
 MAX_MATRIX_CLASSES = 40  # larger confusion matrices are summarised as the most frequent confusions

@@ -25,9 +25,18 @@ from __future__ import annotations
 
 from vitflow.models.attention.auto import AutoKernel, clear_choices
 from vitflow.models.attention.blockwise import BlockwiseKernel, blockwise_attention
-from vitflow.models.attention.core import (AttentionContext, AttentionKernel, MathKernel, SdpaKernel,
-                                           attention_probs, math_attention, merge_heads, packed_math_attention,
-                                           sdpa_attention, split_heads)
+from vitflow.models.attention.core import (
+    AttentionContext,
+    AttentionKernel,
+    MathKernel,
+    SdpaKernel,
+    attention_probs,
+    math_attention,
+    merge_heads,
+    packed_math_attention,
+    sdpa_attention,
+    split_heads,
+)
 from vitflow.models.attention.linear import LinformerKernel, PerformerKernel
 from vitflow.models.attention.sparse import SparseKernel, grid_mask
 

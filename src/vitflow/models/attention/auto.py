@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from vitflow.models.attention.core import AttentionContext, AttentionKernel
-from vitflow.models.timing import fastest, sync
+from vitflow.timing import fastest, sync
 
 log = logging.getLogger(__name__)
 

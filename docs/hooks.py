@@ -1,0 +1,137 @@
+"""MkDocs hook: the configuration and CLI reference pages, generated at build time from the code
+(the config dataclasses with their field comments, and the ``vitflow`` argument parser), so that
+neither can go stale. ``tests/test_docs.py`` checks that every key and option is on them."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import io
+import re
+import tokenize
+import typing
+
+CONFIG_PAGE = "reference/config.md"
+CLI_PAGE = "reference/cli.md"
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """``field name -> the comment at the end of its line`` in the class's source."""
+    source = inspect.getsource(inspect.getmodule(cls))
+    tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
+    trailing = {t.start[0]: t.string.lstrip("# ").strip() for t in tokens if not t.line.lstrip().startswith("#")}
+    above = {t.start[0] + 1: t.string.lstrip("# ").strip() for t in tokens if t.line.lstrip().startswith("#")}
+    out: dict[str, str] = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
+            for stmt in node.body:
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                    # a comment at the end of the field's line, or on its own line above a long field
+                    out[stmt.target.id] = trailing.get(stmt.lineno) or above.get(stmt.lineno, "")
+    return out
+
+
+def _type_name(tp) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return " | ".join(f"`{a}`" for a in args)
+    if origin is tuple:
+        return "tuple of " + (f"{_type_name(args[0])}" if len(args) == 2 and args[1] is Ellipsis else
+                               ", ".join(_type_name(a) for a in args))
+    if args:  # a union
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    return getattr(tp, "__name__", str(tp))
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def config_reference() -> str:
+    """The configuration reference page (Markdown)."""
+    from vitflow.config import Config
+
+    lines = ["# Configuration reference", "",
+             "Every key of a run's configuration, generated from the dataclasses in "
+             "`vitflow/config/schema.py` when the documentation is built. Set a key on the command line "
+             "(`vitflow train train.batch_size=64`), in a `--config` YAML file (the same sections) or in a "
+             "preset. `null` means unset; the type column is what the value is coerced to.", ""]
+    root = Config()
+    for section in dataclasses.fields(Config):
+        value = getattr(root, section.name)
+        if not dataclasses.is_dataclass(value):
+            lines += [f"- `{section.name}`: default `{value!r}`", ""]
+            continue
+        cls = type(value)
+        hints, comments = typing.get_type_hints(cls), _field_comments(cls)
+        doc = inspect.cleandoc(cls.__doc__ or "")
+        lines += [f"## `{section.name}`", "", doc, "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        for f in dataclasses.fields(cls):
+            default = getattr(value, f.name)
+            default = "null" if default is None else f"`{list(default) if isinstance(default, tuple) else default}`"
+            lines.append(f"| `{section.name}.{f.name}` | {_cell(_type_name(hints[f.name]))} | {_cell(default)} | "
+                         f"{_cell(comments.get(f.name, ''))} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
+
+
+def _option_rows(parser: argparse.ArgumentParser) -> list[str]:
+    rows = ["| argument | default | meaning |", "| --- | --- | --- |"]
+    for a in _actions(parser):
+        name = ", ".join(a.option_strings) or a.metavar or a.dest
+        if a.choices:
+            name += " {" + ",".join(map(str, a.choices)) + "}"
+        hidden = a.default in (None, False, argparse.SUPPRESS) or not a.option_strings or a.nargs == 0
+        default = "" if hidden else f"`{a.default}`"
+        rows.append(f"| `{_cell(name)}` | {_cell(default)} | {_cell(a.help or '')} |")
+    return rows
+
+
+def _commands(parser: argparse.ArgumentParser, prefix: str = "vitflow"):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {c.dest: c.help for c in action._choices_actions}
+            for name, sub in action.choices.items():
+                yield f"{prefix} {name}", helps.get(name, ""), sub
+                yield from _commands(sub, f"{prefix} {name}")
+
+
+def cli_reference() -> str:
+    """The CLI reference page (Markdown)."""
+    from vitflow.cli import build_parser
+
+    parser = build_parser()
+    lines = ["# CLI reference", "",
+             "Every `vitflow` command and option, generated from the argument parser when the documentation "
+             "is built (`vitflow COMMAND --help` prints the same). Commands that take `key=value` overrides "
+             "accept any key of the [configuration](config.md).", "",
+             "## `vitflow`", "", "```text", parser.format_usage().strip(), "```", "", *_option_rows(parser), ""]
+    for name, help_text, sub in _commands(parser):
+        lines += [f"## `{name}`", "", _cell(help_text), "", "```text", sub.format_usage().strip(), "```", ""]
+        if _actions(sub):
+            lines += [*_option_rows(sub), ""]
+    return "\n".join(lines)
+
+
+_ROLE = re.compile(r":(?:func|class|mod|meth|data|attr|exc|obj):(?=<code>)")
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    """Drop the Sphinx roles (``:func:``, ``:class:``, ...) the docstrings use before code spans
+    (MkDocs ``on_page_content`` event): the API pages then read as plain code references."""
+    return _ROLE.sub("", html)
+
+
+def on_files(files, config):
+    """Add the generated pages to the site (MkDocs ``on_files`` event)."""
+    from mkdocs.structure.files import File
+
+    for path, make in ((CONFIG_PAGE, config_reference), (CLI_PAGE, cli_reference)):
+        files.append(File.generated(config, path, content=make()))
+    return files

@@ -1,0 +1,165 @@
+"""Every checkpoint read and write: atomic saves, safe loads, finding and pruning.
+
+A checkpoint is one ``torch.save`` file, ``RUN_DIR/checkpoints/step-XXXXXXXX.pt``, holding::
+
+    format, version, step, model, optimizer, scheduler, scaler, rng, data (loader position),
+    config, model_args, classes, preprocess, metrics
+    ema (``{"module": state_dict, "updates": n}`` or None), rng_ranks (one RNG state per rank
+    of a distributed run, or None), guard (non-finite step counters)
+
+``model`` always holds the trained weights (what training resumes from); ``ema`` the averaged
+ones, which inference uses when present (:func:`model_from_checkpoint`).
+
+It is written to a hidden temporary file in the same folder, flushed and fsync'ed, then renamed
+over the final name (``os.replace`` is atomic on POSIX) and the folder fsync'ed: a run killed at
+any instant leaves either the previous checkpoints or the new one, never a torn file. Loads use
+``torch.load(weights_only=True)``, which executes no code from the file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vitflow.models import create_model
+from vitflow.models.matmul import as_plain_linear
+from vitflow.models.weights import load_error_reason
+
+FORMAT = "vitflow-checkpoint"
+VERSION = 1
+_NAME = re.compile(r"^step-(\d{8})\.pt$")
+
+
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    """``RUN_DIR/checkpoints/step-XXXXXXXX.pt`` of step ``step``."""
+    return Path(run_dir) / "checkpoints" / f"step-{step:08d}.pt"
+
+
+def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
+    """Atomically write ``state`` (plus format/version tags) to ``path``; returns ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save({"format": FORMAT, "version": VERSION, **state}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Read a vitflow checkpoint on the CPU without executing code from it.
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: truncated, corrupt or not a vitflow checkpoint.
+    """
+    path = Path(path)
+    if path.is_dir():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise FileNotFoundError(f"no checkpoint in run directory {path}")
+        path = found
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    if path.suffix.lower() == ".onnx":
+        raise ValueError(f"{path} is an ONNX model; this command needs a vitflow checkpoint (.pt or a run directory); "
+                         "predict and bench infer also take .onnx")
+    try:
+        with warnings.catch_warnings():  # INT8 checkpoints: torch flags quantized tensors as deprecated
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"cannot read checkpoint {path} (truncated, corrupt or not a PyTorch file?): "
+                         f"{load_error_reason(e, path)}") from e
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a vitflow checkpoint (for plain weights use create_model(pretrained=...))")
+    state["path"] = str(path)
+    return state
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest step first (temporary files are never listed)."""
+    folder = Path(run_dir) / "checkpoints"
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run directory, or ``None`` when it has none."""
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def prune_checkpoints(run_dir: str | Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints."""
+    for p in list_checkpoints(run_dir)[:-keep]:
+        p.unlink(missing_ok=True)
+
+
+QUANTIZATIONS = ("dynamic-int8",)
+
+
+def apply_quantization(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
+    """Turn a float CPU model into the quantised form a checkpoint's ``quantization`` key names.
+
+    ``dynamic-int8``: ``torch.ao.quantization.quantize_dynamic`` of every ``nn.Linear`` to
+    ``qint8`` weights with one scale per output channel (activations quantised per batch at run
+    time).
+
+    Raises:
+        ValueError: unknown scheme.
+    """
+    if scheme != "dynamic-int8":
+        raise ValueError(f"unknown quantization {scheme!r}; this vitflow reads {list(QUANTIZATIONS)}")
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization announces its move to torchao
+        return quantize_dynamic(as_plain_linear(model), {torch.nn.Linear: per_channel_dynamic_qconfig},
+                                dtype=torch.qint8)
+
+
+WEIGHTS = ("auto", "ema", "raw")
+
+
+def model_from_checkpoint(state: dict[str, Any], weights: str = "auto") -> torch.nn.Module:
+    """Rebuild the model a checkpoint was trained with and load its weights (eval mode, CPU).
+
+    ``model_args`` may carry per-block head counts / MLP sizes (pruned models); a
+    ``quantization`` key (see :func:`apply_quantization`) rebuilds the quantised form.
+
+    Args:
+        weights: ``auto``: the EMA weights when the checkpoint has them, else the trained ones;
+            ``ema``: the EMA weights (error without); ``raw``: the trained weights.
+    Raises:
+        ValueError: the weights do not fit the saved model arguments; ``ema`` asked for a
+            checkpoint without EMA; an unknown ``weights``.
+    """
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    ema = state.get("ema")
+    if weights == "ema" and not ema:
+        raise ValueError(f"checkpoint {state.get('path')} has no EMA weights (trained without train.ema_decay)")
+    args = dict(state["model_args"])
+    model = create_model(args.pop("name"), **args)
+    if state.get("quantization"):
+        model = apply_quantization(model.eval(), state["quantization"])
+    try:
+        model.load_state_dict(ema["module"] if ema and weights != "raw" else state["model"])
+    except RuntimeError as e:
+        raise ValueError(f"checkpoint {state.get('path')} does not fit its saved model arguments: {e}") from None
+    return model.eval()

@@ -1,0 +1,50 @@
+"""``vitflow <command>``: parses arguments, builds the config, calls one layer. Nothing else.
+
+:mod:`.parser` defines the commands' arguments, :mod:`.commands` runs them; :func:`main` sets up
+logging, keeps ``--json`` output pipeable and turns the errors users can fix into one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from typing import Sequence
+
+from vitflow.cli.commands import COMMANDS, CONFIG_CHECKS
+from vitflow.cli.parser import build_parser
+from vitflow.config import ConfigError
+
+__all__ = ["CONFIG_CHECKS", "build_parser", "main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = logging.WARNING if os.environ.get("RANK", "0") != "0" else args.log_level  # other ranks: warnings only
+    logging.basicConfig(level=max(level, logging.INFO), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    vitflow_log, previous = logging.getLogger("vitflow"), logging.getLogger("vitflow").level
+    if level != logging.INFO:
+        vitflow_log.setLevel(level)  # -v: vitflow's debug lines, not every library's
+    json_only = getattr(args, "json", False) and args.command != "predict"  # predict --json: one line per image
+    args.json_stdout = sys.stdout
+    try:
+        with contextlib.redirect_stdout(sys.stderr) if json_only else contextlib.nullcontext():
+            return COMMANDS[args.command](args)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        if args.debug or os.environ.get("VITFLOW_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        from vitflow.infer.onnx_model import UnavailableError  # a target this machine cannot serve
+
+        if not isinstance(e, UnavailableError) or args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        vitflow_log.setLevel(previous)

@@ -1,0 +1,271 @@
+"""The commands: each parses nothing, builds the config if it has one, calls one layer and
+prints its result."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import os
+import sys
+
+from vitflow.config import build_config, list_presets, preset_tree, to_yaml
+from vitflow.data import check_config as check_data_config
+from vitflow.models import check_config as check_model_config
+
+# the layers' config checks, run by every command that builds a config
+CONFIG_CHECKS = {"model": check_model_config, "data": check_data_config}
+
+
+def _print_json(args: argparse.Namespace, obj) -> None:
+    """The ``--json`` result line, on the real stdout (:func:`main` sends every other line of a
+    ``--json`` command to stderr, so that ``vitflow eval RUN --json | jq`` works)."""
+    print(json.dumps(obj), file=getattr(args, "json_stdout", None) or sys.stdout)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        if cfg.data.path and not os.path.exists(cfg.data.path):  # shown, but training would stop here
+            print(f"warning: data.path {cfg.data.path} does not exist", file=sys.stderr)
+        return 0
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:  # become torchrun; it starts the N ranks
+        from vitflow.train.distributed import torchrun_command
+
+        argv = (["--debug"] if args.debug else []) + {logging.DEBUG: ["-v"], logging.WARNING: ["-q"]}.get(
+            args.log_level, []) + ["train"] + (["--preset", args.preset] if args.preset else []) + (
+            ["--config", args.config] if args.config else []) + (["--json"] if args.json else []) + args.overrides
+        cmd = torchrun_command(args.nproc, argv)
+        os.execv(cmd[0], cmd)
+    from vitflow.train import train
+    from vitflow.train.guards import NonFiniteError
+
+    try:
+        r = train(cfg)
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 reports
+        return 0
+    if "interrupted" in r:
+        print(f"{r['interrupted']}: stopped at step {r['step']}; checkpoint: {r['checkpoint']}\n"
+              f"continue with: vitflow train ... train.resume=auto train.run_dir={r['run_dir']}")
+        if args.json:
+            _print_json(args, r)
+        return 128 + {"SIGTERM": 15, "SIGINT": 2}[r["interrupted"]]
+    print(f"test top-1 {r['test_top1']:.2%}  top-5 {r['test_top5']:.2%}  loss {r['test_loss']:.4f}  "
+          f"({r['step']} steps, {r['elapsed_s']:.0f} s, {r['train_images_per_s']:.0f} img/s)")
+    if r["skipped_images"] or r["test_skipped"]:
+        print(f"skipped unreadable images: {r['skipped_images']} in training, {r['test_skipped']} in the final "
+              "evaluation; see the warnings above")
+    print(f"run directory: {r['run_dir']}\ncheckpoint: {r['checkpoint']}")
+    if "samples" in r:
+        print(f"sample test images: {r['samples']}  (try: vitflow predict {r['run_dir']} {r['samples']})")
+    if args.json:
+        _print_json(args, r)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from vitflow.infer.evaluate import evaluate_checkpoint
+
+    r = evaluate_checkpoint(args.checkpoint, args.overrides, weights=args.weights)
+    print(f"test top-1 {r['test_top1']:.2%}  top-5 {r['test_top5']:.2%}  loss {r['test_loss']:.4f}  "
+          f"({r['test_images']} images, {r['weights']} weights, {r['checkpoint']})")
+    if r["test_skipped"]:
+        print(f"skipped {r['test_skipped']} unreadable image(s); see the warnings above")
+    if args.json:
+        _print_json(args, r)
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from vitflow.infer import Predictor, collect_images
+
+    predictor = Predictor.load(args.checkpoint, args.device, args.precision, args.weights)
+    refs = collect_images(args.inputs)
+    if not refs:
+        raise FileNotFoundError(f"no images found in {' '.join(args.inputs)}")
+    failed = 0
+    writer = csv.writer(sys.stdout, lineterminator="\n") if args.csv else None
+    if writer:
+        writer.writerow(["path", "rank", "class", "index", "prob", "error"])
+    for r in predictor.predict_refs(refs, args.topk, args.batch_size, args.workers):
+        failed += "error" in r
+        if args.json:
+            print(json.dumps(r))
+        elif writer:
+            rows = [[r["path"], "", "", "", "", r["error"]]] if "error" in r else [
+                [r["path"], i + 1, t["class"], t["index"], t["prob"], ""] for i, t in enumerate(r["top"])]
+            writer.writerows(rows)
+        elif "error" in r:
+            print(f"{r['path']}: ERROR {r['error']}", file=sys.stderr)
+        else:
+            print(f"{r['path']}: " + ", ".join(f"{t['class']} {t['prob']:.1%}" for t in r["top"]))
+    if failed:
+        print(f"{failed} of {len(refs)} image(s) could not be read", file=sys.stderr)
+    return 1 if failed == len(refs) else 0
+
+
+def cmd_attention(args: argparse.Namespace) -> int:
+    from vitflow.viz import attention_figure
+
+    r = attention_figure(args.checkpoint, args.image, args.output, args.layer, args.head_fusion)
+    print(f"{r['image']}: predicted {r['class']} ({r['prob']:.1%}); {r['heads']} heads of block {r['layer']} "
+          f"and the rollout on a {r['grid'][0]}x{r['grid'][1]} grid -> {r['output']}")
+    if args.json:
+        _print_json(args, r)
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from vitflow.data.prepare import prepare
+
+    meta = prepare(args.src, args.out, args.format, args.max_side, args.quality, args.workers or os.cpu_count() or 1,
+                   args.force)
+    for name, info in meta["splits"].items():
+        print(f"{name}: {info['count']} images ({info['kind']}), {info['skipped']} skipped")
+    print(f"packed dataset: {args.out}  (train with data.path={args.out})")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from vitflow.infer.export import export_checkpoint
+
+    target = args.target or ("gpu" if torch.cuda.is_available() else "cpu")
+    r = export_checkpoint(args.checkpoint, args.output, args.format, args.optimize, target, args.opset,
+                          args.verify_data, args.tolerance, fp16=not args.fp32)
+    print(f"exported {r['format']} to {r['path']} ({r['bytes'] / 2**20:.1f} MiB, {r['export_s']:.1f} s)")
+    if r["fused"]:
+        print(f"fused ({target}): " + ", ".join(f"{k} {v}" for k, v in r["fused"].items()))
+    print(f"verified on {r['images']} real images: {r['summary']}")
+    if args.json:
+        _print_json(args, {k: v for k, v in r.items() if k != "summary"})
+    return 0 if r["ok"] else 1
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from vitflow.infer.quantize import AccuracyDropError, quantize_file
+
+    if args.split and not args.data:
+        raise ValueError("--split selects images of --data: give --data PATH too (no top-1 is measured without it)")
+    try:
+        r = quantize_file(args.model, args.output, args.backend, args.dtype, args.data, args.split or "test",
+                          args.max_drop, args.force, per_channel=not args.per_tensor)
+    except AccuracyDropError as e:
+        print(f"refused: {e}", file=sys.stderr)
+        return 1
+    if "top1_before" in r:
+        print(f"top-1 on {r['images']} images: {r['top1_before']:.2%} -> {r['top1_after']:.2%} "
+              f"(drop {r['drop_points']:.2f} points, allowed {args.max_drop:g})")
+    ops = ", ".join(f"{k} {v}" for k, v in r.get("ops", {}).items())
+    print(f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB{'; ' + ops if ops else ''})")
+    if args.json:
+        _print_json(args, r)
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from vitflow.infer.prune import prune_checkpoint
+    from vitflow.train.distill import distill_finetune
+
+    r = prune_checkpoint(args.checkpoint, args.output, args.heads, args.mlp, args.data, args.calib_images,
+                         args.finetune_steps, args.batch_size, args.lr, args.alpha, args.temperature,
+                         not args.no_eval, args.eval_split, finetune=distill_finetune)
+    print(f"heads {r['heads_before']} -> {r['heads_after']}, parameters {r['params_before'] / 1e6:.2f} M -> "
+          f"{r['params_after'] / 1e6:.2f} M")
+    if "top1_before" in r:
+        after = f", after fine-tune {r['top1_after']:.2%}" if "top1_after" in r else ""
+        print(f"top-1 {r['top1_before']:.2%} unpruned, {r['top1_pruned']:.2%} pruned{after}")
+    print(f"speed (fp32 eager, same process): batch-32 throughput x{r['speedup_throughput']:.2f}, "
+          f"batch-1 latency x{r['speedup_latency']:.2f} faster")
+    print(f"wrote {r['path']}")
+    if args.json:
+        _print_json(args, r)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "data":
+        from vitflow.data.bench import run
+
+        result = run(args.data, args.image_size, args.workers, args.repeats, args.passes, args.batch_size,
+                     args.max_side)
+        if args.json:
+            _print_json(args, result)
+        return 0
+    import torch
+
+    from vitflow.infer.bench import PATHS, bench_infer, format_table
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    paths = tuple(p.strip() for p in args.paths.split(",")) if args.paths else PATHS
+    results, notes = bench_infer(args.checkpoint, paths, args.batch_size, args.repeats, args.latency_calls,
+                                 args.min_time, args.attention, log=lambda m: print(m, file=sys.stderr))
+    print(f"{args.checkpoint}: {torch.get_num_threads()} threads, batch-1 latency over "
+          f"{args.repeats * args.latency_calls} calls, batch-{args.batch_size} throughput median of {args.repeats} "
+          f"rounds; ratios are speed-ups over timm_eager_fp32")
+    print(format_table(results, notes, args.batch_size))
+    if args.json:
+        _print_json(args, results)
+    return 0
+
+
+def cmd_lr_schedule(args: argparse.Namespace) -> int:
+    cfg = build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    from vitflow.models import model_kwargs
+    from vitflow.train.schedules import lr_curve
+    from vitflow.viz.curves import plot_schedule
+
+    curve = lr_curve(cfg.optim, cfg.train.total_steps, model_kwargs(cfg.model.name)["depth"], cfg.train.time_budget)
+    plot_schedule(curve.lrs, args.output, curve.title, curve.lowest_scale)
+    for step, lr in curve.landmarks():
+        print(f"step {step:>7d}  lr {lr:.3e}")
+    print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from vitflow.viz.report import write_report
+
+    print(f"wrote {write_report(args.run_dir, args.output)}")
+    return 0
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    if args.name:
+        preset_tree(args.name)  # fails with the nearest names if unknown
+        print(to_yaml(build_config(args.name, checks=CONFIG_CHECKS)), end="")
+        return 0
+    for name, desc in list_presets().items():
+        print(f"{name:28s} {desc}")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from vitflow.models import FAMILIES, list_models
+
+    if not list_models(args.pattern):
+        print(f"error: no model matches {args.pattern!r} (`vitflow models` lists them all)", file=sys.stderr)
+        return 2
+    for family in FAMILIES:
+        names = list_models(args.pattern, family.name)
+        if names:
+            print(f"{family.name}: {family.description}")
+            for name in names:
+                print(f"  {name:32s} {family.summary(family.variants[name])}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "attention": cmd_attention,
+            "export": cmd_export, "quantize": cmd_quantize, "prune": cmd_prune, "prepare": cmd_prepare,
+            "bench": cmd_bench, "lr-schedule": cmd_lr_schedule, "report": cmd_report, "presets": cmd_presets,
+            "models": cmd_models}

@@ -1,0 +1,198 @@
+"""The ``vitflow`` argument parser: every command, its arguments and their help (the CLI
+reference in the documentation is generated from it)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", help="named recipe (see `vitflow presets`); default digits-vit-tiny")
+    p.add_argument("--config", metavar="FILE.yaml", help="YAML file of sections applied over the preset")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+
+def _add_weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
+                   help="auto: the EMA weights when the checkpoint has them (default), else the trained ones")
+
+
+def _positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
+    return value
+
+
+def _add_verbosity(p: argparse.ArgumentParser, default) -> None:
+    """``-v`` / ``-q``, accepted before and after the command (``default`` is SUPPRESS on the
+    commands, so that they do not reset a value given before them)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("-v", "--verbose", dest="log_level", action="store_const", const=logging.DEBUG, default=default,
+                   help="also vitflow's debug lines (each cpu_bf16_matmul=auto timing, the num_workers=auto probe)")
+    g.add_argument("-q", "--quiet", dest="log_level", action="store_const", const=logging.WARNING, default=default,
+                   help="warnings and errors only (no info lines, no progress bars)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``vitflow`` parser: global options, then one sub-command per task."""
+    parser = argparse.ArgumentParser(prog="vitflow", description="Train, evaluate and deploy Vision Transformers.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    _add_verbosity(parser, logging.INFO)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _training_commands(sub)
+    _deployment_commands(sub)
+    _data_and_view_commands(sub)
+    bench = _bench_commands(sub)
+    _listing_commands(sub)
+    for name, p in [*sub.choices.items(), *bench.choices.items()]:
+        if name != "bench":
+            _add_verbosity(p, argparse.SUPPRESS)
+    return parser
+
+
+def _training_commands(sub) -> None:
+    """train, eval, predict."""
+    p = sub.add_parser("train", help="train a model (default: a small ViT on the embedded digits data)")
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true", help="end with one JSON line of final metrics")
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="data-parallel on N local processes (runs torchrun --standalone --nproc-per-node N)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.total_steps=500")
+
+    p = sub.add_parser("eval", help="evaluate a checkpoint on its test split")
+    p.add_argument("checkpoint", help="checkpoint file or run directory (newest checkpoint)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of metrics")
+    _add_weights_arg(p)
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.path=... data.test_split=test")
+
+    p = sub.add_parser("predict", help="classify images, folders or tars")
+    p.add_argument("checkpoint", help="checkpoint file, run directory, or an exported .onnx model")
+    p.add_argument("inputs", nargs="+", metavar="IMAGE_OR_DIR", help="image files, folders or .tar archives")
+    p.add_argument("--topk", type=_positive, default=5, help="classes to show per image (default 5)")
+    p.add_argument("--batch-size", type=_positive, default=32)
+    p.add_argument("--workers", type=int, default=2, help="image decoding threads (default 2)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="bf16/fp16: run a PyTorch model with its weights cast to that dtype (fp16 needs CUDA)")
+    p.add_argument("--device", default="auto")
+    _add_weights_arg(p)
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="one JSON object per image")
+    fmt.add_argument("--csv", action="store_true", help="CSV: path,rank,class,index,prob,error (one row per class)")
+
+
+def _deployment_commands(sub) -> None:
+    """export, quantize, prune."""
+    p = sub.add_parser("export", help="export a checkpoint (ONNX, TorchScript, ExportedProgram, TensorRT), verified")
+    p.add_argument("checkpoint", help="checkpoint file or run directory")
+    p.add_argument("--format", default="onnx", choices=["onnx", "torchscript", "exported-program", "tensorrt"])
+    p.add_argument("-o", "--output", required=True, help="output file (.onnx, .ts, .pt2, .engine)")
+    p.add_argument("--optimize", action="store_true", help="ONNX: apply ONNX Runtime's transformer fusions")
+    p.add_argument("--target", choices=["cpu", "gpu"], help="--optimize for this target (default: gpu if CUDA "
+                   "is available, else cpu)")
+    p.add_argument("--opset", type=int, default=18, help="ONNX opset (>= 17; default 18)")
+    p.add_argument("--verify-data", metavar="PATH", help="real images (file, folder or tar) to verify on; "
+                   "default: the checkpoint's test split")
+    p.add_argument("--tolerance", type=float, help="max |logit difference| (default 1e-4; 0.1 for FP16 TensorRT)")
+    p.add_argument("--fp32", action="store_true", help="TensorRT: build an FP32 engine (default FP16)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+
+    p = sub.add_parser("quantize", help="INT8 (ONNX Runtime or PyTorch) or FP16/BF16 weights, with an accuracy guard")
+    p.add_argument("model", help="checkpoint, run directory, or a vitflow .onnx model (onnxruntime backend)")
+    p.add_argument("-o", "--output", required=True, help="output: .onnx (onnxruntime) or .pt (torch)")
+    p.add_argument("--backend", choices=["onnxruntime", "torch"], default="onnxruntime")
+    p.add_argument("--dtype", choices=["int8", "fp16", "bf16"], default="int8",
+                   help="int8 (default); fp16/bf16 weight casting for GPU inference (torch backend)")
+    p.add_argument("--data", metavar="PATH", help="image folder or tar to measure top-1 before and after")
+    p.add_argument("--split", help="split of --data (default test; e.g. 'test[:2000]')")
+    p.add_argument("--max-drop", type=float, default=1.0, help="max top-1 drop in points (default 1.0)")
+    p.add_argument("--force", action="store_true", help="write the model even if top-1 dropped more")
+    p.add_argument("--per-tensor", action="store_true", help="ONNX: one weight scale per tensor (default per channel)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+
+    p = sub.add_parser("prune", help="remove attention heads / MLP units, optionally fine-tune with distillation")
+    p.add_argument("checkpoint", help="checkpoint file or run directory")
+    p.add_argument("-o", "--output", required=True, help="pruned checkpoint (.pt)")
+    p.add_argument("--heads", type=float, default=0.25, help="fraction of all attention heads to remove (0.25)")
+    p.add_argument("--mlp", type=float, default=0.0, help="fraction of all MLP hidden units to remove (0)")
+    p.add_argument("--data", metavar="PATH", help="dataset folder or tar (default: the checkpoint's data.path)")
+    p.add_argument("--calib-images", type=int, default=1024, help="images for the importance scores (1024)")
+    p.add_argument("--finetune-steps", type=int, default=0, help="distillation fine-tune steps (default 0: none)")
+    p.add_argument("--batch-size", type=int, default=128, help="fine-tune batch size (128)")
+    p.add_argument("--lr", type=float, default=5e-4, help="fine-tune peak learning rate (5e-4)")
+    p.add_argument("--alpha", type=float, default=0.5, help="weight of the distillation loss (0.5)")
+    p.add_argument("--temperature", type=float, default=2.0, help="distillation temperature (2)")
+    p.add_argument("--no-eval", action="store_true", help="skip the top-1 measurements")
+    p.add_argument("--eval-split", help="split to measure top-1 on (default: the checkpoint's test split)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+
+
+def _data_and_view_commands(sub) -> None:
+    """attention, prepare."""
+    p = sub.add_parser("attention", help="draw a checkpoint's attention maps and rollout on an image")
+    p.add_argument("checkpoint", help="checkpoint file or run directory")
+    p.add_argument("image", help="an image file")
+    p.add_argument("-o", "--output", default="attention.png", help="PNG to write (default attention.png)")
+    p.add_argument("--layer", type=int, default=-1, help="block whose per-head maps are drawn (default -1, the last)")
+    p.add_argument("--head-fusion", choices=["mean", "max", "min"], default="mean",
+                   help="how rollout combines the heads of a layer (default mean)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+
+    p = sub.add_parser("prepare", help="pack a folder, tar or CIFAR batches into a memory-mapped dataset")
+    p.add_argument("src", help="image folder, .tar of one, or CIFAR-10/100 python batches folder")
+    p.add_argument("out", help="output folder (written as OUT.partial, renamed when complete)")
+    p.add_argument("--format", choices=["auto", "raw", "jpeg"], default="auto",
+                   help="raw uint8 (small fixed-size images) or re-encoded JPEG; auto picks")
+    p.add_argument("--max-side", type=int, help="jpeg: downscale so the longer side is at most N px")
+    p.add_argument("--quality", type=int, default=90, help="jpeg quality (default 90)")
+    p.add_argument("--workers", type=int, help="processes (default: one per core)")
+    p.add_argument("--force", action="store_true", help="replace an existing packed dataset at OUT")
+
+
+def _bench_commands(sub):
+    """bench data, bench infer; returns the bench sub-parsers."""
+    p = sub.add_parser("bench", help="measure throughput against baselines (data, infer)")
+    bench = p.add_subparsers(dest="what", required=True)
+    b = bench.add_parser("data", help="input pipeline: decode limit, torchvision baseline, vitflow, packed")
+    b.add_argument("--data", required=True, help="image folder or tar (class folders, or a flat folder of images)")
+    b.add_argument("--image-size", type=int, default=224)
+    b.add_argument("--workers", type=int, default=2)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--passes", type=int, help="epochs per repeat (default 3, or 1 for > 20k images)")
+    b.add_argument("--batch-size", type=int, help="default 64, or 256 at <= 64 px")
+    b.add_argument("--max-side", type=int, help="packed JPEG longer side (default 256)")
+    b.add_argument("--json", action="store_true", help="end with one JSON line of images/s")
+    b = bench.add_parser("infer", help="inference latency / throughput of every deployment path vs timm")
+    b.add_argument("checkpoint", help="checkpoint file or run directory")
+    b.add_argument("--paths", help="comma-separated subset of the paths (default: all seven: timm_eager_fp32, timm_eager_bf16, eager_fp32, eager_bf16, compiled, onnxruntime_fp32, onnxruntime_int8)")
+    b.add_argument("--batch-size", type=int, default=32, help="throughput batch size (32)")
+    b.add_argument("--repeats", type=int, default=3, help="interleaved rounds (3)")
+    b.add_argument("--latency-calls", type=int, default=20, help="batch-1 calls per path per round (20)")
+    b.add_argument("--min-time", type=float, default=1.0, help="seconds of batch calls per path per round (1)")
+    b.add_argument("--attention", help="attention backend of the vitflow eager/compiled paths (default: the checkpoint's)")
+    b.add_argument("--threads", type=int, help="torch and ONNX Runtime threads (default: torch's default)")
+    b.add_argument("--json", action="store_true", help="end with one JSON line {path: {latency_ms_p50, ...}}")
+    return bench
+
+
+def _listing_commands(sub) -> None:
+    """lr-schedule, report, presets, models."""
+    p = sub.add_parser("lr-schedule", help="plot the learning-rate schedule a config will use")
+    _add_config_args(p)
+    p.add_argument("-o", "--output", default="lr.png", help="PNG to write (default lr.png)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.schedule=restarts")
+
+    p = sub.add_parser("report", help="write PNG curves and one self-contained HTML page for a run")
+    p.add_argument("run_dir", help="a run directory (metrics.jsonl, config.yaml, eval.json)")
+    p.add_argument("-o", "--output", help="HTML file (default RUN_DIR/report.html; PNGs beside it in report/)")
+
+    p = sub.add_parser("presets", help="list presets, or print one resolved")
+    p.add_argument("name", nargs="?")
+
+    p = sub.add_parser("models", help="list model variants")
+    p.add_argument("pattern", nargs="?", help="shell pattern, e.g. 'vit_small_*'")

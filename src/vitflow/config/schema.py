@@ -1,0 +1,291 @@
+"""The typed configuration tree: one dataclass per section, each with its own ``validate()``.
+
+These checks need no other part of vitflow (ranges, combinations of values). Checks that need a
+layer's knowledge (model variant names, split syntax, checkpointing specs) are that layer's:
+:func:`vitflow.models.check_config` and :func:`vitflow.data.check_config`, which
+:func:`vitflow.config.build_config` runs when given them (the CLI and the trainer do).
+
+The ``model`` section's field names are the arguments of :func:`vitflow.create_model`, so a
+checkpoint's ``model_args`` are this section as it is (plus the class count found in the data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+DEFAULT_PRESET = "digits-vit-tiny"
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid; the message names the key. ``key`` (e.g.
+    ``"train.lr"``, or ``None`` when no single key is at fault) lets ``build_config`` say which
+    layer (preset, config file, command line) set a value that fails validation."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass
+class ModelConfig:
+    """Which ViT to build (see ``vitflow.list_models()``) and its per-run options."""
+
+    name: str = "vit_digits_patch2_8"  # a variant of `vitflow models` (the family registry)
+    pretrained: str | None = None  # weights file (timm, Hugging Face or big_vision layout); head/pos_embed adapted
+    img_size: int | None = None  # input resolution in pixels; None = the variant's own
+    num_classes: int | None = None  # None = number of classes found in the data
+    embed_dim: int | None = None  # token width; None = the variant's
+    depth: int | None = None  # blocks; None = the variant's
+    num_heads: int | None = None  # attention heads; None = the variant's
+    mlp_ratio: float | None = None  # MLP hidden width / embed_dim; None = the variant's
+    patch_size: int | None = None  # patch side in pixels; None = the variant's
+    global_pool: Literal["token", "avg"] | None = None  # None = the variant's (class token for most)
+    # sdpa | math | blockwise | local | axial | linformer | performer | auto (times the exact ones)
+    attention: Literal["sdpa", "math", "blockwise", "local", "axial", "linformer", "performer", "auto"] = "sdpa"
+    attn_block_size: int = 128  # blockwise: keys per block (memory ~ N * block)
+    attn_window: int = 3  # local: window radius in patches
+    linformer_k: int | None = None  # linformer: projected length; None = tokens // 4
+    performer_features: int | None = None  # performer: random features; None = d ln d
+    pos_embed: Literal["learned", "sincos2d", "relative"] = "learned"  # learned | 2-D sin-cos | relative bias
+    layer_scale_init: float | None = None  # LayerScale initial value (e.g. 1e-5); None = off
+    drop_rate: float = 0.0  # dropout on activations (after positions, in the MLP, before the head)
+    drop_path_rate: float = 0.0  # stochastic depth of the last block, rising linearly from 0
+    patch_drop_rate: float = 0.0  # PatchDropout: fraction of patch tokens dropped per image in training
+    weight_init: Literal["timm", "jax"] = "timm"  # jax: Xavier linears, zero head (big_vision / timm "jax")
+    # GEMM of the linear layers under bf16 autocast on a CPU: auto (timed per shape) | bf16 (oneDNN's) | fp32
+    cpu_bf16_matmul: Literal["auto", "bf16", "fp32"] = "auto"
+    grad_checkpointing: str = "none"  # none | all | auto | every:K | block indices "0,3,6"
+    grad_checkpointing_budget: str | None = None  # activation memory for auto, e.g. 2GiB
+    distilled: bool = False  # DeiT distillation token + head_dist (needs global_pool=token)
+
+    def validate(self) -> None:
+        for key in ("img_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "patch_size", "num_classes"):
+            _check(getattr(self, key) is None or getattr(self, key) > 0, f"model.{key}", getattr(self, key), "> 0")
+        _check(0 <= self.drop_rate < 1, "model.drop_rate", self.drop_rate, "in [0, 1)")
+        _check(0 <= self.drop_path_rate < 1, "model.drop_path_rate", self.drop_path_rate, "in [0, 1)")
+        _check(0 <= self.patch_drop_rate < 1, "model.patch_drop_rate", self.patch_drop_rate, "in [0, 1)")
+        _check(self.attn_block_size >= 1, "model.attn_block_size", self.attn_block_size, ">= 1")
+        _check(self.attn_window >= 0, "model.attn_window", self.attn_window, ">= 0")
+        _check(self.linformer_k is None or self.linformer_k >= 1, "model.linformer_k", self.linformer_k, ">= 1")
+        _check(self.performer_features is None or self.performer_features >= 1, "model.performer_features",
+               self.performer_features, ">= 1")
+        _check(self.layer_scale_init is None or self.layer_scale_init > 0, "model.layer_scale_init",
+               self.layer_scale_init, "> 0")
+        _check(not (self.pos_embed == "relative" and self.attention in ("linformer", "performer")),
+               "model.attention", self.attention, "one that adds a logit bias with model.pos_embed=relative")
+        _check(not self.distilled or self.global_pool in (None, "token"), "model.global_pool", self.global_pool,
+               "token (or unset) with model.distilled=true")
+
+
+@dataclass
+class DataConfig:
+    """Where images come from and how they become batches."""
+
+    source: Literal["auto", "digits", "folder", "tar", "packed", "cifar"] = "auto"  # auto: from data.path
+    path: str | None = None  # image folder, .tar of one, packed dataset, or CIFAR python batches
+    train_split: str = "train"  # a split name with an optional slice: train[:98%]
+    test_split: str = "test"  # evaluated during and at the end of training
+    # training crops: auto = pad_crop up to 64 px, else random_resized_crop
+    train_augment: Literal["auto", "random_resized_crop", "pad_crop", "none"] = "auto"
+    scale: tuple[float, float] = (0.08, 1.0)  # random_resized_crop area range
+    padding: int = 4  # pad_crop padding in pixels
+    hflip: bool = True  # random horizontal flips in training
+    crop_pct: float = 0.875  # eval: resize to model.img_size / crop_pct, then center crop
+    interpolation: Literal["bilinear", "bicubic"] = "bicubic"  # resizing filter
+    mean: tuple[float, float, float] = IMAGENET_MEAN  # normalisation, per channel, 0..1 scale
+    std: tuple[float, float, float] = IMAGENET_STD  # normalisation, per channel, 0..1 scale
+    # per-image policy: RandAugment (2 ops, magnitude 9), TrivialAugmentWide, AutoAugment (ImageNet)
+    auto_augment: Literal["none", "randaugment", "trivialaugment", "autoaugment"] = "none"
+    color_jitter: float = 0.0  # brightness/contrast/saturation strength
+    random_erasing: float = 0.0  # probability per image
+    mixup_alpha: float = 0.0  # Beta(a, a); 0 = off (batched on the device, soft targets)
+    cutmix_alpha: float = 0.0  # Beta(a, a) of CutMix boxes; 0 = off
+    mix_prob: float = 1.0  # probability a batch is mixed
+    mix_switch_prob: float = 0.5  # CutMix instead of Mixup when both are on
+    progressive_min_size: int | None = None  # progressive resizing: start resolution in px (None = off)
+    progressive_ramp: tuple[float, float] = (0.0, 0.6)  # fractions of the run over which it rises to full
+    num_workers: int | Literal["auto"] = "auto"  # auto: 0 on the batched path, else a probe decides
+    prefetch: int = 2  # batches kept ready (per worker; and by the background thread)
+    max_in_memory: int = 200_000  # decode a split into RAM once if it has at most this many images
+    access: Literal["random", "stream"] = "random"  # stream: read a tar in order through a shuffle buffer
+    shuffle_buffer: int = 50_000  # images, for access=stream (capped at the dataset size)
+    eval_batch_size: int | None = None  # None = the training micro-batch
+
+    def validate(self) -> None:
+        _check(self.source in ("digits", "auto") or self.path is not None, "data.path", self.path,
+               f"set for data.source={self.source}")
+        _check(self.source != "digits" or self.path in (None, "digits"), "data.path", self.path,
+               "unset with data.source=digits (the embedded data); for your images also set data.source=auto")
+        _check(0 < self.scale[0] <= self.scale[1] <= 1, "data.scale", self.scale, "0 < min <= max <= 1")
+        _check(self.padding >= 0, "data.padding", self.padding, ">= 0")
+        _check(0 < self.crop_pct <= 1, "data.crop_pct", self.crop_pct, "in (0, 1]")
+        _check(all(s > 0 for s in self.std), "data.std", self.std, "all > 0")
+        _check(self.num_workers == "auto" or self.num_workers >= 0, "data.num_workers", self.num_workers,
+               ">= 0 or auto")
+        _check(self.prefetch >= 1, "data.prefetch", self.prefetch, ">= 1")
+        _check(self.max_in_memory >= 0, "data.max_in_memory", self.max_in_memory, ">= 0")
+        _check(self.progressive_min_size is None or self.progressive_min_size > 0, "data.progressive_min_size",
+               self.progressive_min_size, "> 0")
+        _check(0 <= self.progressive_ramp[0] <= self.progressive_ramp[1] <= 1, "data.progressive_ramp",
+               self.progressive_ramp, "0 <= start <= end <= 1")
+        _check(self.shuffle_buffer >= 1, "data.shuffle_buffer", self.shuffle_buffer, ">= 1")
+        for key in ("color_jitter", "mixup_alpha", "cutmix_alpha"):
+            _check(getattr(self, key) >= 0, f"data.{key}", getattr(self, key), ">= 0")
+        for key in ("random_erasing", "mix_prob", "mix_switch_prob"):
+            _check(0 <= getattr(self, key) <= 1, f"data.{key}", getattr(self, key), "in [0, 1]")
+        _check(self.access == "random" or self.source in ("auto", "tar"), "data.access", self.access,
+               "random unless data.source is a tar")
+        _check(self.eval_batch_size is None or self.eval_batch_size > 0, "data.eval_batch_size",
+               self.eval_batch_size, "> 0")
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer, learning-rate schedule (per step; see :mod:`vitflow.train.schedules`) and
+    gradient clipping.
+
+    LR scaling rule: each preset states its ``lr`` for its ``train.batch_size`` (the global batch,
+    all ranks and micro-batches). For another batch size scale ``lr`` linearly with it (Goyal et
+    al. 2017; DeiT uses ``5e-4 * batch / 512`` with AdamW) and keep the warmup in images, i.e.
+    scale ``warmup_steps`` inversely.
+    """
+
+    name: Literal["adamw", "sgd"] = "adamw"  # AdamW, or SGD with Nesterov momentum
+    lr: float = 1e-3  # peak learning rate, reached at the end of warmup
+    weight_decay: float = 0.05  # not applied to norms, biases, pos_embed, cls_token
+    betas: tuple[float, float] = (0.9, 0.999)  # adamw
+    momentum: float = 0.9  # sgd (Nesterov)
+    eps: float = 1e-8  # adamw denominator epsilon
+    schedule: Literal["cosine", "linear", "step", "restarts", "constant"] = "cosine"  # after the warmup
+    warmup_steps: int = 0  # linear warmup from 0 to lr
+    min_lr: float = 0.0  # floor of cosine / linear / restarts
+    milestones: tuple[float, ...] = (0.5, 0.75)  # step: steps (>= 1) or fractions of total_steps (< 1)
+    gamma: float = 0.1  # step: factor at each milestone
+    cycles: int = 1  # restarts: cosine cycles filling the schedule (SGDR)
+    cycle_mult: float = 1.0  # restarts: each cycle this many times longer than the previous
+    cycle_decay: float = 1.0  # restarts: peak of cycle i is lr * cycle_decay ** i
+    layer_decay: float | None = None  # layer-wise lr decay (BEiT), e.g. 0.65 for fine-tuning
+    clip_grad_norm: float | None = 1.0  # global L2 norm; None disables
+
+    def validate(self) -> None:
+        _check(self.lr > 0, "optim.lr", self.lr, "> 0")
+        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
+        _check(all(0 <= b < 1 for b in self.betas), "optim.betas", self.betas, "each in [0, 1)")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, ">= 0")
+        _check(0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr, "in [0, optim.lr]")
+        _check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "optim.clip_grad_norm",
+               self.clip_grad_norm, "> 0 or null")
+        _check(all(m > 0 for m in self.milestones) and list(self.milestones) == sorted(self.milestones),
+               "optim.milestones", self.milestones, "positive and ascending")
+        _check(0 < self.gamma <= 1, "optim.gamma", self.gamma, "in (0, 1]")
+        _check(self.cycles >= 1, "optim.cycles", self.cycles, ">= 1")
+        _check(self.cycle_mult >= 1, "optim.cycle_mult", self.cycle_mult, ">= 1")
+        _check(0 < self.cycle_decay <= 1, "optim.cycle_decay", self.cycle_decay, "in (0, 1]")
+        _check(self.layer_decay is None or 0 < self.layer_decay <= 1, "optim.layer_decay", self.layer_decay,
+               "in (0, 1] or null")
+
+
+@dataclass
+class TrainConfig:
+    """The training loop: steps, batches, precision, evaluation, checkpoints, run directory,
+    EMA, compilation, the non-finite guard and data-parallel training."""
+
+    batch_size: int = 128  # images per optimizer step (all micro-batches of all ranks together)
+    accum_steps: int = 1  # micro-batches per step; each holds batch_size / accum_steps images
+    total_steps: int = 1000  # optimizer steps of the run (the schedule's length)
+    time_budget: str | None = None  # e.g. "15m": end cleanly (evaluate, checkpoint) by then
+    label_smoothing: float = 0.1  # Szegedy et al. 2016; applied once, also to Mixup/CutMix targets
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 where supported
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int | None = None  # torch intra-op threads; None = torch's default
+    eval_every: int = 0  # steps between evaluations; 0 = only at the end
+    log_every: int = 20  # steps between metric records
+    checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_checkpoints: int = 2  # newest N kept in run_dir/checkpoints
+    seed: int = 0  # model initialisation, batch order and augmentation
+    run_dir: str | None = None  # None = runs/<preset>-<timestamp>
+    resume: str = "none"  # none | auto | path to a checkpoint
+    ema_decay: float = 0.0  # EMA of the weights, e.g. 0.999; 0 = off
+    ema_warmup: bool = True  # effective decay min(ema_decay, (1 + n) / (10 + n)) after n updates
+    compile: bool = False  # torch.compile the training forward/backward
+    max_nonfinite_steps: int = 10  # this many non-finite steps in a row stop the run
+    distributed: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: DDP, or FSDP2 (fully_shard)
+    tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
+
+    def validate(self) -> None:
+        for key in ("batch_size", "accum_steps", "total_steps", "log_every", "keep_checkpoints"):
+            _check(getattr(self, key) > 0, f"train.{key}", getattr(self, key), "> 0")
+        _check(self.batch_size % self.accum_steps == 0, "train.batch_size", self.batch_size,
+               f"a multiple of train.accum_steps={self.accum_steps}")
+        _check(0 <= self.label_smoothing < 1, "train.label_smoothing", self.label_smoothing, "in [0, 1)")
+        _check(self.eval_every >= 0, "train.eval_every", self.eval_every, ">= 0")
+        _check(self.checkpoint_every >= 0, "train.checkpoint_every", self.checkpoint_every, ">= 0")
+        _check(self.threads is None or self.threads > 0, "train.threads", self.threads, "> 0")
+        _check(0 <= self.ema_decay < 1, "train.ema_decay", self.ema_decay, "in [0, 1)")
+        _check(self.max_nonfinite_steps > 0, "train.max_nonfinite_steps", self.max_nonfinite_steps, "> 0")
+        _check(re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device) is not None, "train.device",
+               self.device, "auto, cpu, cuda, cuda:N or mps")
+        if self.time_budget is not None:
+            try:
+                parse_duration(self.time_budget)
+            except ValueError as e:
+                raise ConfigError(f"train.time_budget: {e}", "train.time_budget") from None
+
+
+@dataclass
+class DistillConfig:
+    """Knowledge distillation from a teacher checkpoint (Hinton et al. 2015; DeiT, Touvron et al.
+    2021). Off while ``teacher`` is unset."""
+
+    teacher: str | None = None  # a vitflow checkpoint (file or run directory) trained on the same classes
+    kind: Literal["soft", "hard"] = "hard"  # soft: KL at temperature tau; hard: CE on the teacher's argmax
+    alpha: float = 0.5  # weight of the distillation term; 1 - alpha on the label loss
+    tau: float = 1.0  # soft-distillation temperature
+
+    def validate(self) -> None:
+        _check(0 <= self.alpha <= 1, "distill.alpha", self.alpha, "in [0, 1]")
+        _check(self.tau > 0, "distill.tau", self.tau, "> 0")
+
+
+@dataclass
+class Config:
+    """The whole configuration of a run: the sections below (see the configuration reference for
+    every key) plus the preset it was built from."""
+
+    preset: str = DEFAULT_PRESET  # the preset the run was built from (names its run directory)
+    description: str = ""  # one line about the recipe (presets carry one)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+    def validate(self) -> "Config":
+        for section in (self.model, self.data, self.optim, self.train, self.distill):
+            section.validate()
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(ok: bool, key: str, value: Any, requirement: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: must be {requirement}", key)
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Seconds from ``"90"``, ``"90s"``, ``"15m"``, ``"1.5h"``.
+
+    Raises:
+        ValueError: not a positive duration.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smh]?)\s*", str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"{text!r} is not a positive duration like 900, 90s, 15m or 1.5h")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]

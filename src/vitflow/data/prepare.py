@@ -1,0 +1,77 @@
+"""``vitflow prepare``: convert an image folder, a tar or CIFAR batches into a packed dataset
+(:mod:`vitflow.data.packed`), every split it finds, written to ``OUT.partial`` and renamed when
+complete."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from vitflow.data.cifar import cifar_batches_source, is_cifar_batches
+from vitflow.data.decode import CorruptImageError
+from vitflow.data.dispatch import open_split
+from vitflow.data.packed import FORMAT, SPLIT_NAMES, VERSION, is_packed, write_split
+from vitflow.data.sources import DataError, ImageSource
+
+
+def _splits_of(src: Path) -> dict[str, ImageSource]:
+    if is_cifar_batches(src):
+        return {s: cifar_batches_source(src, s) for s in ("train", "test")}
+    found: dict[str, ImageSource] = {}
+    train = open_split(src, "train", label="SRC")
+    found["train"] = train
+    for name in SPLIT_NAMES[1:]:
+        try:
+            found[name] = open_split(src, name, classes=train.classes, label="SRC")
+        except DataError as e:
+            if "not found" not in str(e):
+                raise
+    return found
+
+
+def prepare(src: str | Path, out: str | Path, fmt: str = "auto", max_side: int | None = None, quality: int = 90,
+            workers: int = 1, force: bool = False) -> dict:
+    """Convert an image folder, a tar, or CIFAR-10/100 python batches into a packed dataset.
+
+    Args:
+        fmt: ``raw`` (uint8 pixels; every image the same size), ``jpeg`` (re-encoded at
+            ``quality``, longer side capped at ``max_side``), or ``auto`` (raw when every image of
+            the first 256 is the same size and at most 64 px, else jpeg).
+        workers: decode/encode processes.
+        force: replace an existing packed dataset at ``out``.
+    Returns:
+        The ``meta.json`` contents.
+    Raises:
+        DataError: ``out`` exists (without ``force``, or not a packed dataset), unreadable source,
+        mixed sizes for raw.
+    """
+    src, out = Path(src), Path(out)
+    if out.exists():
+        if not force:
+            raise DataError(f"{out} exists; pass --force to replace it")
+        if not is_packed(out):
+            raise DataError(f"{out} exists and is not a vitflow packed dataset; refusing to replace it")
+    splits = _splits_of(src)
+    if fmt == "auto":
+        probe = splits["train"]
+        sizes = set()
+        for i in range(min(256, len(probe))):
+            try:
+                sizes.add(tuple(probe.load(i).shape[-2:]))
+            except CorruptImageError:
+                continue  # skipped (and counted) when the split is written
+        fmt = "raw" if len(sizes) == 1 and max(next(iter(sizes))) <= 64 else "jpeg"
+    partial = out.with_name(out.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    meta = {"format": FORMAT, "version": VERSION, "source": str(src), "classes": splits["train"].classes,
+            "splits": {}}
+    for name, source in splits.items():
+        meta["splits"][name] = write_split(source, partial / name, fmt, max_side, quality, workers,
+                                            f"prepare {name}")
+    (partial / "meta.json").write_text(json.dumps(meta, indent=1))
+    if out.exists():
+        shutil.rmtree(out)
+    partial.rename(out)
+    return meta

@@ -1,0 +1,97 @@
+"""Readers: a relative path (or a tar member) -> its bytes.
+
+Members of a tar are indexed once (name, data offset, size) and then read by offset with
+``os.pread``: no extraction, no per-image file open, safe to share across forked workers.
+Hidden entries (names starting with ``.``) and ``__MACOSX`` are left out of every listing.
+"""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from pathlib import Path
+
+from vitflow.data.sources import DataError
+
+
+def is_hidden(part: str) -> bool:
+    return part.startswith(".") or part == "__MACOSX"
+
+
+class FolderReader:
+    """Reads files under a directory ``root``."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def describe(self, rel: str) -> str:
+        return str(self.root / rel)
+
+    def list(self) -> tuple[dict[str, object], set[str]]:
+        files: dict[str, object] = {}
+        dirs: set[str] = set()
+        for dirpath, dirnames, filenames in os.walk(self.root, followlinks=True):
+            dirnames[:] = sorted(d for d in dirnames if not is_hidden(d))
+            rel_dir = os.path.relpath(dirpath, self.root)
+            rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
+            dirs.update(rel_dir + d for d in dirnames)
+            for f in filenames:
+                if not is_hidden(f):
+                    files[rel_dir + f] = rel_dir + f
+        return files, dirs
+
+    def read(self, locator: object) -> bytes:
+        with open(self.root / str(locator), "rb") as f:
+            return f.read()
+
+
+_TAR_INDEX: dict[tuple, tuple[dict[str, object], set[str]]] = {}
+
+
+class TarReader:
+    """Reads members of an uncompressed tar by byte offset (``os.pread``)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd: int | None = None
+        self._pid = -1
+
+    def describe(self, rel: str) -> str:
+        return f"{self.path}:{rel}"
+
+    def list(self) -> tuple[dict[str, object], set[str]]:
+        st = self.path.stat()
+        key = (str(self.path.resolve()), st.st_size, st.st_mtime_ns)
+        if key not in _TAR_INDEX:  # index each archive once per process
+            _TAR_INDEX.clear()
+            _TAR_INDEX[key] = self._index()
+        return _TAR_INDEX[key]
+
+    def _index(self) -> tuple[dict[str, object], set[str]]:
+        files: dict[str, object] = {}
+        dirs: set[str] = set()
+        try:
+            with tarfile.open(self.path, "r:") as tf:
+                for m in tf:
+                    name = m.name.removeprefix("./")
+                    if any(is_hidden(p) for p in name.split("/")):
+                        continue
+                    parts = name.split("/")
+                    dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
+                    if m.isdir():
+                        dirs.add(name.rstrip("/"))
+                    elif m.isfile():
+                        files[name] = (m.offset_data, m.size)
+        except tarfile.ReadError as e:
+            raise DataError(f"{self.path}: not an uncompressed tar archive ({e}); compressed tars cannot be "
+                            f"read by offset: decompress it first") from None
+        return files, dirs
+
+    def read(self, locator: object) -> bytes:
+        offset, size = locator  # type: ignore[misc]
+        if self._fd is None or self._pid != os.getpid():
+            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        return os.pread(self._fd, size, offset)
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "_fd": None, "_pid": -1}

@@ -1,0 +1,118 @@
+"""The small layers of a transformer encoder: patch embedding, MLP, stochastic depth,
+PatchDropout and LayerScale. Parameter names follow timm's (``patch_embed.proj``, ``mlp.fc1``,
+``mlp.fc2``, ``ls1.gamma``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from vitflow.models.matmul import Linear
+
+LN_EPS = 1e-6  # the ViT / timm LayerNorm epsilon
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping patch embedding by a strided convolution.
+
+    Input ``(B, C, H, W)`` float -> output ``(B, N, D)`` with ``N = (H / p) * (W / p)``.
+
+    Raises:
+        ValueError: H or W is not a multiple of the patch size.
+    """
+
+    def __init__(self, patch_size: int, in_chans: int, embed_dim: int):
+        super().__init__()
+        self.patch_size = patch_size
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, w = x.shape[-2:]
+        if h % self.patch_size or w % self.patch_size:
+            raise ValueError(f"input size {h}x{w} is not a multiple of patch size {self.patch_size}")
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class Mlp(nn.Module):
+    """Two-layer GELU MLP: ``fc1 -> GELU -> dropout -> fc2 -> dropout``; ``(B, N, D) -> (B, N, D)``.
+
+    Without autograd (inference) the GELU runs in place on fc1's output, which saves the
+    largest activation allocation of the block. With ``residual`` (``(B, N, D)``) it returns
+    ``residual + mlp(x)``, the add inside fc2's GEMM (:class:`~vitflow.models.matmul.Linear`)
+    while dropout is inactive."""
+
+    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0):
+        super().__init__()
+        self.fc1 = Linear(dim, hidden_dim)
+        self.act = nn.GELU()
+        self.drop1 = nn.Dropout(drop)
+        self.fc2 = Linear(hidden_dim, dim)
+        self.drop2 = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.fc1(x)
+        h = torch.ops.aten.gelu_(h) if not torch.is_grad_enabled() else self.act(h)
+        h = self.drop1(h)
+        if residual is not None and not active(self.drop2):
+            return self.fc2(h, residual=residual)
+        out = self.drop2(self.fc2(h))
+        return out if residual is None else residual + out
+
+
+def active(drop: nn.Module) -> bool:
+    """True when a dropout-like module (``nn.Dropout``, :class:`DropPath`) changes its input now:
+    training mode and ``p > 0``."""
+    return drop.training and getattr(drop, "p", 0.0) > 0
+
+
+class DropPath(nn.Module):
+    """Stochastic depth per sample (Huang et al. 2016): drops the residual branch of a whole
+    sample with probability ``p`` in training and rescales survivors by ``1 / (1 - p)``."""
+
+    def __init__(self, p: float = 0.0):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.p == 0.0 or not self.training:
+            return x
+        keep = 1.0 - self.p
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+        return x * mask.div_(keep)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+class PatchDropout(nn.Module):
+    """PatchDropout (Liu et al. 2022; timm's ``patch_drop_rate``): in training, each sample keeps
+    a random ``1 - p`` of its patch tokens (the prefix tokens always), so every block costs about
+    ``1 - p`` as much; the identity in eval mode. ``(B, P + N, D) -> (B, P + K, D)``,
+    ``K = max(1, int(N * (1 - p)))``; uses the global torch RNG."""
+
+    def __init__(self, p: float = 0.0):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
+        if self.p == 0.0 or not self.training:
+            return x
+        prefix, patches = x[:, :num_prefix_tokens], x[:, num_prefix_tokens:]
+        b, n, d = patches.shape
+        keep = torch.rand(b, n, device=x.device).argsort(dim=1)[:, :max(1, int(n * (1 - self.p)))]
+        return torch.cat([prefix, patches.gather(1, keep.unsqueeze(-1).expand(-1, -1, d))], dim=1)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+class LayerScale(nn.Module):
+    """Per-channel learned scale of a residual branch, initialised to a small constant
+    (CaiT, Touvron et al. 2021). ``(..., D) -> (..., D)``; parameter ``gamma (D,)``."""
+
+    def __init__(self, dim: int, init_values: float = 1e-5):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), float(init_values)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma

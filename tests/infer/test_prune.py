@@ -1,0 +1,110 @@
+"""Pruning: physical head / MLP-unit removal equals masking, importance finds dead heads, pruned
+models rebuild from their model_args and export; the CLI prunes, fine-tunes and measures."""
+
+import json
+
+import pytest
+import torch
+
+from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
+from vitflow.cli import main
+from vitflow.data.transforms import Preprocess
+from vitflow.infer.export import export_onnx, verify
+from vitflow.infer.onnx_model import ModelInfo, OnnxModel
+from vitflow.infer.prune import Importance, importance_scores, prune_heads_, prune_mlp_, prune_model, select_units
+from vitflow.models import create_model
+
+
+def _masked_forward(model, x, head_masks, mlp_masks):
+    """Reference: the unpruned model with removed heads / units multiplied by 0."""
+    hooks = []
+    for blk, hm, mm in zip(model.blocks, head_masks, mlp_masks):
+        d = blk.attn.head_dim
+        hooks.append(blk.attn.proj.register_forward_pre_hook(lambda m, a, g=hm, d=d: (a[0] * g.repeat_interleave(d),)))
+        hooks.append(blk.mlp.fc2.register_forward_pre_hook(lambda m, a, g=mm: (a[0] * g,)))
+    try:
+        with torch.no_grad():
+            return model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_physical_removal_equals_masking():
+    torch.manual_seed(0)
+    model = create_model("vit_cifar_patch4_32", num_classes=10).eval()
+    x = torch.randn(5, 3, 32, 32)
+    keep_heads = [[0, 2], [1], [0, 1, 2], [2], [0, 1], [1, 2], [0], [0, 2], [1]]
+    keep_mlp = [sorted(torch.randperm(384)[:200].tolist()) for _ in range(9)]
+    head_masks = [torch.zeros(3).index_fill_(0, torch.tensor(k), 1.0) for k in keep_heads]
+    mlp_masks = [torch.zeros(384).index_fill_(0, torch.tensor(k), 1.0) for k in keep_mlp]
+    ref = _masked_forward(model, x, head_masks, mlp_masks)
+    pruned = create_model("vit_cifar_patch4_32", num_classes=10).eval()
+    pruned.load_state_dict(model.state_dict())
+    for blk, kh, km in zip(pruned.blocks, keep_heads, keep_mlp):
+        prune_heads_(blk.attn, kh)
+        prune_mlp_(blk.mlp, km)
+    with torch.no_grad():
+        out = pruned(x)
+    assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+    assert pruned.blocks[1].attn.qkv.weight.shape == (3 * 64, 192) and pruned.blocks[1].attn.proj.weight.shape == (192, 64)
+    assert pruned.blocks[0].mlp.fc1.weight.shape == (200, 192)
+    with torch.no_grad():
+        assert not torch.allclose(model(x), ref, atol=1e-3)  # the removal did change the function
+
+
+def test_pruned_model_rebuilds_from_model_args_and_exports(tmp_path):
+    torch.manual_seed(0)
+    model = create_model("vit_cifar_patch4_32", num_classes=10).eval()
+    scores = Importance([torch.rand(3) for _ in range(9)], [torch.rand(384) for _ in range(9)], 1)
+    pruned, sizes = prune_model(model, scores, heads=0.25, mlp=0.25)
+    assert sum(sizes["block_heads"]) == 27 - 7 and sum(sizes["block_mlp_hidden"]) == 9 * 384 - 864
+    rebuilt = create_model("vit_cifar_patch4_32", num_classes=10, **sizes).eval()
+    rebuilt.load_state_dict(pruned.state_dict())  # strict: shapes follow block_heads / block_mlp_hidden
+    x = torch.randn(7, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(rebuilt(x), pruned(x))
+    pp = Preprocess(32, 1.0)
+    info = ModelInfo([str(i) for i in range(10)], pp, {"name": "vit_cifar_patch4_32", **sizes})
+    path = export_onnx(rebuilt, tmp_path / "pruned.onnx", info)
+    assert verify(rebuilt, OnnxModel(path), x, (1, 7), 1e-4).ok
+    with pytest.raises(ValueError, match="block_heads"):
+        create_model("vit_cifar_patch4_32", block_heads=[3, 3])
+
+
+def test_importance_finds_a_dead_head_and_keeps_one_per_block():
+    torch.manual_seed(0)
+    model = create_model("vit_cifar_patch4_32", num_classes=10).eval()
+    with torch.no_grad():  # head 1 of block 4 contributes nothing: its proj columns are zero
+        model.blocks[4].attn.proj.weight[:, 64:128] = 0
+    batches = [{"images": torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8),
+                "labels": torch.randint(0, 10, (16,))} for _ in range(2)]
+    imp = importance_scores(model, batches, Preprocess(32, 1.0), max_images=32)
+    assert imp.images == 32 and imp.heads[4][1] == 0
+    others = [float(h[i]) for b, h in enumerate(imp.heads) for i in range(3) if (b, i) != (4, 1)]
+    assert min(others) > 0
+    keep = select_units(imp.heads, 1 / 27)
+    assert keep[4] == [0, 2] and sum(map(len, keep)) == 26
+    keep = select_units(imp.heads, 0.95)
+    assert all(len(k) == 1 for k in keep)  # never an empty block
+    with pytest.raises(ValueError):
+        select_units(imp.heads, 1.0)
+
+
+def test_prune_cli_finetunes_and_measures(digits_run, tmp_path, capsys):
+    run, r, _ = digits_run
+    out = tmp_path / "pruned.pt"
+    assert main(["prune", r["checkpoint"], "-o", str(out), "--heads", "0.25", "--mlp", "0.25",
+                 "--finetune-steps", "40", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert p["heads_before"] == 8 and p["heads_after"] == 6 and p["params_after"] < p["params_before"]
+    assert p["top1_after"] >= p["top1_before"] - 0.05  # the fine-tune recovers
+    assert p["top1_after"] >= p["top1_pruned"] - 0.01
+    assert p["speedup_throughput"] > 0 and p["timing"]["pruned"]["throughput_ips"] > 0
+    state = load_checkpoint(out)
+    assert state["model_args"]["block_heads"] == p["block_heads"] and "optimizer" not in state
+    model_from_checkpoint(state)
+    assert main(["eval", str(out), "--json"]) == 0
+    e = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert abs(e["test_top1"] - p["top1_after"]) < 0.02
+    assert main(["predict", str(out), r["samples"], "--topk", "1"]) == 0

@@ -1,0 +1,204 @@
+"""The shape of the package, checked: no import cycles, the layer rules of DESIGN.md, small files
+and short functions. Every import counts, also those inside functions.
+
+Units and what each may import (besides itself and the standard library / third parties):
+
+- ``config`` (pure data), ``timing``, ``rundir``: nothing of vitflow;
+- ``runtime`` (allocator, device, precision, seeding): ``timing``;
+- ``models``: the foundation (``config``, ``runtime``, ``timing``); no other layer;
+- ``data``: ``config``, ``runtime``; no ``models`` / ``train`` / ``infer``;
+- ``checkpoint`` (files, ``model_from_checkpoint``): ``models``;
+- ``evaluation`` (a model over batches): ``data``, ``runtime``;
+- ``train``: every layer to its left and the shared services;
+- ``infer``: the same but ``train``;
+- ``viz``: ``infer`` and what it may import, ``rundir``; no ``train``;
+- ``cli``: everything.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import vitflow
+
+SRC = Path(vitflow.__file__).parent
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+FOUNDATION = {"config", "runtime", "timing"}
+ALLOWED: dict[str, set[str]] = {
+    "config": set(), "timing": set(), "rundir": set(),
+    "runtime": {"timing"},
+    "models": FOUNDATION,
+    "data": {"config", "runtime"},
+    "checkpoint": {"models"},
+    "evaluation": {"data", "runtime"},
+    "train": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "rundir"},
+    "infer": FOUNDATION | {"models", "data", "checkpoint", "evaluation"},
+    "viz": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "infer", "rundir"},
+    "package": {"models"},  # vitflow/__init__.py: create_model and friends
+}
+# functions allowed over MAX_FUNCTION_LINES, each with its reason
+LONG_FUNCTIONS: dict[str, str] = {}
+
+
+def module_name(path: Path, root: Path) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Every module of the package at ``root``, by dotted name."""
+    return {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """``module -> the package's modules it imports`` (at any depth in the file)."""
+    mods = modules(root)
+    package = root.name
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        targets: set[str] = set()
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names if a.name.split(".")[0] == package)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative
+                    anchor = name.split(".") if is_pkg else name.split(".")[:-1]
+                    anchor = anchor[:len(anchor) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                if base.split(".")[0] != package:
+                    continue
+                for a in node.names:  # `from pkg.x import y`: y may be a module
+                    targets.add(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base)
+        graph[name] = {t for t in targets if t in mods and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles: strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def unit(module: str) -> str:
+    parts = module.split(".")
+    return "package" if len(parts) == 1 else ("cli" if parts[1] == "__main__" else parts[1])
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``"a -> b"`` for every import whose unit may not import the other's (see the module docstring)."""
+    bad = []
+    for src, targets in sorted(graph.items()):
+        u = unit(src)
+        for dst in sorted(targets):
+            v = unit(dst)
+            if u != "cli" and v != u and v not in ALLOWED.get(u, set()):
+                bad.append(f"{src} -> {dst} ({u} may not import {v})")
+    return bad
+
+
+def long_files(root: Path, limit: int = MAX_FILE_LINES) -> list[str]:
+    return [f"{p.relative_to(root.parent)}: {n} lines" for p in sorted(root.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > limit]
+
+
+def long_functions(root: Path, limit: int = MAX_FUNCTION_LINES, allowed: dict[str, str] | None = None) -> list[str]:
+    """``module.function: N lines`` for every function (or method) longer than ``limit``,
+    docstring included, outside ``allowed``."""
+    allowed = LONG_FUNCTIONS if allowed is None else allowed
+    out = []
+    for name, path in modules(root).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                key = f"{name}.{node.name}"
+                if n > limit and key not in allowed:
+                    out.append(f"{key}: {n} lines")
+    return out
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph(SRC)) == []
+
+
+def test_layers_import_only_what_the_rules_allow():
+    assert layer_violations(import_graph(SRC)) == []
+
+
+def test_config_imports_no_other_part_of_vitflow():
+    graph = import_graph(SRC)
+    assert {t for m, ts in graph.items() if unit(m) == "config" for t in ts if unit(t) != "config"} == set()
+
+
+def test_no_source_file_over_400_lines():
+    assert long_files(SRC) == []
+
+
+def test_no_function_over_60_lines():
+    assert long_functions(SRC) == []
+
+
+def _write(root: Path, rel: str, text: str) -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+@pytest.fixture
+def bad_package(tmp_path: Path) -> Path:
+    """A package named vitflow with one of each violation."""
+    root = tmp_path / "vitflow"
+    for pkg in ("", "models/", "train/", "data/"):
+        _write(root, f"{pkg}__init__.py", "")
+    _write(root, "data/a.py", "from vitflow.data import b\n")  # a cycle: a -> b -> a
+    _write(root, "data/b.py", "def f():\n    from vitflow.data.a import x\n")  # (a lazy import counts too)
+    _write(root, "models/vit.py", "def g():\n    from vitflow.train import loop\n")  # models -> train
+    _write(root, "train/loop.py", "import vitflow.models\n")  # allowed
+    _write(root, "data/big.py", "x = 1\n" * 401)
+    _write(root, "data/long.py", "def h():\n" + "    y = 1\n" * 60)
+    return root
+
+
+def test_the_checks_catch_each_kind_of_violation(bad_package):
+    graph = import_graph(bad_package)
+    assert cycles(graph) == [["vitflow.data.a", "vitflow.data.b"]]
+    assert layer_violations(graph) == ["vitflow.models.vit -> vitflow.train.loop (models may not import train)"]
+    assert long_files(bad_package) == ["vitflow/data/big.py: 401 lines"]
+    assert long_functions(bad_package, allowed={}) == ["vitflow.data.long.h: 61 lines"]
+    assert long_functions(bad_package, allowed={"vitflow.data.long.h": "a reason"}) == []

@@ -1,0 +1,34 @@
+"""Precision and device resolution: precision=auto on a CPU and its GEMM probe."""
+
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("native, gflops, expected", [
+    (True, {"fp32": 340.0, "bf16": 190.0}, "fp32"),  # AVX512-BF16 without AMX (this machine): bf16 is slower
+    (True, {"fp32": 340.0, "bf16": 1500.0}, "bf16"),  # AMX
+    (False, {"fp32": 340.0, "bf16": 1500.0}, "fp32"),  # no native bf16 kernels
+])
+def test_precision_auto_on_a_cpu_takes_bf16_only_where_its_gemm_is_faster(monkeypatch, caplog, native, gflops,
+                                                                            expected):
+    from vitflow import runtime as amp
+
+    monkeypatch.setattr(amp, "cpu_bf16_supported", lambda: native)
+    monkeypatch.setattr(amp, "cpu_gemm_gflops", lambda: gflops)
+    with caplog.at_level("INFO", logger="vitflow"):
+        p = amp.resolve_precision("auto", torch.device("cpu"))
+    assert p.name == expected and p.dtype == {"fp32": None, "bf16": torch.bfloat16}[expected]
+    assert amp.resolve_precision("bf16", torch.device("cpu")).name == "bf16"  # an explicit choice stays
+    if native:  # the choice is logged with both figures
+        assert f"precision auto: {expected} (this CPU's GEMM: bf16 {gflops['bf16']:.0f} GFLOP/s" in caplog.text
+
+
+def test_cpu_gemm_probe_measures_both_gemms_and_leaves_the_rng_alone():
+    from vitflow import runtime as amp
+
+    amp.cpu_gemm_gflops.cache_clear()
+    state = torch.get_rng_state()
+    g = amp.cpu_gemm_gflops()
+    assert torch.equal(torch.get_rng_state(), state)
+    assert set(g) == {"fp32", "bf16"} and all(0.0 < v < 1e6 for v in g.values())  # bf16 emulated: ~1 GFLOP/s
+    assert amp.cpu_gemm_gflops() is g  # measured once per process
