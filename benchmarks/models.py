@@ -192,8 +192,10 @@ def main() -> None:
     configure_allocator()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
-    peak = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
-    print(f"matmul peak ({args.threads} threads): fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s")
+    # the peaks of the dtypes measured (fp32 always: bf16 cells are rated against the higher of the two);
+    # a CPU without native bf16 runs it emulated (~1 GFLOP/s): timing 4096-square products there takes minutes
+    peak = {d: matmul_peak(DTYPES[d] or torch.float32) for d in ("fp32", *args.dtypes.split(",")) if d in DTYPES}
+    print(f"matmul peak ({args.threads} threads): " + ", ".join(f"{d} {v:.0f} GFLOP/s" for d, v in peak.items()))
     print(f"{'model':24s} {'mode':5s} {'dtype':5s} {'vitflow img/s':>20s} {'timm':>18s} {'vit-pytorch':>18s} "
           f"{'x timm':>7s} {'x best':>7s} {'MFU':>5s}  backend")
     cells = []
