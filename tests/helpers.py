@@ -60,3 +60,21 @@ def digits_config(run_dir, *extra):
     from vitflow.config import build_config
 
     return build_config(overrides=[f"train.run_dir={run_dir}", "train.log_every=5", *extra])
+
+
+MEASURED = {"time", "images_per_s", "data_stall", "memory_mb", "elapsed_s", "train_images_per_s", "run_dir",
+            "checkpoint", "samples"}
+
+
+def comparable_records(run_dir) -> list[dict]:
+    """A run's ``train`` / ``eval`` / ``epoch`` / ``summary`` records without the measured fields
+    (times, throughputs, memory, paths): what an interrupted and resumed run must reproduce."""
+    from vitflow.rundir import read_metrics
+
+    return [{k: v for k, v in r.items() if k not in MEASURED} for r in read_metrics(run_dir)
+            if r["kind"] in ("train", "eval", "epoch", "summary")]
+
+
+def snapshot(folder) -> dict:
+    """Every file under ``folder`` with its bytes: to show a folder was left exactly as it was."""
+    return {p: p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}

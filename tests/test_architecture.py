@@ -6,7 +6,7 @@ Units and what each may import (besides itself and the standard library / third 
 - ``config`` (pure data), ``timing``, ``rundir``: nothing of vitflow;
 - ``runtime`` (allocator, device, precision, seeding): ``timing``;
 - ``models``: the foundation (``config``, ``runtime``, ``timing``); no other layer;
-- ``data``: ``config``, ``runtime``; no ``models`` / ``train`` / ``infer``;
+- ``data``: ``config``, ``runtime``, ``timing``; no ``models`` / ``train`` / ``infer``;
 - ``checkpoint`` (files, ``model_from_checkpoint``): ``models``;
 - ``evaluation`` (a model over batches): ``data``, ``runtime``;
 - ``train``: every layer to its left and the shared services;
@@ -33,7 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "config": set(), "timing": set(), "rundir": set(),
     "runtime": {"timing"},
     "models": FOUNDATION,
-    "data": {"config", "runtime"},
+    "data": {"config", "runtime", "timing"},
     "checkpoint": {"models"},
     "evaluation": {"data", "runtime"},
     "train": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "rundir"},

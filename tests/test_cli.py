@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_folder
+from helpers import make_folder
 from vitflow.cli import main
 
 
@@ -143,3 +143,12 @@ def test_small_user_errors_name_what_is_wrong(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"error: SRC {tmp_path / 'nope'} does not exist"
     assert main(["report", str(tmp_path / "nope")]) == 2
     assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope'} does not exist"
+
+
+def test_key_value_overrides_are_taken_after_flags(capsys):
+    assert main(["train", "--print-config", "train.seed=3", "--json", "optim.lr=0.5"]) == 0
+    out = capsys.readouterr().err  # with --json, every other line goes to stderr
+    assert "seed: 3" in out and "lr: 0.5" in out
+    with pytest.raises(SystemExit):
+        main(["train", "--print-config", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err

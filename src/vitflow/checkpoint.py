@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from vitflow.models.weights import load_error_reason
 FORMAT = "vitflow-checkpoint"
 VERSION = 1
 _NAME = re.compile(r"^step-(\d{8})\.pt$")
+SPACE_MARGIN = 1 << 20  # bytes beyond the tensors' a checkpoint's free-space check asks for
 
 
 def checkpoint_path(run_dir: str | Path, step: int) -> Path:
@@ -40,15 +42,54 @@ def checkpoint_path(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step-{step:08d}.pt"
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (no space, a failing disk); the message names the file,
+    the folder and, for space, the bytes needed and free. Nothing was replaced: the previous
+    checkpoints are intact and no temporary file is left."""
+
+
+def state_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a (nested) checkpoint state: what its file will about weigh."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(v) for v in obj)
+    return 0
+
+
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
-    """Atomically write ``state`` (plus format/version tags) to ``path``; returns ``path``."""
+    """Atomically write ``state`` (plus format/version tags) to ``path``; returns ``path``.
+
+    The folder's free space is checked first (the state's tensor bytes plus a margin). A write
+    that fails (no space, an I/O error) removes its temporary file and leaves every existing file
+    as it was.
+
+    Raises:
+        CheckpointWriteError: not enough free space, or the write failed (one line, naming the
+            folder and, for space, the bytes needed and free).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    need = int(state_bytes(state) * 1.05) + SPACE_MARGIN
+    free = shutil.disk_usage(path.parent).free
+    if free < need:
+        raise CheckpointWriteError(f"not enough space for checkpoint {path.name} in {path.parent}: about "
+                                   f"{need / 2**20:.1f} MiB needed, {free / 2**20:.1f} MiB free")
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save({"format": FORMAT, "version": VERSION, **state}, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as raw:
+            f = _WriteErrors(raw)
+            torch.save({"format": FORMAT, "version": VERSION, **state}, f)
+            raw.flush()
+            os.fsync(raw.fileno())
+    except (OSError, RuntimeError) as e:  # torch reports a failed write as RuntimeError("... enforce fail ...")
+        tmp.unlink(missing_ok=True)
+        cause = e if isinstance(e, OSError) else getattr(locals().get("f"), "error", None)
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(e).splitlines()[0][:200]
+        raise CheckpointWriteError(f"cannot write checkpoint {path.name} in {path.parent}: {reason} "
+                                   f"({shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free there)") from None
     os.replace(tmp, path)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -56,6 +97,34 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     finally:
         os.close(dir_fd)
     return path
+
+
+class _WriteErrors:
+    """A file wrapper that keeps the ``OSError`` of a failed ``write`` (torch reports it only as
+    an opaque RuntimeError), so the message can say "No space left on device"."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def remove_orphans(run_dir: str | Path) -> list[Path]:
+    """Delete the temporary files of checkpoint writes that never finished (a process killed
+    while writing); returns what was removed."""
+    folder = Path(run_dir) / "checkpoints"
+    orphans = sorted(folder.glob(".step-*.pt.tmp")) if folder.is_dir() else []
+    for p in orphans:
+        p.unlink(missing_ok=True)
+    return orphans
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 A training run writes (see :mod:`vitflow.train.logging` and :mod:`vitflow.checkpoint`)::
 
-    RUN_DIR/config.yaml            the resolved configuration
+    RUN_DIR/run.json               vitflow's mark: this folder belongs to one run
+    RUN_DIR/config.yaml            the resolved configuration of the latest start
     RUN_DIR/metrics.jsonl          every metrics record, one JSON object per line
     RUN_DIR/metrics_train.csv      the ``train`` records as CSV
     RUN_DIR/metrics_eval.csv       the ``eval`` records as CSV
@@ -17,9 +18,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+RUN = "run.json"
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
+CSV = {"train": "metrics_train.csv", "eval": "metrics_eval.csv"}  # the CSV copy of these record kinds
 EVAL = "eval.json"
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """True for a folder vitflow created for a run (it holds ``run.json``)."""
+    return (Path(path) / RUN).is_file()
 
 
 def read_metrics(path: str | Path) -> list[dict]:

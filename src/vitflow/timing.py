@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import statistics
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -49,3 +50,24 @@ def fastest(calls: dict[str, Callable[[], object]], rounds: int, device: torch.d
             if r:
                 times[n].append(time.perf_counter() - t0)
     return {n: float("inf") if n in failed else min(times[n]) for n in names}
+
+
+SPREAD_LIMIT = 0.2  # rounds of one measurement further apart than this (relative to their median): a busy machine
+
+
+def spread(values: Sequence[float]) -> float:
+    """How far apart repeated measurements are: ``(max - min) / median`` (0 for fewer than two)."""
+    if len(values) < 2:
+        return 0.0
+    mid = statistics.median(values)
+    return (max(values) - min(values)) / mid if mid else float("inf")
+
+
+def busy_warning(measured: dict[str, Sequence[float]], limit: float = SPREAD_LIMIT) -> str | None:
+    """A warning naming the measurements (name -> rounds) whose rounds spread more than ``limit``,
+    or ``None``: their figures are unreliable, the machine was busy."""
+    wide = {k: spread(v) for k, v in measured.items() if spread(v) > limit}
+    if not wide:
+        return None
+    return ("the machine looks busy: rounds of " + ", ".join(f"{k} spread {s:.0%}" for k, s in wide.items())
+            + f" (over {limit:.0%}); these figures are unreliable, measure again on an idle machine")

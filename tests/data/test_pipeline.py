@@ -441,3 +441,13 @@ def test_device_pipeline_host_threads_give_the_same_batch_and_restore_the_settin
                             host_threads=1)(batch)
     assert torch.equal(got, ref) and torch.equal(y, y_ref) and torch.get_num_threads() == before
     assert ref.min().item() == pytest.approx(-2.0) and ref.max().item() > 1.9  # ((0 or 255) / 255 - 0.5) / 0.25; padding is 0
+
+
+def test_bench_data_names_its_own_option_for_a_small_folder(tmp_path, capsys):
+    from vitflow.cli import main
+
+    data = make_folder(tmp_path / "few", per_class=3)
+    assert main(["bench", "data", "--data", str(data), "--image-size", "8", "--batch-size", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "has 9 images, fewer than one batch of 64: give --batch-size 4 or less" in err
+    assert "train.batch_size" not in err

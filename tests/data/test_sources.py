@@ -2,6 +2,7 @@
 
 import io
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,3 +172,106 @@ def test_cifar_tar_read_in_place():
     assert len(held) == 1000 and set(held.names).isdisjoint(train.names)
     img = train.load(0)
     assert img.shape == (3, 32, 32) and img.dtype == torch.uint8 and img.float().std() > 10
+
+
+def _cifar(folder, batches):
+    """A CIFAR-10 python-batches folder: ``batches`` (file name -> object) pickled as given."""
+    import pickle
+
+    folder.mkdir()
+    for name, obj in batches.items():
+        (folder / name).write_bytes(obj if isinstance(obj, bytes) else pickle.dumps(obj, protocol=2))
+    return folder
+
+
+def test_cifar_batches_are_read_without_running_code_and_malformed_ones_named(tmp_path):
+    import pickle
+
+    meta = {b"label_names": [b"cat", b"dog"]}
+    ok = {b"data": np.arange(2 * 3072, dtype=np.int64).astype(np.uint8).reshape(2, 3072), b"labels": [0, 1],
+          b"batch_label": b"testing batch 1 of 1", b"filenames": [b"a.png", b"b.png"]}
+    good = _cifar(tmp_path / "good", {"batches.meta": meta, "test_batch": ok})
+    src = open_split(good, "test")
+    assert src.classes == ["cat", "dog"] and src.labels.tolist() == [0, 1]
+    assert torch.equal(src.load(1), torch.from_numpy(ok[b"data"][1].reshape(3, 32, 32)))
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    evil = _cifar(tmp_path / "evil", {"batches.meta": meta, "test_batch": pickle.dumps({b"data": Payload()})})
+    with pytest.raises(DataError, match=r"cannot read CIFAR batch .*test_batch: refusing pathlib.*touch"):
+        open_split(evil, "test")
+    assert not marker.exists()  # nothing ran
+    for name, obj, message in [
+        ("not a dict", [1, 2], "a list, not the format's dict"),
+        ("no labels", {b"data": ok[b"data"]}, r"malformed CIFAR batch .*test_batch: no b'labels' entry"),
+        ("wrong shape", {**ok, b"data": np.zeros((2, 100), np.uint8)}, r"data uint8 \(2, 100\) with 2 labels"),
+        ("bad label", {**ok, b"labels": [0, 7]}, r"labels outside 0\.\.1"),
+        ("truncated", pickle.dumps(ok)[:50], "cannot read CIFAR batch"),
+    ]:
+        folder = _cifar(tmp_path / name.replace(" ", "_"), {"batches.meta": meta, "test_batch": obj})
+        with pytest.raises(DataError, match=message):
+            open_split(folder, "test")
+
+
+def test_file_names_that_are_not_utf8_are_read_named_and_kept_as_bytes(tmp_path, capsysbinary):
+    """``caf\\xe9.png`` (Latin-1, not UTF-8): read, named as ``caf\\xe9.png`` in messages, written back
+    byte for byte by predict's JSON (escaped) and CSV; a prepare of the folder works too."""
+    import json
+    import os
+
+    from vitflow.cli import main
+
+    root = make_folder(tmp_path / "ds", per_class=4)
+    odd = os.fsencode(root / "a") + b"/caf\xe9.png"
+    with open(odd, "wb") as f:
+        f.write(encode(np.full((8, 8, 3), 90, np.uint8)))
+    with open(os.fsencode(root / "b") + b"/bad\xff.png", "wb") as f:
+        f.write(b"not an image")
+    src = open_split(root, "train")
+    names = [n for n in src.names if "caf" in n or "bad" in n]
+    assert sorted(names) == sorted([f"{root}/a/caf\\xe9.png", f"{root}/b/bad\\xff.png"])
+    i = src.names.index(f"{root}/a/caf\\xe9.png")
+    assert src.load(i).shape == (3, 8, 8)
+    with pytest.raises(CorruptImageError, match=r"bad\\xff\.png"):
+        src.load(src.names.index(f"{root}/b/bad\\xff.png"))
+    run = tmp_path / "run"
+    assert main(["train", "-q", "--preset", "cifar10-vit-tiny", f"data.path={root}", "model.img_size=8",
+                 "data.train_split=train[:75%]", "data.test_split=train[75%:]", "train.batch_size=4",
+                 "train.total_steps=2", f"train.run_dir={run}"]) == 0
+    capsysbinary.readouterr()
+    assert main(["predict", str(run), str(root), "--json"]) == 0
+    rows = [json.loads(line) for line in capsysbinary.readouterr().out.splitlines()]
+    paths = {os.fsencode(r["path"]) for r in rows}
+    assert odd in paths and any("error" in r and "bad" in r["path"] for r in rows)
+    assert main(["predict", str(run), str(root), "--csv"]) == 0
+    assert odd + b"," in capsysbinary.readouterr().out  # the file name's own bytes
+    assert main(["prepare", str(root), str(tmp_path / "packed")]) == 0
+    assert b"bad\\xff.png" in capsysbinary.readouterr().err  # named once, printable
+
+
+def test_a_tar_cut_at_a_member_boundary_is_warned(tmp_path, caplog):
+    import tarfile
+
+    root = make_folder(tmp_path / "ds", per_class=4)
+    full = tar_folder(root, tmp_path / "full.tar")
+    with tarfile.open(full) as tf:
+        members = tf.getmembers()
+    cut_at = members[-3].offset  # the header of a member near the end: an archive cut between members
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(full.read_bytes()[:cut_at])
+    with caplog.at_level(logging.WARNING, logger="vitflow.data"):
+        assert len(open_split(full, "train")) == 12
+    assert "cut short" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="vitflow.data"):
+        n = len(open_split(cut, "train"))
+    assert n < 12 and "cut.tar ends right after its last member" in caplog.text and "may have been cut short" in caplog.text
+    junk = tmp_path / "junk.tar"
+    junk.write_bytes(full.read_bytes() + b"trailing garbage")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vitflow.data"):
+        open_split(junk, "train")
+    assert "are not the zeros that end a tar" in caplog.text

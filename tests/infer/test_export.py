@@ -155,3 +155,15 @@ def test_bad_inputs_are_named(digits_run, tmp_path, capsys):
     assert main(["export", r["checkpoint"], "--format", "tensorrt", "-o", str(tmp_path / "m.engine")]) == 3
     err = capsys.readouterr().err
     assert "TensorRT" in err and ("tensorrt" in err or "GPU" in err)
+
+
+def test_opset_is_honoured_or_refused_never_changed(digits_run, tmp_path, capsys):
+    _, r, _ = digits_run
+    out = tmp_path / "m21.onnx"
+    assert main(["export", r["checkpoint"], "-o", str(out), "--opset", "21"]) == 0
+    assert [o.version for o in onnx.load(str(out)).opset_import if o.domain in ("", "ai.onnx")] == [21]
+    capsys.readouterr()
+    assert main(["export", r["checkpoint"], "-o", str(tmp_path / "m17.onnx"), "--opset", "17"]) == 2
+    err = capsys.readouterr().err
+    assert "--opset 17 is not supported: vitflow exports opsets 18 to" in err
+    assert not (tmp_path / "m17.onnx").exists()

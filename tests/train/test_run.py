@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from helpers import ENV, digits_config
+from helpers import ENV, comparable_records, digits_config
 from vitflow import checkpoint as ckpt
 from vitflow import create_model
 from vitflow.rundir import read_metrics
@@ -131,13 +131,14 @@ def test_sigterm_writes_a_checkpoint_that_resumes_to_the_uninterrupted_result(tm
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
-    assert "SIGTERM: stopped at step" in out
+    assert "SIGTERM: stopped at step" in out and f"continue with: vitflow resume {run}" in out
     (stopped,) = ckpt.list_checkpoints(run)
     at = ckpt.load_checkpoint(stopped)["step"]
     assert 20 <= at < steps
     assert [r["kind"] for r in read_metrics(run / "metrics.jsonl")][-1] == "interrupted"
-    subprocess.run(_train(run, steps, "train.resume=auto"), env=ENV, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "vitflow", "resume", str(run)], env=ENV, check=True, capture_output=True)
     assert full.wait(timeout=120) == 0
+    assert comparable_records(run) == comparable_records(tmp_path / "full")  # each step and epoch recorded once
     a, b = ckpt.load_checkpoint(tmp_path / "full"), ckpt.load_checkpoint(run)
     assert a["step"] == b["step"] == steps and a["data"]["position"] == b["data"]["position"]
     for name, tensor in a["model"].items():

@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Sequence
 
+from vitflow.checkpoint import CheckpointWriteError
 from vitflow.cli.commands import COMMANDS, CONFIG_CHECKS
 from vitflow.cli.parser import build_parser
 from vitflow.config import ConfigError
@@ -19,18 +20,40 @@ from vitflow.config import ConfigError
 __all__ = ["CONFIG_CHECKS", "build_parser", "main"]
 
 
+def parse_args(argv: Sequence[str] | None = None):
+    """The parsed arguments; ``key=value`` overrides are taken wherever they stand on the line
+    (``vitflow train --json train.total_steps=500 --print-config``), not only before the flags."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     level = logging.WARNING if os.environ.get("RANK", "0") != "0" else args.log_level  # other ranks: warnings only
     logging.basicConfig(level=max(level, logging.INFO), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     vitflow_log, previous = logging.getLogger("vitflow"), logging.getLogger("vitflow").level
     if level != logging.INFO:
         vitflow_log.setLevel(level)  # -v: vitflow's debug lines, not every library's
+    # file names that are not valid UTF-8 travel as surrogate escapes: stdout writes them back as their
+    # original bytes (CSV and JSON stay lossless), stderr as \\xNN (a message never fails to print)
+    for stream, errors in ((sys.stdout, "surrogateescape"), (sys.stderr, "backslashreplace")):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors=errors)
     json_only = getattr(args, "json", False) and args.command != "predict"  # predict --json: one line per image
     args.json_stdout = sys.stdout
     try:
         with contextlib.redirect_stdout(sys.stderr) if json_only else contextlib.nullcontext():
             return COMMANDS[args.command](args)
+    except CheckpointWriteError as e:  # a disk full or failing: the run stopped, its checkpoints are intact
+        if args.debug or os.environ.get("VITFLOW_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except (ConfigError, ValueError, FileNotFoundError) as e:
         if args.debug or os.environ.get("VITFLOW_DEBUG"):
             raise

@@ -12,6 +12,7 @@ import sys
 
 from vitflow.config import build_config, list_presets, preset_tree, to_yaml
 from vitflow.data import check_config as check_data_config
+from vitflow.data.readers import display_name
 from vitflow.models import check_config as check_model_config
 
 # the layers' config checks, run by every command that builds a config
@@ -25,7 +26,13 @@ def _print_json(args: argparse.Namespace, obj) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg = build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS)
+    from vitflow.train.resume import resume_config
+
+    cfg = resume_config(args.preset, args.overrides, CONFIG_CHECKS)  # a resume: the run's own config
+    if cfg is not None and (args.preset or args.config):
+        logging.getLogger("vitflow").warning("--preset / --config ignored: a resumed run keeps its saved config "
+                                             "(change keys with key=value)")
+    cfg = cfg or build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS)
     if args.print_config:
         print(to_yaml(cfg), end="")
         if cfg.data.path and not os.path.exists(cfg.data.path):  # shown, but training would stop here
@@ -51,7 +58,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     if "interrupted" in r:
         print(f"{r['interrupted']}: stopped at step {r['step']}; checkpoint: {r['checkpoint']}\n"
-              f"continue with: vitflow train ... train.resume=auto train.run_dir={r['run_dir']}")
+              f"continue with: vitflow resume {r['run_dir']}")
         if args.json:
             _print_json(args, r)
         return 128 + {"SIGTERM": 15, "SIGINT": 2}[r["interrupted"]]
@@ -66,6 +73,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(args, r)
     return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    """``vitflow resume RUN [key=value ...]``: ``vitflow train train.resume=auto train.run_dir=RUN``."""
+    args.overrides = ["train.resume=auto", f"train.run_dir={args.run_dir}", *args.overrides]
+    args.preset = args.config = None
+    args.print_config = False
+    return cmd_train(args)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -101,9 +116,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
                 [r["path"], i + 1, t["class"], t["index"], t["prob"], ""] for i, t in enumerate(r["top"])]
             writer.writerows(rows)
         elif "error" in r:
-            print(f"{r['path']}: ERROR {r['error']}", file=sys.stderr)
+            print(f"{display_name(r['path'])}: ERROR {display_name(r['error'])}", file=sys.stderr)
         else:
-            print(f"{r['path']}: " + ", ".join(f"{t['class']} {t['prob']:.1%}" for t in r["top"]))
+            print(f"{display_name(r['path'])}: " + ", ".join(f"{display_name(t['class'])} {t['prob']:.1%}"
+                                                            for t in r["top"]))
     if failed:
         print(f"{failed} of {len(refs)} image(s) could not be read", file=sys.stderr)
     return 1 if failed == len(refs) else 0
@@ -265,7 +281,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "attention": cmd_attention,
+COMMANDS = {"train": cmd_train, "resume": cmd_resume, "eval": cmd_eval, "predict": cmd_predict, "attention": cmd_attention,
             "export": cmd_export, "quantize": cmd_quantize, "prune": cmd_prune, "prepare": cmd_prepare,
             "bench": cmd_bench, "lr-schedule": cmd_lr_schedule, "report": cmd_report, "presets": cmd_presets,
             "models": cmd_models}

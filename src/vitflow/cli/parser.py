@@ -57,13 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _training_commands(sub) -> None:
-    """train, eval, predict."""
+    """train, resume, eval, predict."""
     p = sub.add_parser("train", help="train a model (default: a small ViT on the embedded digits data)")
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="end with one JSON line of final metrics")
     p.add_argument("--nproc", type=int, default=1, metavar="N",
                    help="data-parallel on N local processes (runs torchrun --standalone --nproc-per-node N)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.total_steps=500")
+
+    p = sub.add_parser("resume", help="continue an interrupted run with its saved config (overrides applied)")
+    p.add_argument("run_dir", help="the run directory")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of final metrics")
+    p.add_argument("--nproc", type=int, default=1, metavar="N", help="data-parallel on N local processes")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config keys to change, e.g. train.total_steps=2000")
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on its test split")
     p.add_argument("checkpoint", help="checkpoint file or run directory (newest checkpoint)")
@@ -95,7 +101,7 @@ def _deployment_commands(sub) -> None:
     p.add_argument("--optimize", action="store_true", help="ONNX: apply ONNX Runtime's transformer fusions")
     p.add_argument("--target", choices=["cpu", "gpu"], help="--optimize for this target (default: gpu if CUDA "
                    "is available, else cpu)")
-    p.add_argument("--opset", type=int, default=18, help="ONNX opset (>= 17; default 18)")
+    p.add_argument("--opset", type=int, default=18, help="ONNX opset (18 or newer; default 18); one the exporter cannot write is refused")
     p.add_argument("--verify-data", metavar="PATH", help="real images (file, folder or tar) to verify on; "
                    "default: the checkpoint's test split")
     p.add_argument("--tolerance", type=float, help="max |logit difference| (default 1e-4; 0.1 for FP16 TensorRT)")

@@ -19,6 +19,7 @@ Paths are interleaved across repeats; the medians are reported with their ratio 
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import statistics
@@ -37,6 +38,9 @@ from vitflow.data.pipeline import train_loader
 from vitflow.data.sources import DataError, ImageSource
 from vitflow.data.transforms import resolve_augment
 from vitflow.runtime import configure_allocator
+from vitflow.timing import busy_warning
+
+log = logging.getLogger(__name__)
 
 _BYTES: list[bytes] = []
 
@@ -110,7 +114,7 @@ def vitflow_ips(source: ImageSource, cfg: DataConfig, image_size: int, batch_siz
     n, t0 = 0, time.perf_counter()
     it = iter(tl)
     for _ in range(passes * per_epoch):
-        x, _y = tl.pipeline(next(it))
+        x, _y = tl.device_batch(next(it))
         n += len(x)
     elapsed = time.perf_counter() - t0
     tl.close()
@@ -132,6 +136,9 @@ def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, pa
     source = _open(path)
     small = image_size <= 64
     batch_size = batch_size or (256 if small else 64)
+    if len(source) < batch_size:
+        raise ValueError(f"{path} has {len(source)} images, fewer than one batch of {batch_size}: give --batch-size "
+                         f"{max(1, len(source) // 2)} or less")
     passes = passes or (1 if len(source) > 20_000 else 3)
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
     cfg = DataConfig(path=path, num_workers=workers, max_in_memory=0, train_augment="auto",
@@ -159,4 +166,6 @@ def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, pa
     for k, label in (("baseline", "torchvision"), ("vitflow", "vitflow"), ("packed", "vitflow packed")):
         emit(f"{label:16s} {med[k]:9.0f} img/s  {med[k] / base:5.2f}x baseline  "
              f"(min {min(results[k]):.0f}, max {max(results[k]):.0f})")
+    if warning := busy_warning(results):
+        log.warning("%s", warning)
     return {"decode_limit_ips": decn, "baseline_ips": base, "vitflow_ips": med["vitflow"], "packed_ips": med["packed"]}

@@ -15,6 +15,7 @@ images is an error that names it.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +79,7 @@ def open_images(path: str | Path) -> FileSource:
     if not rels:
         raise DataError(f"no images in {p}")
     spans = np.array([files[r] for r in rels], dtype=np.int64).reshape(-1, 2) if isinstance(reader, TarReader) else None
-    return FileSource(["images"], np.zeros(len(rels), dtype=np.int64), reader, np.array([r.encode() for r in rels]),
+    return FileSource(["images"], np.zeros(len(rels), dtype=np.int64), reader, np.array([os.fsencode(r) for r in rels]),
                       spans)
 
 
@@ -127,4 +128,4 @@ def open_folder_split(p: Path, kind: str, split: str, classes: list[str] | None 
     rels = sorted(r for c in per_class for r in per_class[c])
     labels = np.array([index[r[len(prefix):].split("/", 1)[0]] for r in rels], dtype=np.int64)
     spans = np.array([files[r] for r in rels], dtype=np.int64).reshape(-1, 2) if kind == "tar" else None
-    return FileSource(list(classes), labels, reader, np.array([r.encode() for r in rels]), spans)
+    return FileSource(list(classes), labels, reader, np.array([os.fsencode(r) for r in rels]), spans)

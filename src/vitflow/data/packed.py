@@ -69,7 +69,7 @@ class PackedSource(ImageSource):
             self.fixed_size = None
 
     def name(self, i: int) -> str:
-        return f"{self.root}/{self.split}#{self.rows[i]} ({self._names[self.rows[i]].decode()})"
+        return f"{self.root}/{self.split}#{self.rows[i]} ({self._names[self.rows[i]].decode(errors='replace')})"
 
     def load(self, i: int) -> torch.Tensor:
         if self.fixed_size is not None:
@@ -134,7 +134,7 @@ def write_split(source: ImageSource, folder: Path, kind: str, max_side: int | No
                 out.write(payload)
                 offsets.append(offsets[-1] + len(payload))
             labels.append(int(source.labels[i]))
-            names.append(source.name(i).encode())
+            names.append(source.name(i).encode(errors="backslashreplace"))
     np.save(folder / "labels.npy", np.array(labels, dtype=np.int64))
     np.save(folder / "names.npy", np.array(names, dtype="S"))
     info: dict = {"kind": kind, "count": len(labels), "skipped": len(skipped)}

@@ -3,15 +3,29 @@
 Members of a tar are indexed once (name, data offset, size) and then read by offset with
 ``os.pread``: no extraction, no per-image file open, safe to share across forked workers.
 Hidden entries (names starting with ``.``) and ``__MACOSX`` are left out of every listing.
+
+File names are kept as the operating system gives them: a name that is not valid UTF-8 is a
+``str`` with surrogate escapes (``os.fsdecode``), stored as its original bytes (``os.fsencode``),
+and shown in messages by :func:`display_name` (``caf\\xe9.jpg``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import tarfile
 from pathlib import Path
 
 from vitflow.data.sources import DataError
+
+log = logging.getLogger(__name__)
+TAIL_CHECK = 1 << 16  # bytes after a tar's last member checked to be its end-of-archive zeros
+
+
+def display_name(name: str | os.PathLike) -> str:
+    """``name`` printable: bytes that are not valid UTF-8 (surrogate escapes in a ``str``) shown as
+    ``\\xNN``, so a message naming the file never fails to print."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def is_hidden(part: str) -> bool:
@@ -25,7 +39,7 @@ class FolderReader:
         self.root = root
 
     def describe(self, rel: str) -> str:
-        return str(self.root / rel)
+        return display_name(self.root / rel)
 
     def list(self) -> tuple[dict[str, object], set[str]]:
         files: dict[str, object] = {}
@@ -57,7 +71,7 @@ class TarReader:
         self._pid = -1
 
     def describe(self, rel: str) -> str:
-        return f"{self.path}:{rel}"
+        return display_name(f"{self.path}:{rel}")
 
     def list(self) -> tuple[dict[str, object], set[str]]:
         st = self.path.stat()
@@ -82,10 +96,27 @@ class TarReader:
                         dirs.add(name.rstrip("/"))
                     elif m.isfile():
                         files[name] = (m.offset_data, m.size)
+                end = tf.offset  # where the members end: the end-of-archive blocks of a complete tar
         except tarfile.ReadError as e:
             raise DataError(f"{self.path}: not an uncompressed tar archive ({e}); compressed tars cannot be "
                             f"read by offset: decompress it first") from None
+        self._check_end(end, len(files))
         return files, dirs
+
+    def _check_end(self, end: int, members: int) -> None:
+        """Warn when the archive does not end as a tar does (zero blocks after the last member): cut
+        exactly at a member boundary, it would otherwise read as a smaller dataset without a word."""
+        size = self.path.stat().st_size
+        if end >= size:
+            log.warning("%s ends right after its last member, without the end-of-archive blocks: it may have been "
+                        "cut short (%d files read)", display_name(self.path), members)
+            return
+        with open(self.path, "rb") as f:
+            f.seek(end)
+            tail = f.read(min(size - end, TAIL_CHECK))
+        if tail.strip(b"\0"):
+            log.warning("%s: %d bytes after the last member are not the zeros that end a tar: a damaged or "
+                        "concatenated archive? (%d files read)", display_name(self.path), size - end, members)
 
     def read(self, locator: object) -> bytes:
         offset, size = locator  # type: ignore[misc]

@@ -9,6 +9,7 @@ pixels in memory. Packed datasets (:mod:`vitflow.data.packed`), the RAM cache
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -76,21 +77,22 @@ class ImageSource:
 class FileSource(ImageSource):
     """Encoded image files read through a :class:`~vitflow.data.readers.FolderReader` (``keys``
     are paths relative to the root) or a :class:`~vitflow.data.readers.TarReader` (``keys`` are
-    member names, ``spans`` their ``(offset, size)``)."""
+    member names, ``spans`` their ``(offset, size)``). ``keys`` hold the names' bytes
+    (``os.fsencode``: any file name, UTF-8 or not)."""
 
     def __init__(self, classes: list[str], labels: np.ndarray, reader,
                  keys: np.ndarray, spans: np.ndarray | None = None):
         self.classes, self.labels, self.reader, self.keys, self.spans = classes, labels, reader, keys, spans
 
     def name(self, i: int) -> str:
-        return self.reader.describe(self.keys[i].decode())
+        return self.reader.describe(os.fsdecode(self.keys[i]))
 
     def read(self, i: int) -> bytes:
         """The encoded bytes of image ``i``. Raises CorruptImageError when unreadable."""
         try:
             if self.spans is not None:
                 return self.reader.read((int(self.spans[i, 0]), int(self.spans[i, 1])))
-            return self.reader.read(self.keys[i].decode())
+            return self.reader.read(os.fsdecode(self.keys[i]))
         except OSError as e:
             raise CorruptImageError(self.name(i), f"cannot read: {e}") from None
 

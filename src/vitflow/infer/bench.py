@@ -42,6 +42,7 @@ from vitflow.infer.onnx_model import ModelInfo, OnnxModel
 from vitflow.infer.quantize import quantize_onnx
 from vitflow.models import model_kwargs
 from vitflow.runtime import cpu_bf16_supported
+from vitflow.timing import busy_warning
 
 PATHS = ("timm_eager_fp32", "timm_eager_bf16", "eager_fp32", "eager_bf16", "compiled", "onnxruntime_fp32",
          "onnxruntime_int8")
@@ -195,6 +196,8 @@ def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = PATHS, batch_si
         timings = time_paths(runners, info.preprocess.image_size, batch_size, repeats, latency_calls, min_time, log)
     for k, t in timings.items():
         notes[k] += f"; rounds {min(t.throughputs):.0f}-{max(t.throughputs):.0f} img/s"
+    if warning := busy_warning({k: t.throughputs for k, t in timings.items()}):
+        log(f"warning: {warning}")
     return {k: timings[k].summary() for k in PATHS if k in timings}, notes
 
 

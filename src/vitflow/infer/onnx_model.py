@@ -167,6 +167,12 @@ def copy_metadata(src: str | Path, dst: str | Path) -> None:
     set_metadata(dst, meta)
 
 
+def onnx_opset(path: str | Path) -> int:
+    """The default-domain (``ai.onnx``) opset of the ONNX file at ``path``."""
+    model = require("onnx").load(str(path), load_external_data=False)
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+
+
 def set_metadata(path: str | Path, meta: dict[str, str]) -> None:
     """Set ``metadata_props`` entries of the ONNX file at ``path`` (in place; other entries kept)."""
     onnx = require("onnx")

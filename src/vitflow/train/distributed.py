@@ -194,6 +194,18 @@ class Parallel:
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
+def micro_batch(batch_size: int, accum_steps: int, world_size: int) -> int:
+    """Images per micro-batch on each rank: the global ``batch_size`` over ``accum_steps`` x ranks.
+
+    Raises:
+        ValueError: it does not divide evenly.
+    """
+    if batch_size % (accum_steps * world_size):
+        raise ValueError(f"train.batch_size={batch_size} is not divisible by train.accum_steps={accum_steps} "
+                         f"x {world_size} process(es)")
+    return batch_size // (accum_steps * world_size)
+
+
 def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
     """The command ``vitflow train --nproc N ...`` replaces itself with: a single-node torchrun
     (``--standalone``: a local rendezvous on a free port) of ``python -m vitflow <argv>``."""

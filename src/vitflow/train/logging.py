@@ -27,36 +27,48 @@ import torch
 from tqdm import tqdm
 
 from vitflow.data import SkipReport
-from vitflow.rundir import METRICS
+from vitflow.rundir import CSV, METRICS
 
 log = logging.getLogger(__name__)
 
-CSV_KINDS = ("train", "eval")
+CSV_KINDS = tuple(CSV)
 STALL_HINT = 0.1  # data-stall fraction above which a run says it is input-bound
 
 
 class MetricsLog:
-    """Appends records to the files above; a resumed run appends to the same files.
+    """Appends records to the files above; a resumed run appends to the same files, first cut
+    back to where they stood when its checkpoint was written (``truncate_to``, from
+    :meth:`offsets`), so that the steps between that checkpoint and the interruption are recorded
+    once, by the resumed run, exactly as an uninterrupted run records them.
 
     Args:
         run_dir: the run directory.
         tensorboard: also write TensorBoard events if ``torch.utils.tensorboard`` imports.
         enabled: ``False`` makes every call a no-op (ranks other than 0 of a distributed run).
+        truncate_to: file name -> bytes to keep (a file not named is emptied); ``None`` keeps
+            everything (a new run, or a checkpoint from before vitflow saved the offsets).
+        purge_step: TensorBoard drops its events from this step on (the resumed step).
     """
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, enabled: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, enabled: bool = True,
+                 truncate_to: dict[str, int] | None = None, purge_step: int | None = None):
         self.run_dir, self.enabled = Path(run_dir), enabled
         self._csv: dict[str, tuple[Any, csv.DictWriter]] = {}
         self._tb = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if truncate_to is not None:
+            for name in (METRICS, *CSV.values()):
+                path = self.run_dir / name
+                if path.is_file() and path.stat().st_size > truncate_to.get(name, 0):
+                    os.truncate(path, truncate_to.get(name, 0))
         self._f = open(self.run_dir / METRICS, "a", buffering=1)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+                self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge_step)
             except ImportError:
                 log.debug("tensorboard is not installed: no event files")
 
@@ -74,9 +86,20 @@ class MetricsLog:
                     self._tb.add_scalar(f"{kind}/{k}", v, rec["step"])
         return rec
 
+    def offsets(self) -> dict[str, int]:
+        """The size in bytes of each records file now (flushed): what a checkpoint saves so that
+        a resume can cut the files back to this moment."""
+        if not self.enabled:
+            return {}
+        self._f.flush()
+        for f, _ in self._csv.values():
+            f.flush()
+        return {name: (self.run_dir / name).stat().st_size for name in (METRICS, *CSV.values())
+                if (self.run_dir / name).is_file()}
+
     def _csv_writer(self, kind: str, rec: dict) -> csv.DictWriter:
         if kind not in self._csv:
-            path = self.run_dir / f"metrics_{kind}.csv"
+            path = self.run_dir / CSV[kind]
             fields = None
             if path.is_file() and path.stat().st_size:
                 with open(path, newline="") as f:
@@ -113,6 +136,10 @@ class Meter:
         self.steps, self.images, self.loss, self.data_wait = (self.steps + 1, self.images + images, self.loss + loss,
                                                              self.data_wait + data_wait)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The sums a checkpoint keeps (steps and loss), so that a resumed run logs the same mean loss."""
+        return {"steps": self.steps, "loss": self.loss}
+
     def rate(self) -> tuple[float, float]:
         """(images/s, fraction of wall time spent waiting for data)."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
@@ -127,12 +154,14 @@ class EpochTracker:
     was drawn gets its ``epoch`` record from :meth:`flush`, after the step that used the batch
     (one step's micro-batches may end several epochs), so a run that ends with an epoch has its
     record; :meth:`end_partial` records the epoch a run stops in (``partial``, ``batches``), so
-    the records sum to the run's total.
+    the records sum to the run's total. ``skipped`` restores a resumed run's per-epoch counts.
     """
 
-    def __init__(self, metrics: "MetricsLog", batches_per_epoch: int, position: tuple[int, int] = (0, 0)):
+    def __init__(self, metrics: "MetricsLog", batches_per_epoch: int, position: tuple[int, int] = (0, 0),
+                 skipped: dict[int, int] | None = None):
         self.metrics, self.batches_per_epoch, self.position = metrics, batches_per_epoch, tuple(position)
         self.skips = SkipReport()
+        self.skips.per_epoch.update(skipped or {})  # a resumed run's counts so far
         self._ended: list[int] = []
 
     def drawn(self, batch: dict) -> None:

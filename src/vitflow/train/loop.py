@@ -40,13 +40,14 @@ from vitflow.runtime import (
 )
 from vitflow.train.budget import ProgressiveResizing, TimeBudget
 from vitflow.train.distill import build_criterion
-from vitflow.train.distributed import Parallel, init_distributed, rank_device, shutdown
+from vitflow.train.distributed import Parallel, init_distributed, micro_batch, rank_device, shutdown
 from vitflow.train.ema import ModelEMA
 from vitflow.train.evaluator import RunEvaluator
 from vitflow.train.guards import NonFiniteGuard, StopSignals
 from vitflow.train.logging import EpochTracker, Meter, MetricsLog, StallHint, memory_mb
 from vitflow.train.optim import build_optimizer
-from vitflow.train.resume import find_resume, load_resume_state, make_run_dir, restore_model, restore_training
+from vitflow.train.resume import locate_run, restore_model, restore_training
+from vitflow.train.run_dir import open_run_dir
 from vitflow.train.schedules import build_scheduler, schedule_of, warn_long_warmup
 
 log = logging.getLogger(__name__)
@@ -77,19 +78,22 @@ class Trainer:
         if precision == "auto":  # a timed choice on a CPU: rank 0 makes it, every rank trains alike
             precision = self.dist.broadcast(resolve_precision("auto", self.device).name if self.dist.is_main else None)
         self.precision = resolve_precision(precision, self.device)
-        resume = self.dist.broadcast(find_resume(cfg) if self.dist.is_main else None)
-        self.state = load_resume_state(resume, cfg, warn=self.dist.is_main)
-        self.run_dir = Path(self.dist.broadcast(str(make_run_dir(cfg, resume)) if self.dist.is_main else None))
+        self.state, self.run_dir, start_over = locate_run(cfg, self.dist)
         image_size = cfg.model.img_size or model_kwargs(cfg.model.name)["img_size"]
         self.data = open_datasets(cfg.data, image_size)
-        self.micro_batch = self._micro_batch()
+        self.micro_batch = micro_batch(t.batch_size, t.accum_steps, self.dist.world_size)
         self.step, position = self._build_model()
         self._build_optimization()
         self.loader = train_loader(self.data.train, cfg.data, image_size, self.micro_batch, t.seed, self.device,
                                    len(self.data.classes), position, self.dist.rank, self.dist.world_size)
         log.info("input pipeline: %s", self.loader.describe())
-        self.metrics = MetricsLog(self.run_dir, t.tensorboard, enabled=self.dist.is_main)
-        self.epochs = EpochTracker(self.metrics, self.loader.batches_per_epoch, position)
+        if self.dist.is_main:  # created now that the data and the model are known to be good
+            open_run_dir(self.run_dir, cfg)
+        saved = self.state or {}
+        self.metrics = MetricsLog(self.run_dir, t.tensorboard, self.dist.is_main, saved.get("records", {} if start_over
+                                  else None), self.step if self.state else None)
+        self.epochs = EpochTracker(self.metrics, self.loader.batches_per_epoch, position,
+                                   saved.get("data", {}).get("skipped"))
         self.evaluator = RunEvaluator(self.data.test, self.data.preprocess, self.data.classes, cfg.data.test_split,
                                       cfg.data.eval_batch_size or self.micro_batch, cfg.data.num_workers, self.device,
                                       self.precision, self.dist, self.parallel.kind == "ddp", self.metrics,
@@ -97,18 +101,11 @@ class Trainer:
         self.resizing = ProgressiveResizing(cfg.data.progressive_min_size, image_size, cfg.data.progressive_ramp,
                                             self.model.patch_size, self.model.num_prefix_tokens)
         self.last_eval: dict[str, Any] | None = None
-        self.stop = StopSignals()
+        self.meter, self.stop = Meter(), StopSignals()
         self.stall_hint = StallHint(self.loader.describe())
         self._seed_ranks()  # last, so nothing in set-up consumes the model's random stream (dropout, drop-path)
 
     # -- set-up ----------------------------------------------------------------------------------
-
-    def _micro_batch(self) -> int:
-        t, world = self.cfg.train, self.dist.world_size
-        if t.batch_size % (t.accum_steps * world):
-            raise ValueError(f"train.batch_size={t.batch_size} is not divisible by train.accum_steps={t.accum_steps} "
-                             f"x {world} process(es)")
-        return t.batch_size // (t.accum_steps * world)
 
     def _build_model(self) -> tuple[int, tuple[int, int]]:
         """The model (from ``train.seed``; the resumed weights), its EMA and the criterion; returns
@@ -227,18 +224,20 @@ class Trainer:
             budget = TimeBudget(parse_duration(t.time_budget), started, self.resizing, self.cfg.optim, 2 if self.ema else 1)
         self.metrics.write("start", step=self.step, device=str(self.device), precision=self.precision.name,
                            micro_batch=self.micro_batch, accum_steps=t.accum_steps, world_size=self.dist.world_size,
-                           train_images=len(self.data.train), test_images=len(self.data.test))
+                           train_images=len(self.data.train), test_images=len(self.data.test),
+                           resumed_from=self.state["path"] if self.state else None)
         try:
             with self.stop, logging_redirect_tqdm():  # log lines above the progress bar, not inside it
                 try:
                     images_seen, train_time = self._loop(budget)
                 finally:
                     self.loader.close()
-            self.epochs.end_partial(self.step)  # the epoch it stopped in: the records sum to the total
             if self.stop.signum:
                 return self._interrupted(started)
+            records = self.metrics.offsets()  # the final checkpoint's: a resume from it evaluates again, once
             result = self.run_eval()
-            path = self.save()
+            path = self.save(records)
+            self.epochs.end_partial(self.step)  # after the checkpoint: a resume from it records the epoch whole
             summary = {"test_loss": result["loss"], "test_top1": result["top1"], "test_top5": result["top5"],
                        "step": self.step, "run_dir": str(self.run_dir), "checkpoint": str(path),
                        "train_images_per_s": images_seen * self.dist.world_size / train_time if train_time else 0.0,
@@ -262,7 +261,8 @@ class Trainer:
         t = self.cfg.train
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    mininterval=1.0, disable=not self.dist.is_main or quiet())
-        it, meter, images_seen, first_step_at = iter(self.loader), Meter(), 0, None
+        it, images_seen, first_step_at = iter(self.loader), 0, None
+        self.meter = Meter(**(self.state or {}).get("meter", {}))  # a resumed interval's sums: the same mean loss
         self.net.train()
         while self.step < self.total_steps:
             t0 = time.perf_counter()
@@ -271,7 +271,7 @@ class Trainer:
             loss, grad_norm, stepped = self.train_step(batches)
             self.epochs.flush(self.step)
             n = sum(len(b["labels"]) for b in batches)
-            meter.add(n, loss, wait)
+            self.meter.add(n, loss, wait)
             images_seen += n
             first_step_at = first_step_at or time.perf_counter()  # the first step (warm-up) is not timed
             if budget is not None:
@@ -279,8 +279,8 @@ class Trainer:
             if stepped:
                 bar.update(1)
                 if self.step % t.log_every == 0:
-                    self._log(meter, grad_norm, bar)
-                    meter = Meter()
+                    self._log(self.meter, grad_norm, bar)
+                    self.meter = Meter()
                     if budget is not None and budget.cost > 0:
                         budget.refit(self.scheduler, self.step, t.total_steps, self.dist,
                                      lambda: self.evaluator.seconds(self.model))
@@ -315,15 +315,17 @@ class Trainer:
 
     def _interrupted(self, started: float) -> dict[str, Any]:
         path = self.save()
+        self.epochs.end_partial(self.step)  # the part of the epoch it stopped in, recorded after the checkpoint
         summary = {"interrupted": self.stop.name, "step": self.step, "run_dir": str(self.run_dir),
                    "checkpoint": str(path), "elapsed_s": time.perf_counter() - started}
         self.metrics.write("interrupted", **summary)
-        log.warning("%s: checkpoint %s written at step %d; continue with train.resume=auto train.run_dir=%s",
-                    self.stop.name, path, self.step, self.run_dir)
+        log.warning("%s: checkpoint %s written at step %d; continue with: vitflow resume %s", self.stop.name, path,
+                    self.step, self.run_dir)
         return summary
 
-    def save(self) -> Path | None:
-        """Write a checkpoint of the current step and keep the newest ``train.keep_checkpoints``.
+    def save(self, records: dict[str, int] | None = None) -> Path | None:
+        """Write a checkpoint of the current step and keep the newest ``train.keep_checkpoints``;
+        ``records``: the records files' sizes a resume cuts them back to (default: now).
         Every rank must call it (FSDP state and the per-rank RNG states are gathered); rank 0
         writes and returns the path, other ranks return ``None``."""
         model_state = self.parallel.model_state(self.model)
@@ -336,12 +338,16 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.precision.scaler.state_dict() if self.precision.scaler else None,
             "rng": rngs[0], "rng_ranks": rngs if self.dist.enabled else None,
-            "data": {"position": list(self.epochs.position)},
+            "data": {"position": list(self.epochs.position), "skipped": dict(self.epochs.skips.per_epoch)},
+            "records": records or self.metrics.offsets(), "meter": self.meter.state_dict(),
             "config": self.cfg.to_dict(), "model_args": self.model_args, "classes": self.data.classes,
             "preprocess": self.data.preprocess.to_dict(), "metrics": scalar_metrics(self.last_eval or {}),
             "ema": self.ema.state_dict() if self.ema is not None else None, "guard": self.guard.state_dict(),
         }
-        path = ckpt.save_checkpoint(state, ckpt.checkpoint_path(self.run_dir, self.step))
+        try:
+            path = ckpt.save_checkpoint(state, ckpt.checkpoint_path(self.run_dir, self.step))
+        except ckpt.CheckpointWriteError as e:  # the run stops here; its previous checkpoints are intact
+            raise ckpt.CheckpointWriteError(f"{e}; then continue with: vitflow resume {self.run_dir}") from None
         ckpt.prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
         return path
 

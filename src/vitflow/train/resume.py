@@ -1,18 +1,22 @@
-"""Where a run lives and what it continues from: the run directory, the checkpoint
-``train.resume`` points at, and restoring a checkpoint's model and training state."""
+"""What a run continues from: the checkpoint ``train.resume`` points at (unreadable newest ones
+skipped), the run's saved configuration, and restoring a checkpoint's model and training state.
+A resume needs only the run: ``vitflow resume RUN`` (or ``train.resume=auto train.run_dir=RUN``)
+restores its config, and overrides given with it are applied and listed."""
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
+import yaml
 
 from vitflow import checkpoint as ckpt
-from vitflow.config import Config, flatten, to_yaml
+from vitflow.config import DEFAULT_PRESET, Config, build_config, flatten, parse_override, to_yaml
 from vitflow.rundir import CONFIG
+from vitflow.train.distributed import DistEnv
+from vitflow.train.run_dir import check_new_run, run_dir_for
 from vitflow.train.schedules import set_total_steps
 
 log = logging.getLogger(__name__)
@@ -20,15 +24,19 @@ log = logging.getLogger(__name__)
 _RUN_KEYS = ("train.resume", "train.run_dir", "train.time_budget")  # where/how long, not what is trained
 
 
-def find_resume(cfg: Config) -> Path | None:
-    """The checkpoint ``train.resume`` points at.
+def find_resume(cfg: Config) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint ``train.resume`` points at, loaded: ``(path, state)``, or ``None`` for a
+    run from step 0.
 
-    ``none``: no resume. ``auto``: the newest complete checkpoint in ``train.run_dir``, or, when
-    that is unset, in the most recently written ``runs/<preset>-*`` directory; ``None`` when there
-    is none (a fresh run). A path: that checkpoint file or run directory.
+    ``none``: no resume. A path: that checkpoint file, or the newest one of that run directory.
+    ``auto``: the newest *readable* checkpoint in ``train.run_dir`` (or, when that is unset, in
+    the most recently written ``runs/<preset>-*``): an unreadable newest one (a killed copy, a bad
+    disk) is skipped with a warning naming it. ``None`` when there is none.
 
     Raises:
-        FileNotFoundError: an explicit path that holds no checkpoint.
+        FileNotFoundError: an explicit path without a checkpoint, or ``auto`` with a
+            ``train.run_dir`` that does not exist (nothing to resume there: a typo?).
+        ValueError: an explicit checkpoint that cannot be read.
     """
     r = cfg.train.resume
     if r == "none":
@@ -38,35 +46,97 @@ def find_resume(cfg: Config) -> Path | None:
         found = ckpt.latest_checkpoint(p) if p.is_dir() else p
         if found is None or not found.is_file():
             raise FileNotFoundError(f"train.resume={r}: no checkpoint there")
-        return found
-    if cfg.train.run_dir:
-        found = ckpt.latest_checkpoint(cfg.train.run_dir)
-    else:
-        runs = [c for d in Path("runs").glob(f"{cfg.preset}-*") if (c := ckpt.latest_checkpoint(d))]
-        found = max(runs, key=lambda c: c.stat().st_mtime) if runs else None
-    if found is None:
-        log.info("train.resume=auto: no checkpoint in %s; starting a new run",
-                 cfg.train.run_dir or f"runs/{cfg.preset}-*")
-    return found
+        return found, ckpt.load_checkpoint(found)
+    run = resumed_run_dir(cfg.train.resume, cfg.train.run_dir, cfg.preset)
+    for path in reversed(ckpt.list_checkpoints(run) if run else []):
+        try:
+            return path, ckpt.load_checkpoint(path)
+        except ValueError as e:
+            log.warning("skipping unreadable checkpoint %s (%s); trying the one before it", path, e)
+    log.info("train.resume=auto: no readable checkpoint in %s; the run starts from step 0",
+             run or f"runs/{cfg.preset}-*")
+    return None
 
 
-def load_resume_state(path: Path | None, cfg: Config, warn: bool = True) -> dict[str, Any] | None:
-    """The checkpoint to resume from (``None`` for a fresh run), after checking it may continue
-    under ``cfg``; with ``warn``, the config keys that changed since are logged.
+def resumed_run_dir(resume: str, run_dir: str | None, preset: str) -> Path | None:
+    """The run directory a resume continues: ``train.run_dir``; the folder of an explicit
+    checkpoint; with ``auto`` and no run directory, the ``runs/<preset>-*`` with the newest
+    checkpoint. ``None`` when there is none.
 
     Raises:
-        FileNotFoundError / ValueError: unreadable checkpoint; ValueError: it is past
-        ``train.total_steps`` (resuming would rewrite a longer run) without a time budget.
+        FileNotFoundError: ``auto`` with a ``train.run_dir`` that does not exist.
     """
-    if path is None:
+    if resume not in ("auto", "none") and not run_dir:
+        p = Path(resume)
+        return p if p.is_dir() else p.parent.parent
+    if run_dir:
+        if resume == "auto" and not Path(run_dir).exists():
+            raise FileNotFoundError(f"train.run_dir={run_dir} does not exist: there is no run to resume there (a "
+                                    "typo?); leave out train.resume=auto to start a new run in it")
+        return Path(run_dir)
+    runs = [(c.stat().st_mtime, d) for d in Path("runs").glob(f"{preset}-*") if (c := ckpt.latest_checkpoint(d))]
+    return max(runs)[1] if runs else None
+
+
+def resume_config(preset: str | None, overrides: Sequence[str], checks: Mapping[str, Any]) -> Config | None:
+    """The config of a resumed run: its saved ``config.yaml`` with ``overrides`` applied (each
+    changed key logged), when ``overrides`` ask for a resume (``train.resume``) of a run that has
+    one; else ``None`` (build the config from the preset as usual).
+
+    Raises:
+        FileNotFoundError: see :func:`resumed_run_dir`; ConfigError: a bad override.
+    """
+    given = dict(parse_override(o) for o in overrides)
+    resume = str(given.get("train.resume", "none"))
+    if resume == "none":
         return None
-    state = ckpt.load_checkpoint(path)
+    run = resumed_run_dir(resume, given.get("train.run_dir"), preset or DEFAULT_PRESET)
+    if run is None or not (run / CONFIG).is_file():
+        return None
+    saved = yaml.safe_load((run / CONFIG).read_text())
+    cfg = build_config(base=saved, overrides=[*overrides, f"train.run_dir={run}"], checks=checks)
+    old, new = flatten(saved), flatten(yaml.safe_load(to_yaml(cfg)))  # both as YAML values (lists, not tuples)
+    changed = [f"{k} {old.get(k)!r} -> {new[k]!r}" for k in sorted(new) if old.get(k) != new[k]]
+    log.info("resuming %s with its saved config%s", run, f"; changed: {'; '.join(changed)}" if changed else "")
+    return cfg
+
+
+def locate_run(cfg: Config, dist: DistEnv) -> tuple[dict[str, Any] | None, Path, bool]:
+    """Where a run starts: ``(resumed checkpoint state or None, run directory, starts over)``;
+    rank 0 decides for every rank. ``starts over``: a vitflow run directory without a readable
+    checkpoint that ``train.resume=auto`` continues from step 0 (its records are emptied).
+
+    Raises:
+        FileNotFoundError / ValueError: see :func:`find_resume` and :func:`check_resume`;
+        RunDirError: a ``train.run_dir`` that cannot take a run from step 0 (see
+        :func:`~vitflow.train.run_dir.check_new_run`).
+    """
+    found = find_resume(cfg) if dist.is_main else None
+    path = dist.broadcast(str(found[0]) if found else None)
+    state = found[1] if found else (ckpt.load_checkpoint(path) if path else None)
+    if state is not None:
+        check_resume(state, cfg, warn=dist.is_main)
+    run_dir = Path(dist.broadcast(str(run_dir_for(cfg, Path(path) if path else None)) if dist.is_main else None))
+    over = False
+    if dist.is_main and (state is None or run_dir.resolve() != Path(path).parent.parent.resolve()):
+        over = check_new_run(run_dir, cfg.train.resume if state is None else "none")  # (a resume elsewhere: a fork)
+    return state, run_dir, dist.broadcast(over)
+
+
+def check_resume(state: dict[str, Any], cfg: Config, warn: bool = True) -> dict[str, Any]:
+    """``state`` if the run may continue from it under ``cfg``; with ``warn``, the config keys
+    that changed since are logged.
+
+    Raises:
+        ValueError: the checkpoint is past ``train.total_steps`` (resuming would rewrite a longer
+            run) without a time budget.
+    """
     t = cfg.train
     if int(state["step"]) > t.total_steps and not t.time_budget:
-        raise ValueError(f"train.resume: {path} is at step {state['step']}, past train.total_steps="
+        raise ValueError(f"train.resume: {state['path']} is at step {state['step']}, past train.total_steps="
                          f"{t.total_steps}; raise train.total_steps to train on (vitflow eval evaluates it)")
     if warn:
-        warn_config_changes(state.get("config") or {}, cfg, path)
+        warn_config_changes(state.get("config") or {}, cfg, Path(state["path"]))
     return state
 
 
@@ -79,20 +149,6 @@ def warn_config_changes(saved: dict[str, Any], cfg: Config, path: Path) -> None:
     if changed:
         log.warning("resuming from %s with a changed config (%s); the run will not match an uninterrupted one",
                     path, "; ".join(changed))
-
-
-def make_run_dir(cfg: Config, resume: Path | None) -> Path:
-    """The run directory (``train.run_dir``; the resumed checkpoint's run; else
-    ``runs/<preset>-<timestamp>``), created, with the resolved config written to it."""
-    if cfg.train.run_dir:
-        d = Path(cfg.train.run_dir)
-    elif resume is not None:
-        d = resume.parent.parent
-    else:
-        d = Path("runs") / f"{cfg.preset}-{dt.datetime.now():%Y%m%d-%H%M%S}"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / CONFIG).write_text(to_yaml(cfg))
-    return d
 
 
 def restore_model(model: torch.nn.Module, state: dict, classes: list[str], name: str) -> tuple[int, tuple[int, int]]:
