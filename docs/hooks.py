@@ -18,18 +18,27 @@ CLI_PAGE = "reference/cli.md"
 
 
 def _field_comments(cls: type) -> dict[str, str]:
-    """``field name -> the comment at the end of its line`` in the class's source."""
+    """``field name -> its comment`` in the class's source: the comment lines right above the field
+    and the comment at the end of its line."""
     source = inspect.getsource(inspect.getmodule(cls))
     tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
     trailing = {t.start[0]: t.string.lstrip("# ").strip() for t in tokens if not t.line.lstrip().startswith("#")}
-    above = {t.start[0] + 1: t.string.lstrip("# ").strip() for t in tokens if t.line.lstrip().startswith("#")}
+    own_line = {t.start[0]: t.string.lstrip("# ").strip() for t in tokens if t.line.lstrip().startswith("#")}
+
+    def above(line: int) -> str:  # the comment lines right above a field, joined in order
+        parts = []
+        while line - 1 in own_line:
+            line -= 1
+            parts.insert(0, own_line[line])
+        return " ".join(parts)
+
     out: dict[str, str] = {}
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
             for stmt in node.body:
                 if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                    # a comment at the end of the field's line, or on its own line above a long field
-                    out[stmt.target.id] = trailing.get(stmt.lineno) or above.get(stmt.lineno, "")
+                    # the comment lines above the field, then the comment at the end of its line
+                    out[stmt.target.id] = " ".join(filter(None, (above(stmt.lineno), trailing.get(stmt.lineno))))
     return out
 
 

@@ -3,6 +3,7 @@ paths of the project's shared real data, and the digits training config most tes
 
 from __future__ import annotations
 
+import csv
 import io
 import os
 import tarfile
@@ -16,6 +17,7 @@ from PIL import Image
 SHARED_DATA = Path(os.environ.get("VITFLOW_SHARED_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
 CIFAR_TAR = SHARED_DATA / "cifar10-jpg.tar"
 IMAGENET_TAR = SHARED_DATA / "imagenet-sample-1000.tar"
+HYMENOPTERA_TAR = SHARED_DATA / "hymenoptera.tar"
 
 
 def encode(array: np.ndarray, fmt: str = "PNG", **kw) -> bytes:
@@ -78,3 +80,58 @@ def comparable_records(run_dir) -> list[dict]:
 def snapshot(folder) -> dict:
     """Every file under ``folder`` with its bytes: to show a folder was left exactly as it was."""
     return {p: p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def cifar_mosaics(root: Path, counts=(("train", 1200), ("val", 300), ("test", 300)), classes=None,
+                  seed: int = 0) -> Path:
+    """A multi-label dataset of real pixels: 2x2 mosaics (64x64 PNG) of four CIFAR-10 images, each
+    labelled with the set of its tiles' classes (``;``-separated), listed in ``root/labels.csv``
+    (columns ``path``, ``labels``, ``split``). Train and val tiles come from CIFAR's train split,
+    test tiles from its test split; ``classes`` restricts the tiles to those CIFAR classes."""
+    from vitflow.data import open_split
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for split, n in counts:
+        src = open_split(need(CIFAR_TAR), "test" if split == "test" else "train")
+        pool = np.flatnonzero(np.isin(np.array(src.classes)[src.labels], classes)) if classes else np.arange(len(src))
+        pick = rng.choice(pool, size=(n, 4), replace=False if 4 * n <= len(pool) else True)
+        (root / split).mkdir(parents=True, exist_ok=True)
+        for i, tiles in enumerate(pick):
+            t = [src.load(int(j)).permute(1, 2, 0).numpy() for j in tiles]
+            mosaic = np.concatenate([np.concatenate(t[:2], axis=1), np.concatenate(t[2:], axis=1)], axis=0)
+            rel = f"{split}/{i:05d}.png"
+            (root / rel).write_bytes(encode(mosaic))
+            rows.append(f"{rel},{';'.join(sorted({src.classes[int(src.labels[j])] for j in tiles}))},{split}")
+    (root / "labels.csv").write_text("path,labels,split\n" + "\n".join(rows) + "\n")
+    return root / "labels.csv"
+
+
+def cifar_subset(root: Path, n_train: int = 120, n_test: int = 60) -> Path:
+    """Real CIFAR-10 JPEGs as ``root/{train,test}/<class>/<name>.jpg`` (a slice of each split)."""
+    from vitflow.data import open_split
+
+    for split, n in (("train", n_train), ("test", n_test)):
+        src = open_split(need(CIFAR_TAR), f"{split}[:{n}]")
+        for i in range(len(src)):
+            member = os.fsdecode(src.keys[i])  # cifar10/<split>/<class>/<file>
+            path = root / member.split("/", 1)[1]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(src.encoded(i))
+    return root
+
+
+def rows_of(folder: Path) -> list[dict]:
+    """One row per image of ``folder``, in a shuffled order: path (relative), label, split."""
+    rows = [{"path": p.relative_to(folder).as_posix(), "label": p.parent.name, "split": p.parts[-3]}
+            for p in sorted(folder.rglob("*.jpg"))]
+    order = np.random.default_rng(1).permutation(len(rows))
+    return [rows[i] for i in order]
+
+
+def write_csv(path: Path, rows: list[dict], delimiter: str = ",", columns=("path", "label", "split")) -> Path:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(columns), delimiter=delimiter, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return path

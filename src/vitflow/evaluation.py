@@ -1,6 +1,8 @@
-"""Evaluation: loss, top-1, top-5, the confusion matrix and per-class top-1 of a model over a
-loader of ``uint8`` batches; used by training (evaluations during a run), ``vitflow eval`` and
-the accuracy checks of quantisation and pruning."""
+"""Evaluation of a model over a loader of ``uint8`` batches: for single-label classification loss,
+top-1, top-5, the confusion matrix and per-class top-1 (:func:`evaluate`); for multi-label
+classification loss, mAP, per-class AP and F1 at a threshold (:func:`evaluate_multilabel`).
+Used by training (evaluations during a run), ``vitflow eval`` and the accuracy checks of
+quantisation and pruning."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 
 from vitflow.data import SkipReport, model_input
 from vitflow.data.transforms import Preprocess
+from vitflow.metrics import choose_threshold, multilabel_metrics
 from vitflow.runtime import Precision
 
 
@@ -70,10 +73,67 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
             "confusion": confusion.tolist(), "per_class_top1": per_class}
 
 
+@torch.no_grad()
+def evaluate_multilabel(model: torch.nn.Module, loader, device: torch.device, precision: Precision, pp: Preprocess,
+                        skips: SkipReport | None = None, threshold: float | None = None) -> dict[str, Any]:
+    """One pass over ``loader`` (multi-hot ``uint8 (B, C)`` labels) in eval mode, scoring every
+    label with its sigmoid probability.
+
+    Args:
+        threshold: the probability from which a label is predicted; ``None`` chooses the one that
+            maximises micro F1 on this pass (:func:`vitflow.metrics.choose_threshold`) — do that
+            on the validation split only, and pass its threshold to the test split.
+    Returns:
+        ``{"loss": mean binary cross-entropy per label, "map": macro mean average precision over
+        the classes with a positive, "micro_f1", "macro_f1", "micro_precision", "micro_recall"
+        (at ``threshold``), "threshold", "images", "skipped", "per_class_ap": C values (``None``
+        for a class without a positive)}``.
+    Raises:
+        ValueError: no readable image, or no positive label at all.
+    """
+    was_training = model.training
+    model.eval()
+    probs, targets, skipped = [], [], 0
+    skips = SkipReport() if skips is None else skips
+    for batch in loader:
+        skipped += len(batch["bad"])
+        skips.add(-1, batch["bad"])
+        if len(batch["labels"]) == 0:
+            continue
+        with precision.autocast():
+            logits = model(model_input(batch["images"], pp.mean, pp.std, device))
+        probs.append(torch.sigmoid(logits.float()).cpu())
+        targets.append(batch["labels"].float())
+    model.train(was_training)
+    if not probs:
+        raise ValueError("evaluation found no readable images")
+    p, t = torch.cat(probs).double(), torch.cat(targets).double()
+    loss = float(torch.nn.functional.binary_cross_entropy(p, t))
+    p, t = p.numpy(), t.numpy()
+    if threshold is None:
+        threshold = choose_threshold(p, t)
+    return {"loss": loss, **multilabel_metrics(p, t, threshold), "images": len(t), "skipped": skipped}
+
+
 def scalar_metrics(result: dict[str, Any]) -> dict[str, Any]:
-    """``result`` of :func:`evaluate` without its per-class entries (``confusion``,
-    ``per_class_top1``): what metric logs and checkpoints keep."""
-    return {k: v for k, v in result.items() if k not in ("confusion", "per_class_top1")}
+    """``result`` of :func:`evaluate` / :func:`evaluate_multilabel` without its per-class entries
+    (``confusion``, ``per_class_top1``, ``per_class_ap``): what metric logs and checkpoints keep."""
+    return {k: v for k, v in result.items() if k not in ("confusion", "per_class_top1", "per_class_ap")}
+
+
+def headline(result: dict[str, Any]) -> str:
+    """The figures of an evaluation for one line: ``top-1 91.20%  top-5 99.10%  loss 0.4321`` or, for
+    multi-label, ``mAP 81.20%  micro-F1 75.00%  macro-F1 70.00% (threshold 0.35)  loss 0.1234``."""
+    if "map" in result:
+        return (f"mAP {result['map']:.2%}  micro-F1 {result['micro_f1']:.2%}  macro-F1 {result['macro_f1']:.2%} "
+                f"(threshold {result['threshold']:.2f})  loss {result['loss']:.4f}")
+    return f"top-1 {result['top1']:.2%}  top-5 {result['top5']:.2%}  loss {result['loss']:.4f}"
+
+
+def split_results(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A run summary's figures by split: ``{"val": {"top1": ...}, "test": {...}}`` (``R_*`` keys)."""
+    return {role: {k[len(role) + 1:]: v for k, v in summary.items() if k.startswith(role + "_")}
+            for role in ("val", "test") if f"{role}_loss" in summary}
 
 
 @torch.no_grad()

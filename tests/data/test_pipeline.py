@@ -242,7 +242,7 @@ def test_prepare_skips_and_counts_unreadable_images(tmp_path):
     assert not any("truncated" in packed.name(i) or "empty" in packed.name(i) for i in range(len(packed)))
 
 
-@pytest.mark.parametrize("kind", ["batched", "per_image", "mixed_sizes"])
+@pytest.mark.parametrize("kind", ["batched", "resized_crop", "per_image", "mixed_sizes"])
 def test_ram_cache_skips_reports_and_counts_unreadable_images_every_epoch(tmp_path, caplog, kind):
     """A bad image in a RAM-cached split is skipped, named once and counted in every epoch, exactly
     as when the files are read (same length, order, labels and per-epoch counts)."""
@@ -259,8 +259,10 @@ def test_ram_cache_skips_reports_and_counts_unreadable_images_every_epoch(tmp_pa
     cached = cache_in_memory(files, 100)
     assert isinstance(cached, ListSource if kind == "mixed_sizes" else TensorSource)
     assert len(cached) == len(files) == 21 and list(cached.labels) == list(files.labels)
-    cfg = cfg_for(src, train_augment="pad_crop" if kind == "batched" else "random_resized_crop", padding=1)
-    assert is_batched(cached, cfg, 8) == (kind == "batched")
+    # resized_crop: batched, the device crops; per_image: color jitter exists only per image
+    cfg = cfg_for(src, train_augment="pad_crop" if kind == "batched" else "random_resized_crop", padding=1,
+                  color_jitter=0.1 if kind == "per_image" else 0.0)
+    assert is_batched(cached, cfg, 8) == (kind in ("batched", "resized_crop"))
 
     def epochs(source):
         skips, labels = SkipReport(), []

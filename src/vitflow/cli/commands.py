@@ -26,12 +26,15 @@ def _print_json(args: argparse.Namespace, obj) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from vitflow.train.plan import is_planned, planned_config
     from vitflow.train.resume import resume_config
 
     cfg = resume_config(args.preset, args.overrides, CONFIG_CHECKS)  # a resume: the run's own config
     if cfg is not None and (args.preset or args.config):
         logging.getLogger("vitflow").warning("--preset / --config ignored: a resumed run keeps its saved config "
                                              "(change keys with key=value)")
+    if cfg is None and is_planned(args.preset, args.config, args.overrides):
+        cfg = planned_config(args.overrides, CONFIG_CHECKS)  # a photo folder: the recipe from the data
     cfg = cfg or build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS)
     if args.print_config:
         print(to_yaml(cfg), end="")
@@ -46,6 +49,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             ["--config", args.config] if args.config else []) + (["--json"] if args.json else []) + args.overrides
         cmd = torchrun_command(args.nproc, argv)
         os.execv(cmd[0], cmd)
+    from vitflow.evaluation import headline, split_results
     from vitflow.train import train
     from vitflow.train.guards import NonFiniteError
 
@@ -62,11 +66,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.json:
             _print_json(args, r)
         return 128 + {"SIGTERM": 15, "SIGINT": 2}[r["interrupted"]]
-    print(f"test top-1 {r['test_top1']:.2%}  top-5 {r['test_top5']:.2%}  loss {r['test_loss']:.4f}  "
-          f"({r['step']} steps, {r['elapsed_s']:.0f} s, {r['train_images_per_s']:.0f} img/s)")
-    if r["skipped_images"] or r["test_skipped"]:
-        print(f"skipped unreadable images: {r['skipped_images']} in training, {r['test_skipped']} in the final "
-              "evaluation; see the warnings above")
+    by_split = split_results(r)
+    for role, result in by_split.items():
+        print(f"{role} {headline(result)}")
+    print(f"({r['step']} steps, {r['elapsed_s']:.0f} s, {r['train_images_per_s']:.0f} img/s)")
+    held_out = sum(result.get("skipped", 0) for result in by_split.values())
+    if r["skipped_images"] or held_out:
+        print(f"skipped unreadable images: {r['skipped_images']} in training, {held_out} in the final "
+              "evaluations; see the warnings above")
     print(f"run directory: {r['run_dir']}\ncheckpoint: {r['checkpoint']}")
     if "samples" in r:
         print(f"sample test images: {r['samples']}  (try: vitflow predict {r['run_dir']} {r['samples']})")
@@ -84,13 +91,16 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from vitflow.evaluation import headline, split_results
     from vitflow.infer.evaluate import evaluate_checkpoint
 
     r = evaluate_checkpoint(args.checkpoint, args.overrides, weights=args.weights)
-    print(f"test top-1 {r['test_top1']:.2%}  top-5 {r['test_top5']:.2%}  loss {r['test_loss']:.4f}  "
-          f"({r['test_images']} images, {r['weights']} weights, {r['checkpoint']})")
-    if r["test_skipped"]:
-        print(f"skipped {r['test_skipped']} unreadable image(s); see the warnings above")
+    role = r["split"]
+    result = split_results(r)[role]
+    print(f"{role} {headline(result)}  ({result['images']} images of {r['split_expr']}, {r['weights']} weights, "
+          f"{r['checkpoint']})")
+    if result["skipped"]:
+        print(f"skipped {result['skipped']} unreadable image(s); see the warnings above")
     if args.json:
         _print_json(args, r)
     return 0
@@ -118,8 +128,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
         elif "error" in r:
             print(f"{display_name(r['path'])}: ERROR {display_name(r['error'])}", file=sys.stderr)
         else:
-            print(f"{display_name(r['path'])}: " + ", ".join(f"{display_name(t['class'])} {t['prob']:.1%}"
-                                                            for t in r["top"]))
+            shown = r.get("labels", r["top"])
+            print(f"{display_name(r['path'])}: " + (", ".join(f"{display_name(t['class'])} {t['prob']:.1%}"
+                                                             for t in shown) or "no label over the threshold "
+                                                    f"{predictor.threshold:.2f}"))
     if failed:
         print(f"{failed} of {len(refs)} image(s) could not be read", file=sys.stderr)
     return 1 if failed == len(refs) else 0
@@ -175,9 +187,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     except AccuracyDropError as e:
         print(f"refused: {e}", file=sys.stderr)
         return 1
-    if "top1_before" in r:
-        print(f"top-1 on {r['images']} images: {r['top1_before']:.2%} -> {r['top1_after']:.2%} "
-              f"(drop {r['drop_points']:.2f} points, allowed {args.max_drop:g})")
+    for figure, name in (("top1", "top-1"), ("map", "mAP")):
+        if f"{figure}_before" in r:
+            print(f"{name} on {r['images']} images: {r[f'{figure}_before']:.2%} -> {r[f'{figure}_after']:.2%} "
+                  f"(drop {r['drop_points']:.2f} points, allowed {args.max_drop:g})")
     ops = ", ".join(f"{k} {v}" for k, v in r.get("ops", {}).items())
     print(f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB{'; ' + ops if ops else ''})")
     if args.json:

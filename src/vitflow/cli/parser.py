@@ -114,9 +114,11 @@ def _deployment_commands(sub) -> None:
     p.add_argument("--backend", choices=["onnxruntime", "torch"], default="onnxruntime")
     p.add_argument("--dtype", choices=["int8", "fp16", "bf16"], default="int8",
                    help="int8 (default); fp16/bf16 weight casting for GPU inference (torch backend)")
-    p.add_argument("--data", metavar="PATH", help="image folder or tar to measure top-1 before and after")
+    p.add_argument("--data", metavar="PATH",
+                   help="data to measure top-1 (multi-label models: mAP) on before and after: a folder, tar, "
+                   "label file or dataset")
     p.add_argument("--split", help="split of --data (default test; e.g. 'test[:2000]')")
-    p.add_argument("--max-drop", type=float, default=1.0, help="max top-1 drop in points (default 1.0)")
+    p.add_argument("--max-drop", type=float, default=1.0, help="max top-1 (mAP) drop in points (default 1.0)")
     p.add_argument("--force", action="store_true", help="write the model even if top-1 dropped more")
     p.add_argument("--per-tensor", action="store_true", help="ONNX: one weight scale per tensor (default per channel)")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
@@ -149,8 +151,10 @@ def _data_and_view_commands(sub) -> None:
                    help="how rollout combines the heads of a layer (default mean)")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
 
-    p = sub.add_parser("prepare", help="pack a folder, tar or CIFAR batches into a memory-mapped dataset")
-    p.add_argument("src", help="image folder, .tar of one, or CIFAR-10/100 python batches folder")
+    p = sub.add_parser("prepare", help="pack a folder, tar, label file, HF dataset or CIFAR batches into a "
+                       "memory-mapped dataset")
+    p.add_argument("src", help="image folder, .tar of one, single-label label file, Hugging Face dataset or "
+                   "Parquet files, or CIFAR-10/100 python batches folder")
     p.add_argument("out", help="output folder (written as OUT.partial, renamed when complete)")
     p.add_argument("--format", choices=["auto", "raw", "jpeg"], default="auto",
                    help="raw uint8 (small fixed-size images) or re-encoded JPEG; auto picks")
@@ -165,7 +169,7 @@ def _bench_commands(sub):
     p = sub.add_parser("bench", help="measure throughput against baselines (data, infer)")
     bench = p.add_subparsers(dest="what", required=True)
     b = bench.add_parser("data", help="input pipeline: decode limit, torchvision baseline, vitflow, packed")
-    b.add_argument("--data", required=True, help="image folder or tar (class folders, or a flat folder of images)")
+    b.add_argument("--data", required=True, help="image folder or tar (class folders, or a flat folder of images), label file or Hugging Face dataset")
     b.add_argument("--image-size", type=int, default=224)
     b.add_argument("--workers", type=int, default=2)
     b.add_argument("--repeats", type=int, default=3)

@@ -86,10 +86,25 @@ class ModelConfig:
 class DataConfig:
     """Where images come from and how they become batches."""
 
-    source: Literal["auto", "digits", "folder", "tar", "packed", "cifar"] = "auto"  # auto: from data.path
-    path: str | None = None  # image folder, .tar of one, packed dataset, or CIFAR python batches
+    # auto: from data.path; labels: a label file; hf: a Hugging Face dataset or Parquet files
+    source: Literal["auto", "digits", "folder", "tar", "packed", "cifar", "labels", "hf"] = "auto"
+    # image folder, .tar of one, label file (.csv/.tsv/.jsonl), Hugging Face dataset (save_to_disk folder or
+    # Parquet files), packed dataset, or CIFAR python batches
+    path: str | None = None
+    task: Literal["multiclass", "multilabel"] = "multiclass"  # multilabel: any number of labels per image
     train_split: str = "train"  # a split name with an optional slice: train[:98%]
-    test_split: str = "test"  # evaluated during and at the end of training
+    # evaluated during training; chooses the kept checkpoint and multi-label thresholds.
+    # auto: the data's val / valid / validation split if it has one; none: no validation split
+    val_split: str = "auto"
+    # evaluated once, at the end of training (during it too when there is no validation split).
+    # auto: the data's test split if it has one; none: no test split
+    test_split: str = "auto"
+    root: str | None = None  # label files: the folder image paths are relative to (default: the file's folder)
+    image_column: str = "auto"  # label files / HF datasets: auto = image, path, file, filename, file_name, ... or img
+    label_column: str = "auto"  # label files / HF datasets: auto = label, labels, class, category, target or tags
+    split_column: str = "auto"  # label files: auto = a column named split, if any (values: train, val, test...)
+    classes: str | None = None  # a text file of class names, one per line (default: the data's own)
+    label_separator: str = ";"  # multilabel: separator of several labels in one cell (or a JSON list)
     # training crops: auto = pad_crop up to 64 px, else random_resized_crop
     train_augment: Literal["auto", "random_resized_crop", "pad_crop", "none"] = "auto"
     scale: tuple[float, float] = (0.08, 1.0)  # random_resized_crop area range
@@ -112,6 +127,9 @@ class DataConfig:
     num_workers: int | Literal["auto"] = "auto"  # auto: 0 on the batched path, else a probe decides
     prefetch: int = 2  # batches kept ready (per worker; and by the background thread)
     max_in_memory: int = 200_000  # decode a split into RAM once if it has at most this many images
+    # the RAM cache's image size: auto = photos of varied or large sizes resized to model.img_size / crop_pct
+    # (short side, then center crop) on the way in, which gives them the batched path; full = as decoded; or pixels
+    cache_resolution: int | Literal["auto", "full"] = "auto"
     access: Literal["random", "stream"] = "random"  # stream: read a tar in order through a shuffle buffer
     shuffle_buffer: int = 50_000  # images, for access=stream (capped at the dataset size)
     eval_batch_size: int | None = None  # None = the training micro-batch
@@ -129,6 +147,8 @@ class DataConfig:
                ">= 0 or auto")
         _check(self.prefetch >= 1, "data.prefetch", self.prefetch, ">= 1")
         _check(self.max_in_memory >= 0, "data.max_in_memory", self.max_in_memory, ">= 0")
+        _check(self.cache_resolution in ("auto", "full") or self.cache_resolution > 0, "data.cache_resolution",
+               self.cache_resolution, "auto, full or a size in pixels > 0")
         _check(self.progressive_min_size is None or self.progressive_min_size > 0, "data.progressive_min_size",
                self.progressive_min_size, "> 0")
         _check(0 <= self.progressive_ramp[0] <= self.progressive_ramp[1] <= 1, "data.progressive_ramp",
@@ -142,6 +162,7 @@ class DataConfig:
                "random unless data.source is a tar")
         _check(self.eval_batch_size is None or self.eval_batch_size > 0, "data.eval_batch_size",
                self.eval_batch_size, "> 0")
+        _check(len(self.label_separator) > 0, "data.label_separator", self.label_separator, "not empty")
 
 
 @dataclass
@@ -199,8 +220,10 @@ class TrainConfig:
     accum_steps: int = 1  # micro-batches per step; each holds batch_size / accum_steps images
     total_steps: int = 1000  # optimizer steps of the run (the schedule's length)
     time_budget: str | None = None  # e.g. "15m": end cleanly (evaluate, checkpoint) by then
-    label_smoothing: float = 0.1  # Szegedy et al. 2016; applied once, also to Mixup/CutMix targets
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 where supported
+    label_smoothing: float = 0.1  # Szegedy et al. 2016; applied once, also to Mixup/CutMix targets (multiclass)
+    # auto: cross_entropy (multiclass) or bce (multilabel); asl: asymmetric loss (Ridnik et al. 2021, multilabel)
+    loss: Literal["auto", "cross_entropy", "bce", "asl"] = "auto"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 where supported and faster
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # torch intra-op threads; None = torch's default
     eval_every: int = 0  # steps between evaluations; 0 = only at the end
@@ -268,6 +291,13 @@ class Config:
     def validate(self) -> "Config":
         for section in (self.model, self.data, self.optim, self.train, self.distill):
             section.validate()
+        multilabel = self.data.task == "multilabel"
+        _check(self.train.loss in ("auto", "bce", "asl") if multilabel else self.train.loss in ("auto", "cross_entropy"),
+               "train.loss", self.train.loss,
+               "auto, bce or asl with data.task=multilabel" if multilabel else "auto or cross_entropy (bce and asl are "
+               "for data.task=multilabel)")
+        _check(not multilabel or self.distill.teacher is None, "distill.teacher", self.distill.teacher,
+               "unset with data.task=multilabel (distillation is for single-label classifiers)")
         return self
 
     def to_dict(self) -> dict[str, Any]:

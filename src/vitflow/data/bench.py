@@ -11,7 +11,10 @@ Paths measured (images/s over full passes, same image size, augmentation and wor
 - ``vitflow``: vitflow's loader reading the folder or tar in place (no RAM cache), finished by
   its device pipeline (normalised float32 batches, like the baseline's);
 - ``packed``: vitflow's loader on a packed copy (``vitflow prepare``: raw for images <= 64 px,
-  else JPEG at ``max_side``).
+  else JPEG at ``max_side``);
+- ``folder`` (for a label file or a Hugging Face dataset only): vitflow's loader on the same images
+  as a folder (the baseline's copy), so the table-backed source is compared with a folder in the
+  same run.
 
 Paths are interleaved across repeats; the medians are reported with their ratio to the baseline.
 """
@@ -31,8 +34,8 @@ import torch
 
 from vitflow.config import DataConfig
 from vitflow.data.decode import decode_image
-from vitflow.data.dispatch import open_split
-from vitflow.data.folder import open_images
+from vitflow.data.dispatch import TABLE_KINDS, open_split, source_kind
+from vitflow.data.folder import open_folder_split, open_images
 from vitflow.data.packed import FORMAT, VERSION, open_packed, write_split
 from vitflow.data.pipeline import train_loader
 from vitflow.data.sources import DataError, ImageSource
@@ -55,7 +58,7 @@ def _decode_range(bounds: tuple[int, int]) -> int:
 def decode_limit(source: ImageSource, processes: int) -> float:
     """Images/s of :func:`decode_image` alone over ``source``'s encoded bytes held in RAM."""
     global _BYTES
-    _BYTES = [source.read(i) for i in range(len(source))]
+    _BYTES = [source.encoded(i) for i in range(len(source))]
     n = len(_BYTES)
     t0 = time.perf_counter()
     if processes <= 1:
@@ -69,11 +72,14 @@ def decode_limit(source: ImageSource, processes: int) -> float:
 
 
 def _extract(source: ImageSource, folder: Path) -> Path:
+    """The encoded images of ``source`` as ``folder/<class>/<index>.<ext>`` (multi-label sources:
+    one folder ``images``), in ``source`` order."""
     for i in range(len(source)):
-        d = folder / source.classes[int(source.labels[i])]
+        d = folder / (source.classes[int(source.labels[i])] if source.labels.ndim == 1 else "images")
         d.mkdir(parents=True, exist_ok=True)
-        name = source.name(i)
-        (d / f"{i:07d}{os.path.splitext(name)[1] or '.jpg'}").write_bytes(source.read(i))
+        ext = os.path.splitext(source.name(i).rstrip(")"))[1]
+        (d / f"{i:07d}{ext if ext.lower() in ('.jpg', '.jpeg', '.png', '.webp', '.bmp') else '.jpg'}").write_bytes(
+            source.encoded(i))
     return folder
 
 
@@ -130,10 +136,12 @@ def _open(path: str) -> ImageSource:
 
 def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, passes: int | None = None,
         batch_size: int | None = None, max_side: int | None = None, emit=print) -> dict[str, float]:
-    """Measure the four paths; returns the medians ``{"decode_limit_ips", "baseline_ips",
-    "vitflow_ips", "packed_ips"}`` and prints a table with ratios to the baseline."""
+    """Measure the paths of the module docstring; returns the medians ``{"decode_limit_ips",
+    "baseline_ips", "vitflow_ips", "packed_ips"}`` (and ``"folder_ips"`` for a label file or a
+    Hugging Face dataset) and prints a table with ratios to the baseline."""
     configure_allocator()
     source = _open(path)
+    table = source_kind(path) in TABLE_KINDS
     small = image_size <= 64
     batch_size = batch_size or (256 if small else 64)
     if len(source) < batch_size:
@@ -145,7 +153,7 @@ def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, pa
                      interpolation="bilinear", mean=mean, std=std)  # bilinear: as the baseline's RandomResizedCrop
     emit(f"{path}: {len(source)} images, {image_size}px, {resolve_augment('auto', image_size)} + flip, "
          f"{workers} workers, batch {batch_size}, {passes} pass(es) per repeat, {repeats} repeats")
-    results: dict[str, list[float]] = {"baseline": [], "vitflow": [], "packed": []}
+    results: dict[str, list[float]] = {"baseline": [], "vitflow": [], "packed": [], **({"folder": []} if table else {})}
     with tempfile.TemporaryDirectory(prefix="vitflow-bench-") as tmp:
         folder = _extract(source, Path(tmp) / "folder")
         info = write_split(source, Path(tmp) / "packed" / "train", "raw" if small else "jpeg",
@@ -159,13 +167,23 @@ def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, pa
             results["baseline"].append(baseline_ips(folder, image_size, batch_size, workers, passes, mean, std))
             results["vitflow"].append(vitflow_ips(source, cfg, image_size, batch_size, passes))
             results["packed"].append(vitflow_ips(packed, cfg, image_size, batch_size, passes))
+            if table:
+                results["folder"].append(vitflow_ips(open_folder_split(folder, "folder", "train"), cfg, image_size,
+                                                     batch_size, passes))
             emit(f"  repeat {r + 1}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in results.items()) + " img/s")
     med = {k: statistics.median(v) for k, v in results.items()}
     base = med["baseline"]
     emit(f"decode limit     {dec1:9.0f} img/s (1 process)  {decn:9.0f} img/s ({os.cpu_count()} processes)")
-    for k, label in (("baseline", "torchvision"), ("vitflow", "vitflow"), ("packed", "vitflow packed")):
+    labels = (("baseline", "torchvision"), ("vitflow", "vitflow"), ("packed", "vitflow packed"),
+              ("folder", "vitflow folder"))
+    for k, label in labels[:4 if table else 3]:
         emit(f"{label:16s} {med[k]:9.0f} img/s  {med[k] / base:5.2f}x baseline  "
              f"(min {min(results[k]):.0f}, max {max(results[k]):.0f})")
+    if table:
+        ratios = [a / b for a, b in zip(results["vitflow"], results["folder"])]
+        emit(f"{path} / the same images as a folder: {statistics.median(ratios):.2f}x (per repeat: "
+             + ", ".join(f"{r:.2f}" for r in ratios) + ")")
     if warning := busy_warning(results):
         log.warning("%s", warning)
-    return {"decode_limit_ips": decn, "baseline_ips": base, "vitflow_ips": med["vitflow"], "packed_ips": med["packed"]}
+    out = {"decode_limit_ips": decn, "baseline_ips": base, "vitflow_ips": med["vitflow"], "packed_ips": med["packed"]}
+    return {**out, "folder_ips": med["folder"]} if table else out

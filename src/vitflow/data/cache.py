@@ -1,4 +1,6 @@
-"""The RAM cache: a split decoded once, in parallel, at start-up, when it fits.
+"""The RAM cache: a split decoded once, in parallel, at start-up, when it fits; photos of varied
+sizes optionally resized to one square size on the way in (:func:`photo_cache_size`), which gives
+them the batched path (:mod:`vitflow.data.pipeline`).
 
 Unreadable images keep their place and raise :class:`~vitflow.data.decode.CorruptImageError`
 with the reason found while caching whenever they are loaded, so every pass skips, reports and
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 
 from vitflow.data.decode import CorruptImageError
+from vitflow.data.decode import image_size as image_size_of
 from vitflow.data.encode import encode_images
 from vitflow.data.packed import PackedSource
 from vitflow.data.sources import DataError, ImageSource, TensorSource
@@ -47,41 +50,101 @@ class ListSource(ImageSource):
 
 def in_ram(source: ImageSource) -> bool:
     """True when ``source``'s images are decoded in memory (or memory-mapped raw pixels)."""
+    if isinstance(source, CenterCropSource):
+        return in_ram(source.base)
     return isinstance(source, (TensorSource, ListSource)) or (isinstance(source, PackedSource) and
                                                              source.fixed_size is not None)
 
 
-def cache_in_memory(source: ImageSource, max_images: int, workers: int = 1, desc: str = "cache") -> ImageSource:
+def photo_cache_size(image_size: int, crop_pct: float) -> int:
+    """The square size ``R`` to cache photos of varied sizes at for a model of ``image_size``:
+    ``round(image_size / crop_pct)``, the eval transform's resize (256 for 224 at 0.875).
+
+    ``cache_in_memory(split, ..., resize_to=R, interpolation=cfg.interpolation,
+    center_on=image_size)`` then gives a :class:`TensorSource` of ``R x R`` images on which
+    evaluation is a plain center crop of ``image_size`` (bit-equal to ``eval_transform`` of the
+    file for images decoded in full) and training a batched random-resized crop on the device
+    (:func:`vitflow.data.pipeline.is_batched`). Training crops then come from the central square
+    of each photo at ``R`` px (a 4:3 photo loses 1/8 of its width on each side).
+    """
+    return int(round(image_size / crop_pct))
+
+
+def cache_resolution(source: ImageSource, setting: int | str, image_size: int, crop_pct: float,
+                     resizable: bool = True) -> tuple[int | None, str]:
+    """The square size to cache ``source`` at (``None``: as decoded) and why, for
+    ``data.cache_resolution=setting``.
+
+    ``"full"``: ``None``. An int: that size. ``"auto"``: :func:`photo_cache_size` when ``resizable``
+    (the split is evaluated, or trained with random-resized crops, which start from any size) and
+    the headers of its first 32 images show photos that differ in size or whose shorter side is
+    over that size — decoded as they are they would need the per-image path (or far more RAM) —
+    else ``None`` (images already in RAM, or all of one size the model can take as it is).
+    """
+    if setting == "full":
+        return None, "data.cache_resolution=full"
+    if not isinstance(setting, str):
+        return int(setting), f"data.cache_resolution={setting}"
+    target = photo_cache_size(image_size, crop_pct)
+    if not resizable or in_ram(source) or len(source) == 0:
+        return None, "images kept as decoded"
+    sizes = set()
+    for i in range(min(32, len(source))):
+        try:
+            data = source.encoded(i)
+            if data is None:
+                return None, "images kept as decoded"
+            sizes.add(image_size_of(data, source.name(i)))
+        except CorruptImageError:
+            continue
+    if not sizes:
+        return None, "no readable image among the first 32"
+    if len(sizes) > 1:
+        return target, (f"photos of {len(sizes)} sizes among the first 32: one size gives the batched in-RAM path "
+                        f"(the eval resize, {image_size} px / crop_pct {crop_pct:g})")
+    w, h = next(iter(sizes))
+    if min(w, h) > target:
+        return target, f"{w}x{h} images, larger than the eval resize ({target} px): decoded smaller, they take less RAM"
+    return None, f"all {w}x{h}: kept as decoded"
+
+
+def cache_in_memory(source: ImageSource, max_images: int, workers: int = 1, desc: str = "cache",
+                    resize_to: int | None = None, interpolation: str = "bicubic",
+                    center_on: int | None = None) -> ImageSource:
     """Decode every image of ``source`` once into RAM when it has at most ``max_images`` images
-    and their decoded size (estimated from the first 32) fits in a quarter of physical memory.
+    and their decoded size (estimated from the first 32, or ``3 * R * R`` bytes each when resized)
+    fits in a quarter of physical memory.
+
+    With ``resize_to=R`` each image is decoded (in the worker processes, JPEGs at a reduced DCT
+    scale when that keeps ``R``) with its shorter side resized to ``R`` (antialiased
+    ``interpolation``: the eval transform's resize) and center-cropped to ``R x R``; ``center_on``
+    (the eval crop size) aligns that crop to the eval transform's center crop
+    (:func:`~vitflow.data.encode.load_square`). See :func:`photo_cache_size`.
 
     Unreadable images keep their place (same length, order and labels as ``source``): loading one
     raises CorruptImageError with the reason found while caching, so every epoch and every
     evaluation skips, reports and counts it exactly as it would reading the files.
 
     Returns:
-        A :class:`TensorSource` when all readable images share one size, else a
-        :class:`ListSource`; or ``source`` unchanged when it is already in RAM or does not fit.
+        A :class:`TensorSource` when all readable images share one size (always with
+        ``resize_to``: ``(n, 3, R, R)``), else a :class:`ListSource`; or ``source`` unchanged
+        when it is already in RAM (``resize_to`` too) or does not fit.
     Raises:
         DataError: no image of ``source`` is readable.
     """
     if in_ram(source) or len(source) == 0 or len(source) > max_images:
         return source
-    probe = []
-    for i in range(min(32, len(source))):
-        try:
-            probe.append(source.load(i).numel())
-        except CorruptImageError:
-            pass
+    per_image = 3 * resize_to * resize_to if resize_to else _probe_bytes(source)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if probe and np.mean(probe) * len(source) > ram / 4:
+    if per_image * len(source) > ram / 4:
         log.info("%s: %d images (~%.1f GB decoded) do not fit the RAM cache", desc, len(source),
-                 np.mean(probe) * len(source) / 1e9)
+                 per_image * len(source) / 1e9)
         return source
     t0 = time.perf_counter()
     images: list = [None] * len(source)
     errors: dict[int, str] = {}
-    for i, arr, err in encode_images(source, "raw", None, 0, workers, desc):
+    kind, square = ("resized", (resize_to, interpolation, center_on)) if resize_to else ("raw", None)
+    for i, arr, err in encode_images(source, kind, None, 0, workers, desc, square):
         if arr is None:
             errors[i] = err
         else:
@@ -89,10 +152,63 @@ def cache_in_memory(source: ImageSource, max_images: int, workers: int = 1, desc
     kept = [im for im in images if im is not None]
     if not kept:
         raise DataError(f"{desc}: no readable image")
-    log.info("%s: %d images decoded into RAM in %.1f s%s", desc, len(kept), time.perf_counter() - t0,
+    how = f" at {resize_to}x{resize_to} (short side resized, center crop)" if resize_to else ""
+    log.info("%s: %d images decoded into RAM%s in %.1f s%s", desc, len(kept), how, time.perf_counter() - t0,
              f" ({len(errors)} unreadable, reported when read)" if errors else "")
     if len({tuple(t.shape) for t in kept}) == 1:
         blank = torch.zeros_like(kept[0])  # the row of an unreadable image; never delivered
         stacked = torch.stack([blank if im is None else im for im in images])
         return TensorSource(source.classes, source.labels, stacked, desc, base=source, errors=errors)
     return ListSource(source, images, np.arange(len(source)), errors)
+
+
+def _probe_bytes(source: ImageSource) -> float:
+    """Mean decoded bytes of the readable images among the first 32 of ``source`` (0 if none)."""
+    probe = []
+    for i in range(min(32, len(source))):
+        try:
+            probe.append(source.load(i).numel())
+        except CorruptImageError:
+            pass
+    return float(np.mean(probe)) if probe else 0.0
+
+
+class CenterCropSource(ImageSource):
+    """The central ``size x size`` of every image of ``base``, a fixed-size source (e.g. a RAM
+    cache at :func:`photo_cache_size`): ``CenterCrop(size)`` as torchvision anchors it, taken as a
+    slice of the batched gather (no resampling, no per-image work).
+
+    ``load(i)``: ``uint8 (3, size, size)``; ``load_batch(idx)``: ``uint8 (B, 3, size, size)``,
+    contiguous. Names, labels and unreadable images are ``base``'s.
+
+    Raises:
+        ValueError: ``base`` has no fixed size, or one smaller than ``size``.
+    """
+
+    def __init__(self, base: ImageSource, size: int):
+        if base.fixed_size is None or min(base.fixed_size) < size:
+            raise ValueError(f"cannot center-crop {size}x{size} from images of size {base.fixed_size}")
+        h, w = base.fixed_size
+        self.base, self.classes, self.labels, self.fixed_size = base, base.classes, base.labels, (size, size)
+        self.top, self.left = int(round((h - size) / 2.0)), int(round((w - size) / 2.0))
+
+    def _crop(self, images: torch.Tensor) -> torch.Tensor:
+        s = self.fixed_size[0]
+        return images[..., self.top:self.top + s, self.left:self.left + s]
+
+    def name(self, i: int) -> str:
+        return self.base.name(i)
+
+    def load(self, i: int) -> torch.Tensor:
+        return self._crop(self.base.load(i))
+
+    def load_batch(self, idx: np.ndarray) -> torch.Tensor:
+        if isinstance(self.base, TensorSource):  # one gather of just the window's pixels
+            return self._crop(self.base.images)[torch.from_numpy(np.asarray(idx, dtype=np.int64))]
+        return self._crop(self.base.load_batch(idx)).contiguous()
+
+    def known_unreadable(self, idx: np.ndarray) -> tuple[np.ndarray, list[tuple[str, str]]]:
+        return self.base.known_unreadable(idx)
+
+    def subset(self, idx: np.ndarray) -> "CenterCropSource":
+        return CenterCropSource(self.base.subset(idx), self.fixed_size[0])

@@ -1,5 +1,6 @@
 """The device end of the pipeline: background prefetch (pinned, non-blocking copies on a side
-CUDA stream) and the batched per-step work done on the device (crop/flip, normalise, mix)."""
+CUDA stream) and the batched per-step work done on the device (crop/resized crop/flip, normalise,
+mix)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from vitflow.data.augment import MixupCutmix, batch_generator, pad_crop_flip
+from vitflow.data.augment import MixupCutmix, batch_generator, pad_crop_flip, random_resized_crop_flip
 from vitflow.data.transforms import model_input
 from vitflow.runtime import mix_seed
 
@@ -97,7 +98,12 @@ class DevicePipeline:
 
     ``__call__(batch)`` -> ``(x, targets)``: ``x`` float32 ``(B, 3, S, S)`` normalised with
     ``mean`` / ``std``; ``targets`` int64 ``(B,)`` or, with Mixup/CutMix, float32
-    ``(B, num_classes)``. Optional batched pad-crop-flip runs first on the ``uint8`` batch.
+    ``(B, num_classes)``. An optional batched augmentation runs first on the ``uint8`` batch:
+    ``resized_crop = (size, scale, ratio)`` takes one random-resized crop of ``size x size`` per
+    image (:func:`~vitflow.data.augment.random_resized_crop_flip` with ``interpolation``, flipped
+    when ``hflip``; the batch may have any fixed ``H x W``), else ``crop_padding`` (not ``None``)
+    pad-crop-flips it (:func:`~vitflow.data.augment.pad_crop_flip`). Both draw from one generator
+    seeded with ``mix_seed(seed, epoch, index, 1)``.
     Setting ``resolution`` (pixels) resizes the batch to ``resolution x resolution``
     (antialiased bilinear) for progressive resizing; ``None`` keeps the loader's size.
     All randomness is seeded from ``(seed, batch["epoch"], batch["index"])``.
@@ -108,15 +114,18 @@ class DevicePipeline:
     """
 
     def __init__(self, device: torch.device, mean, std, seed: int = 0, crop_padding: int | None = None,
-                 hflip: bool = False, mix: MixupCutmix | None = None, host_threads: int | None = None):
+                 hflip: bool = False, mix: MixupCutmix | None = None, host_threads: int | None = None,
+                 resized_crop: tuple[int, tuple[float, float], tuple[float, float]] | None = None,
+                 interpolation: str = "bilinear"):
         self.device, self.mean, self.std, self.seed = device, tuple(mean), tuple(std), seed
         self.crop_padding, self.hflip, self.mix = crop_padding, hflip, mix
+        self.resized_crop, self.interpolation = resized_crop, interpolation
         self.host_threads = host_threads if device.type == "cpu" else None
         self.resolution: int | None = None
 
     @property
     def batched_augment(self) -> bool:
-        return self.crop_padding is not None
+        return self.crop_padding is not None or self.resized_crop is not None
 
     def __call__(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         threads = torch.get_num_threads()
@@ -132,7 +141,11 @@ class DevicePipeline:
         images = batch["images"].to(self.device, non_blocking=True)
         y = batch["labels"].to(self.device, non_blocking=True)
         key = (self.seed, batch.get("epoch", 0), batch.get("index", 0))
-        if self.batched_augment:
+        if self.resized_crop is not None:
+            size, scale, ratio = self.resized_crop
+            images = random_resized_crop_flip(images, size, scale, ratio, self.hflip,
+                                              batch_generator(self.device, mix_seed(*key, 1)), self.interpolation)
+        elif self.crop_padding is not None:
             images = pad_crop_flip(images, self.crop_padding, self.hflip,
                                    batch_generator(self.device, mix_seed(*key, 1)))
         x = model_input(images, self.mean, self.std)

@@ -43,23 +43,43 @@ def _note_ignored(where: str, ignored: dict[str, list[str]]) -> None:
         for what, paths in ignored.items()))
 
 
-def _split_prefix(files: dict[str, object], dirs: set[str], split: str, where: str) -> str:
-    """The folder prefix (``""`` or ``"a/b/"``) that holds ``split``'s class folders."""
+SPLIT_FOLDERS = ("train", "val", "valid", "validation", "test")
+
+
+def _candidates(files: dict[str, object], dirs: set[str]) -> list[str]:
+    """Folder prefixes that may hold the split folders: the root, and a single wrapper folder
+    (e.g. ``cifar10/``) when the root holds nothing else."""
     tops = {p.split("/", 1)[0] for p in dirs if "/" not in p}
     loose = [f for f in files if "/" not in f]
-    candidates = [""]
-    if len(tops) == 1 and not loose:  # a single wrapper folder, e.g. cifar10/
-        candidates.append(next(iter(tops)) + "/")
+    return [""] + ([next(iter(tops)) + "/"] if len(tops) == 1 and not loose else [])
+
+
+def _splits_found(dirs: set[str], candidates: list[str]) -> list[str]:
+    return sorted({d[len(b):] for b in candidates for d in dirs if d.startswith(b) and "/" not in d[len(b):]
+                   and d[len(b):] in SPLIT_FOLDERS})
+
+
+def folder_split_names(p: Path, kind: str) -> list[str]:
+    """The split folders (``train``, ``val``, ``valid``, ``validation``, ``test``) of the folder
+    (``kind="folder"``) or tar (``"tar"``) at ``p``; ``["train"]`` when it has none (its class
+    folders are the train split)."""
+    reader = FolderReader(p) if kind == "folder" else TarReader(p)
+    files, dirs = reader.list()
+    return _splits_found(dirs, _candidates(files, dirs)) or ["train"]
+
+
+def _split_prefix(files: dict[str, object], dirs: set[str], split: str, where: str) -> str:
+    """The folder prefix (``""`` or ``"a/b/"``) that holds ``split``'s class folders."""
+    candidates = _candidates(files, dirs)
     for base in candidates:
         if f"{base}{split}" in dirs:
             return f"{base}{split}/"
-    splits = sorted({d[len(b):] for b in candidates for d in dirs if d.startswith(b) and "/" not in d[len(b):]
-                     and d[len(b):] in ("train", "test", "val", "validation")})
+    splits = _splits_found(dirs, candidates)
     if split == "train" and not splits:
         return candidates[-1]  # class folders directly under the root (or its wrapper)
     hint = (f"; splits found: {', '.join(splits)}" if splits else
             "; without split folders the root's class folders form the 'train' split: select parts of it "
-            "with slices such as data.train_split='train[:90%]' data.test_split='train[90%:]'")
+            "with slices such as data.train_split='train[:90%]' data.val_split='train[90%:]'")
     raise DataError(f"split {split!r} not found in {where}: expected a folder {split}/<class>/<image>{hint}")
 
 

@@ -86,8 +86,8 @@ class EpochSampler:
 class BatchDataset(torch.utils.data.Dataset):
     """Map-style dataset keyed by :class:`BatchRef` that returns one collated batch::
 
-        {"images": uint8 (B, 3, S, S), "labels": int64 (B,), "epoch": int, "index": int,
-         "bad": [(name, reason), ...]}
+        {"images": uint8 (B, 3, S, S), "labels": int64 (B,) or multi-hot uint8 (B, C), "epoch": int,
+         "index": int, "bad": [(name, reason), ...]}
 
     ``B`` is the batch size minus any unreadable images. With ``transform=None`` the source
     must have ``fixed_size`` and the batch is one :meth:`ImageSource.load_batch` gather of the
@@ -105,7 +105,7 @@ class BatchDataset(torch.utils.data.Dataset):
             idx, bad = self.source.known_unreadable(ref.indices)
             return {"images": self.source.load_batch(idx), "labels": torch.from_numpy(self.source.labels[idx]),
                     "epoch": ref.epoch, "index": ref.index, "bad": bad}
-        images, labels, bad = [], [], []
+        images, kept, bad = [], [], []
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(mix_seed(self.seed, ref.epoch, ref.index))
             for i in ref.indices:
@@ -113,11 +113,11 @@ class BatchDataset(torch.utils.data.Dataset):
                     data = self.source.encoded(int(i))
                     images.append(self.transform(self.source.load(int(i))) if data is None else
                                   transform_encoded(self.transform, data, self.source.name(int(i))))
-                    labels.append(int(self.source.labels[i]))
+                    kept.append(int(i))
                 except CorruptImageError as e:
                     bad.append((e.path, e.reason))
-        return {"images": stack_images(images), "labels": torch.tensor(labels, dtype=torch.int64),
-                "epoch": ref.epoch, "index": ref.index, "bad": bad}
+        labels = torch.from_numpy(np.ascontiguousarray(self.source.labels[np.array(kept, dtype=np.int64)]))
+        return {"images": stack_images(images), "labels": labels, "epoch": ref.epoch, "index": ref.index, "bad": bad}
 
 
 def stack_images(images: list[torch.Tensor]) -> torch.Tensor:

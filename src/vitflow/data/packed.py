@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = "vitflow-packed"
 VERSION = 1
-SPLIT_NAMES = ("train", "test", "val", "validation")
+SPLIT_NAMES = ("train", "val", "valid", "validation", "test")
 
 
 def is_packed(path: str | Path) -> bool:
@@ -90,6 +90,11 @@ class PackedSource(ImageSource):
 
     def subset(self, idx: np.ndarray) -> "PackedSource":
         return PackedSource(self.root, self.split, self.classes, self.info, self.rows[np.asarray(idx)])
+
+
+def packed_split_names(path: str | Path) -> list[str]:
+    """The splits of the packed dataset at ``path``."""
+    return list(json.loads((Path(path) / "meta.json").read_text())["splits"])
 
 
 def open_packed(path: str | Path, split: str) -> PackedSource:

@@ -24,10 +24,10 @@ import torch
 
 from vitflow.config import DataConfig
 from vitflow.data.augment import MixupCutmix
-from vitflow.data.cache import cache_in_memory, in_ram
+from vitflow.data.cache import CenterCropSource, cache_in_memory, cache_resolution, in_ram, photo_cache_size
 from vitflow.data.decode import CorruptImageError
 from vitflow.data.device import DevicePipeline, Prefetcher
-from vitflow.data.dispatch import open_split
+from vitflow.data.dispatch import open_split, resolve_eval_splits
 from vitflow.data.loader import EpochSampler, make_loader
 from vitflow.data.sources import DataError, FileSource, ImageSource
 from vitflow.data.stream import StreamBatches
@@ -39,34 +39,69 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Datasets:
-    """The train and test splits of a run, their class list and the eval preprocessing. Images
-    found unreadable while caching stay in their split and are reported by every pass over it."""
+    """The splits of a run, their class list and the eval preprocessing. ``val`` (evaluated during
+    training; it chooses the kept checkpoint and multi-label thresholds) and ``test`` (evaluated
+    once at the end) are each optional, not both. Images found unreadable while caching stay in
+    their split and are reported by every pass over it."""
 
     train: ImageSource
-    test: ImageSource
+    val: ImageSource | None
+    test: ImageSource | None
     classes: list[str]
     preprocess: Preprocess
+    val_split: str | None = None
+    test_split: str | None = None
+    task: str = "multiclass"
+
+    @property
+    def monitored(self) -> tuple[str, str, ImageSource]:
+        """``(role, split expression, source)`` of the split evaluated during training: the
+        validation split, or the test split when there is none."""
+        if self.val is not None:
+            return "val", self.val_split, self.val
+        return "test", self.test_split, self.test
 
 
 def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
-    """Open ``cfg.train_split`` and ``cfg.test_split`` (the test split labelled with the train
-    classes) and cache them in RAM when they fit ``cfg.max_in_memory`` (not in stream access).
+    """Open ``cfg.train_split`` and the validation and test splits (see
+    :func:`~vitflow.data.dispatch.resolve_eval_splits`; labelled with the train classes) and cache
+    them in RAM when they fit ``cfg.max_in_memory`` (the training split not in stream access).
 
     Raises:
-        DataError: see :func:`vitflow.data.dispatch.open_split`.
+        DataError: see :func:`vitflow.data.dispatch.open_split`; a validation or test split that
+            selects no images.
     """
     raise_open_file_limit()
-    train = open_split(cfg.path, cfg.train_split, cfg.source)
-    test = open_split(cfg.path, cfg.test_split, cfg.source, classes=train.classes)
-    if len(test) == 0:
-        raise DataError(f"data.test_split={cfg.test_split!r} selects no images")
+    val_split, test_split = resolve_eval_splits(cfg)
+    train = open_split(cfg.path, cfg.train_split, cfg.source, cfg=cfg)
+    held_out = {}
+    for key, split in (("val_split", val_split), ("test_split", test_split)):
+        if split is not None:
+            held_out[key] = open_split(cfg.path, split, cfg.source, classes=train.classes, cfg=cfg)
+            if len(held_out[key]) == 0:
+                raise DataError(f"data.{key}={split!r} selects no images")
     if cfg.max_in_memory > 0:
-        workers = os.cpu_count() or 1
+        crops_resized = resolve_augment(cfg.train_augment, image_size) == "random_resized_crop"
         if cfg.access == "random":
-            train = cache_in_memory(train, cfg.max_in_memory, workers, "train")
-        test = cache_in_memory(test, cfg.max_in_memory, workers, "test")
+            train = _cache(train, cfg, image_size, "train", crops_resized)
+        held_out = {k: _cache(v, cfg, image_size, k[:-6], True) for k, v in held_out.items()}
     pp = Preprocess(image_size, cfg.crop_pct, cfg.interpolation, tuple(cfg.mean), tuple(cfg.std))
-    return Datasets(train, test, train.classes, pp)
+    return Datasets(train, held_out.get("val_split"), held_out.get("test_split"), train.classes, pp, val_split,
+                    test_split, cfg.task)
+
+
+def _cache(source: ImageSource, cfg: DataConfig, image_size: int, desc: str, resizable: bool) -> ImageSource:
+    """``source`` in the RAM cache when it fits, at the size :func:`~vitflow.data.cache.cache_resolution`
+    chooses (the choice and its reason logged)."""
+    if len(source) > cfg.max_in_memory or in_ram(source):
+        return source
+    size, why = cache_resolution(source, cfg.cache_resolution, image_size, cfg.crop_pct, resizable)
+    if size is not None:
+        if size < image_size:
+            raise DataError(f"data.cache_resolution={size} is smaller than model.img_size={image_size}")
+        log.info("%s: caching at %dx%d (%s)", desc, size, size, why)
+    return cache_in_memory(source, cfg.max_in_memory, os.cpu_count() or 1, desc, resize_to=size,
+                           interpolation=cfg.interpolation, center_on=image_size if size else None)
 
 
 def raise_open_file_limit() -> int:
@@ -83,10 +118,17 @@ def raise_open_file_limit() -> int:
 
 
 def is_batched(source: ImageSource, cfg: DataConfig, image_size: int) -> bool:
-    """True when ``source`` can take the batched path (see the module docstring)."""
-    return (source.fixed_size == (image_size, image_size) and cfg.access == "random"
-            and resolve_augment(cfg.train_augment, image_size) in ("pad_crop", "none")
-            and cfg.auto_augment == "none" and cfg.color_jitter == 0 and cfg.random_erasing == 0)
+    """True when ``source`` can take the batched path (see the module docstring): random access,
+    no per-image-only augmentation, and images of one fixed size that is the training size
+    (``pad_crop``, ``none``) or any size (``random_resized_crop``: the device crops and resizes,
+    e.g. a RAM cache at :func:`~vitflow.data.cache.photo_cache_size`)."""
+    augment = resolve_augment(cfg.train_augment, image_size)
+    if augment == "random_resized_crop":
+        sized = source.fixed_size is not None
+    else:
+        sized = augment in ("pad_crop", "none") and source.fixed_size == (image_size, image_size)
+    return (sized and cfg.access == "random" and cfg.auto_augment == "none" and cfg.color_jitter == 0
+            and cfg.random_erasing == 0)
 
 
 def choose_workers(cfg: DataConfig, source: ImageSource, transform, batched: bool) -> int:
@@ -154,7 +196,9 @@ class TrainLoader:
         return self.pipeline.resolution
 
     def describe(self) -> str:
-        path = "batched in-RAM gather + device crop/flip" if self.batched else "per-image decode/augment"
+        path = "per-image decode/augment" if not self.batched else (
+            "batched in-RAM gather + device random-resized-crop/flip" if self.pipeline.resized_crop is not None
+            else "batched in-RAM gather + device crop/flip")
         return f"{path}, {self.num_workers} worker(s), prefetch {self.prefetch}{' (thread)' if self.threaded else ''}"
 
 
@@ -192,17 +236,29 @@ def train_loader(source: ImageSource, cfg: DataConfig, image_size: int, batch_si
     mix = None
     if cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0:
         mix = MixupCutmix(num_classes, cfg.mixup_alpha, cfg.cutmix_alpha, cfg.mix_prob, cfg.mix_switch_prob)
+    resized = batched and augment == "random_resized_crop"  # the device draws the Inception crop per image
     pipeline = DevicePipeline(device, cfg.mean, cfg.std, aug_seed, (cfg.padding if augment == "pad_crop" else 0)
-                              if batched else None, cfg.hflip, mix, host_threads=1 if workers else None)
+                              if batched and not resized else None, cfg.hflip, mix, host_threads=1 if workers else None,
+                              resized_crop=(image_size, tuple(cfg.scale), (3 / 4, 4 / 3)) if resized else None,
+                              interpolation=cfg.interpolation)
     threaded = workers > 0 or batched  # never with 0 workers per-image: it seeds the global RNG per batch
     return TrainLoader(loader, pipeline, device, cfg.prefetch, threaded, workers, batched, per_epoch)
 
 
 def eval_loader(source: ImageSource, pp: Preprocess, batch_size: int, num_workers: int | str = 0):
-    """One pass over ``source`` in order with the eval transform (a plain gather when the images
-    are already at the eval size), last batch short."""
+    """One pass over ``source`` in order with the eval transform, last batch short.
+
+    When ``source`` has a fixed size whose shorter side is already the eval resize
+    (:func:`~vitflow.data.cache.photo_cache_size`, e.g. a RAM cache made with that ``resize_to``),
+    the eval transform is only ``CenterCrop(image_size)``: it is taken as a slice of the batched
+    gather (:class:`~vitflow.data.cache.CenterCropSource`; bit-equal to ``eval_transform(pp)`` of
+    each cached image), no workers, no resampling; at ``image_size`` itself, a plain gather.
+    """
     sampler = EpochSampler(len(source), batch_size, shuffle=False, drop_last=False, epochs=1)
-    identity = source.fixed_size == (pp.image_size, pp.image_size) and pp.crop_pct == 1.0
-    workers = 0 if identity or num_workers == "auto" and in_ram(source) else (
+    size = source.fixed_size
+    gather = size is not None and min(size) == photo_cache_size(pp.image_size, pp.crop_pct)
+    if gather and size != (pp.image_size, pp.image_size):
+        source = CenterCropSource(source, pp.image_size)
+    workers = 0 if gather or num_workers == "auto" and in_ram(source) else (
         min(os.cpu_count() or 1, 8) if num_workers == "auto" else int(num_workers))
-    return make_loader(source, None if identity else eval_transform(pp), sampler, workers)
+    return make_loader(source, None if gather else eval_transform(pp), sampler, workers)

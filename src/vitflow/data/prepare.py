@@ -32,7 +32,8 @@ def _splits_of(src: Path) -> dict[str, ImageSource]:
 
 def prepare(src: str | Path, out: str | Path, fmt: str = "auto", max_side: int | None = None, quality: int = 90,
             workers: int = 1, force: bool = False) -> dict:
-    """Convert an image folder, a tar, or CIFAR-10/100 python batches into a packed dataset.
+    """Convert an image folder, a tar, a (single-label) label file, a Hugging Face dataset or
+    CIFAR-10/100 python batches into a packed dataset.
 
     Args:
         fmt: ``raw`` (uint8 pixels; every image the same size), ``jpeg`` (re-encoded at

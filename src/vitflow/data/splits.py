@@ -72,9 +72,12 @@ def check_config(d: DataConfig) -> None:
     """The data section's checks that need the data layer: the split expressions.
 
     Raises:
-        ConfigError: a malformed ``data.train_split`` / ``data.test_split``, naming the key.
+        ConfigError: a malformed ``data.train_split`` / ``data.val_split`` / ``data.test_split``
+            (``auto`` and ``none`` are not expressions), naming the key.
     """
-    for key in ("train_split", "test_split"):
+    for key in ("train_split", "val_split", "test_split"):
+        if key != "train_split" and getattr(d, key).lower() in ("auto", "none"):
+            continue
         try:
             parse_split(getattr(d, key))
         except ValueError as e:

@@ -8,27 +8,32 @@ from typing import Callable, Iterable
 
 import torch
 
+from vitflow.config import build_config
 from vitflow.data import eval_loader, model_input, open_split
 from vitflow.data.decode import CorruptImageError, decode_image
+from vitflow.data.dispatch import resolve_eval_splits
 from vitflow.data.sources import ImageSource
 from vitflow.data.transforms import Preprocess, eval_transform
-from vitflow.evaluation import evaluate
+from vitflow.evaluation import evaluate, evaluate_multilabel
 from vitflow.infer.predict import collect_images
 from vitflow.runtime import resolve_precision
 
 
 def checkpoint_split(state: dict, path: str | Path | None = None, split: str | None = None) -> ImageSource:
     """A split of the data a checkpoint was trained on (its config's ``data.path`` /
-    ``data.source`` / ``data.test_split``), or of ``path`` / ``split`` when given, labelled with
-    the checkpoint's classes.
+    ``data.source`` and its test split, else its validation split), or of ``path`` / ``split``
+    when given, labelled with the checkpoint's classes.
 
     Raises:
         vitflow.data.DataError: the data cannot be found or does not match the classes.
     """
-    data = state.get("config", {}).get("data", {})
-    source = "auto" if path is not None else data.get("source", "auto")
-    return open_split(path if path is not None else data.get("path"), split or data.get("test_split", "test"),
-                      source, classes=list(state["classes"]))
+    data = build_config(base=state.get("config", {})).data
+    if path is not None:
+        data.path, data.source = str(path), "auto"
+    if split is None:
+        val_split, test_split = resolve_eval_splits(data)
+        split = test_split if test_split is not None else val_split
+    return open_split(data.path, split, data.source, classes=list(state["classes"]), cfg=data)
 
 
 def _first_readable(loads: Iterable[Callable[[], torch.Tensor]], pp: Preprocess, n: int,
@@ -69,9 +74,13 @@ def images_from_files(paths: list[str], pp: Preprocess, n: int = 8) -> torch.Ten
 
 
 def accuracy(model: torch.nn.Module, source: ImageSource, pp: Preprocess, batch_size: int = 256,
-             num_workers: int = 2) -> dict[str, float]:
-    """Top-1 / top-5 / loss of ``model`` (PyTorch or :class:`~vitflow.infer.onnx_model.OnnxModel`,
-    fp32 on the CPU) over ``source`` with :func:`vitflow.evaluation.evaluate`."""
+             num_workers: int = 2, threshold: float | None = None) -> dict[str, float]:
+    """The figures of ``model`` (PyTorch or :class:`~vitflow.infer.onnx_model.OnnxModel`, fp32 on
+    the CPU) over ``source``: top-1 / top-5 / loss with :func:`vitflow.evaluation.evaluate`, or for
+    multi-hot labels (``uint8 (n, C)``) mAP / F1 at ``threshold`` with
+    :func:`vitflow.evaluation.evaluate_multilabel`."""
     cpu = torch.device("cpu")
     loader = eval_loader(source, pp, batch_size, num_workers)
+    if source.labels.ndim == 2:
+        return evaluate_multilabel(model, loader, cpu, resolve_precision("fp32", cpu), pp, threshold=threshold)
     return evaluate(model, loader, cpu, resolve_precision("fp32", cpu), pp)

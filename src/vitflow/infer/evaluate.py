@@ -1,6 +1,9 @@
-"""``vitflow eval``: a checkpoint evaluated on its test split (or another, by overrides)."""
+"""``vitflow eval``: a checkpoint evaluated on its test split (its validation split when the data has no
+test split, or another, by overrides)."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -8,9 +11,12 @@ from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.config import build_config
 from vitflow.data import check_config as check_data_config
 from vitflow.data import eval_loader, open_split
+from vitflow.data.dispatch import resolve_eval_splits
 from vitflow.data.transforms import Preprocess
-from vitflow.evaluation import evaluate, scalar_metrics
+from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
 from vitflow.runtime import resolve_device, resolve_precision
+
+log = logging.getLogger(__name__)
 
 
 def _apply_kernel_overrides(model: torch.nn.Module, saved: dict, wanted) -> None:
@@ -24,14 +30,17 @@ def _apply_kernel_overrides(model: torch.nn.Module, saved: dict, wanted) -> None
 
 
 def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: str = "auto") -> dict:
-    """Evaluate a checkpoint on its config's ``data.test_split`` (after ``key=value`` overrides,
-    e.g. ``data.path=...`` or ``data.test_split=...``), labelling with the checkpoint's classes.
+    """Evaluate a checkpoint on its config's test split — or, when the data has none, its
+    validation split (after ``key=value`` overrides, e.g. ``data.path=...`` or
+    ``data.test_split=...``), labelling with the checkpoint's classes. A multi-label checkpoint
+    is scored at the threshold saved with it (chosen on the validation split in training).
 
     Args:
         weights: ``auto`` (the EMA weights when saved, else the trained ones), ``ema`` or ``raw``.
     Returns:
-        :func:`evaluate`'s scalar metrics prefixed ``test_`` plus ``checkpoint``, ``step`` and
-        ``weights`` (``ema`` or ``raw``, the weights evaluated).
+        :func:`evaluate`'s (or :func:`evaluate_multilabel`'s) scalar metrics prefixed with the
+        split's role (``test_`` or ``val_``) plus ``split`` (the role), ``split_expr``,
+        ``checkpoint``, ``step`` and ``weights`` (``ema`` or ``raw``, the weights evaluated).
     Raises:
         FileNotFoundError / ValueError: unreadable checkpoint; ConfigError; DataError.
     """
@@ -45,11 +54,19 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
     dev = torch.device("cpu") if quantized else dev
     precision = resolve_precision("fp32" if quantized else cfg.train.precision, dev)
     pp = Preprocess.from_dict(state["preprocess"])
-    test = open_split(cfg.data.path, cfg.data.test_split, cfg.data.source, classes=list(state["classes"]))
-    loader = eval_loader(test, pp, cfg.data.eval_batch_size or 256, cfg.data.num_workers)
+    val_split, test_split = resolve_eval_splits(cfg.data)
+    role, split = ("test", test_split) if test_split is not None else ("val", val_split)
+    source = open_split(cfg.data.path, split, cfg.data.source, classes=list(state["classes"]), cfg=cfg.data)
+    loader = eval_loader(source, pp, cfg.data.eval_batch_size or 256, cfg.data.num_workers)
     model = model_from_checkpoint(state, weights).to(dev)
     _apply_kernel_overrides(model, state["config"].get("model", {}), cfg.model)
-    result = evaluate(model, loader, dev, precision, pp)
+    if state.get("task", "multiclass") == "multilabel":
+        if state.get("threshold") is None:
+            log.warning("%s has no saved threshold: choosing one on the %s split itself (optimistic F1)",
+                        state["path"], role)
+        result = evaluate_multilabel(model, loader, dev, precision, pp, threshold=state.get("threshold"))
+    else:
+        result = evaluate(model, loader, dev, precision, pp)
     used = "ema" if state.get("ema") and weights != "raw" else "raw"
-    return {**{f"test_{k}": v for k, v in scalar_metrics(result).items()},
+    return {**{f"{role}_{k}": v for k, v in scalar_metrics(result).items()}, "split": role, "split_expr": split,
             "checkpoint": state["path"], "step": state["step"], "weights": used}

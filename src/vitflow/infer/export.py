@@ -228,7 +228,7 @@ def export_program(model: nn.Module, path: str | Path, info: ModelInfo) -> Path:
 
 def _info_json(info: ModelInfo) -> str:
     return json.dumps({"classes": info.classes, "preprocess": info.preprocess.to_dict(),
-                       "model_args": info.model_args})
+                       "model_args": info.model_args, "task": info.task, "threshold": info.threshold})
 
 
 def load_exported(path: str | Path, fmt: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], ModelInfo]:
@@ -256,7 +256,8 @@ def load_exported(path: str | Path, fmt: str) -> tuple[Callable[[torch.Tensor], 
         d = json.loads(extra[EXTRA_FILE])
     except Exception as e:
         raise ValueError(f"cannot load {fmt} export {path}: {type(e).__name__}: {str(e)[:300]}") from None
-    return m, ModelInfo(d["classes"], Preprocess.from_dict(d["preprocess"]), d["model_args"])
+    return m, ModelInfo(d["classes"], Preprocess.from_dict(d["preprocess"]), d["model_args"],
+                        d.get("task", "multiclass"), d.get("threshold"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ needs in its ``metadata_props`` (string key/value pairs of the ONNX ``ModelProto
     vitflow.classes     JSON list of class names, index i = logit i
     vitflow.preprocess  JSON Preprocess.to_dict(): image_size, crop_pct, interpolation, mean, std
     vitflow.model_args  JSON create_model arguments of the exported model (informational)
+    vitflow.task        "multiclass" (softmax over the logits) or "multilabel" (a sigmoid per logit)
+    vitflow.threshold   multilabel: the probability from which a label is predicted (JSON number)
 
 The graph has one input ``pixel_values`` ``float32 (batch, 3, S, S)`` (normalised with ``mean``
 and ``std``; ``batch`` is dynamic) and one output ``logits`` ``float32 (batch, num_classes)``.
@@ -52,17 +54,21 @@ def require(module: str):
 
 @dataclass
 class ModelInfo:
-    """What prediction needs beside the network: class names, preprocessing, model arguments."""
+    """What prediction needs beside the network: class names, preprocessing, model arguments, the
+    task and (multi-label) the decision threshold chosen on the validation split."""
 
     classes: list[str]
     preprocess: Preprocess
     model_args: dict
+    task: str = "multiclass"
+    threshold: float | None = None
 
     def to_metadata(self) -> dict[str, str]:
         """The ``vitflow.*`` ONNX metadata entries (all values are strings)."""
         return {f"{META_PREFIX}format": META_FORMAT, f"{META_PREFIX}classes": json.dumps(self.classes),
                 f"{META_PREFIX}preprocess": json.dumps(self.preprocess.to_dict()),
-                f"{META_PREFIX}model_args": json.dumps(self.model_args)}
+                f"{META_PREFIX}model_args": json.dumps(self.model_args), f"{META_PREFIX}task": self.task,
+                f"{META_PREFIX}threshold": json.dumps(self.threshold)}
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str], path: str | Path) -> "ModelInfo":
@@ -70,14 +76,17 @@ class ModelInfo:
         try:
             return cls(json.loads(meta[f"{META_PREFIX}classes"]),
                        Preprocess.from_dict(json.loads(meta[f"{META_PREFIX}preprocess"])),
-                       json.loads(meta.get(f"{META_PREFIX}model_args", "{}")))
+                       json.loads(meta.get(f"{META_PREFIX}model_args", "{}")),
+                       meta.get(f"{META_PREFIX}task", "multiclass"),
+                       json.loads(meta.get(f"{META_PREFIX}threshold", "null")))
         except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"{path} has no vitflow metadata (class names and preprocessing): export it with "
                              f"`vitflow export` ({type(e).__name__}: {e})") from None
 
     @classmethod
     def from_checkpoint(cls, state: dict) -> "ModelInfo":
-        return cls(list(state["classes"]), Preprocess.from_dict(state["preprocess"]), dict(state["model_args"]))
+        return cls(list(state["classes"]), Preprocess.from_dict(state["preprocess"]), dict(state["model_args"]),
+                   state.get("task", "multiclass"), state.get("threshold"))
 
 
 @contextlib.contextmanager

@@ -73,7 +73,9 @@ class Predictor:
     """A model with its class names and preprocessing: a PyTorch model or an ONNX Runtime
     session (:class:`vitflow.infer.onnx_model.OnnxModel`).
 
-    ``predict(images)``: ``uint8 (B, 3, S, S)`` -> probabilities ``float32 (B, num_classes)``.
+    ``predict(images)``: ``uint8 (B, 3, S, S)`` -> probabilities ``float32 (B, num_classes)``: a
+    softmax over the classes, or for a multi-label model (``task="multilabel"``) a sigmoid per
+    class, each label predicted from ``threshold`` on.
 
     ``precision``: ``fp32``, or ``bf16`` / ``fp16`` to run a PyTorch model with its weights cast
     to that dtype (pure half-precision inference; ``fp16`` needs CUDA). ONNX models run in the
@@ -84,7 +86,7 @@ class Predictor:
     """
 
     def __init__(self, model: torch.nn.Module, classes: list[str], pp: Preprocess, device: str = "auto",
-                 precision: str = "fp32", name: str = "model"):
+                 precision: str = "fp32", name: str = "model", task: str = "multiclass", threshold: float | None = None):
         configure_allocator()
         onnx = isinstance(model, OnnxModel)
         self.device = torch.device("cpu") if onnx else resolve_device(device)
@@ -92,7 +94,8 @@ class Predictor:
         if self.dtype != torch.float32 and (onnx or _is_quantized(model)):
             raise ValueError(f"{name} runs in the precision it was exported or quantized in: use --precision fp32")
         self.model = model.to(self.device).eval() if onnx else model.to(self.device, self.dtype).eval()
-        self.classes, self.pp = classes, pp
+        self.classes, self.pp, self.task = classes, pp, task
+        self.threshold = 0.5 if threshold is None else threshold
         self.transform = eval_transform(pp)
 
     @classmethod
@@ -102,7 +105,8 @@ class Predictor:
         Raises FileNotFoundError / ValueError for a missing, corrupt or incompatible checkpoint."""
         state = load_checkpoint(path)
         return cls(model_from_checkpoint(state, weights), list(state["classes"]),
-                   Preprocess.from_dict(state["preprocess"]), device, precision, state["path"])
+                   Preprocess.from_dict(state["preprocess"]), device, precision, state["path"],
+                   state.get("task", "multiclass"), state.get("threshold"))
 
     @classmethod
     def from_onnx(cls, path: str | Path, threads: int | None = None) -> "Predictor":
@@ -110,7 +114,7 @@ class Predictor:
         its metadata). Raises FileNotFoundError / ValueError naming the file."""
         model = OnnxModel(path, threads)
         info = model.info()
-        return cls(model, info.classes, info.preprocess, "cpu", "fp32", str(path))
+        return cls(model, info.classes, info.preprocess, "cpu", "fp32", str(path), info.task, info.threshold)
 
     @classmethod
     def load(cls, path: str | Path, device: str = "auto", precision: str = "fp32", weights: str = "auto"
@@ -125,7 +129,8 @@ class Predictor:
     @torch.no_grad()
     def predict(self, images: torch.Tensor) -> torch.Tensor:
         x = model_input(images, self.pp.mean, self.pp.std, self.device, self.dtype)
-        return self.model(x).float().softmax(dim=-1).cpu()
+        logits = self.model(x).float()
+        return (logits.sigmoid() if self.task == "multilabel" else logits.softmax(dim=-1)).cpu()
 
     def _decode(self, ref: ImageRef) -> torch.Tensor | str:
         try:
@@ -135,8 +140,10 @@ class Predictor:
 
     def predict_refs(self, refs: list[ImageRef], topk: int = 5, batch_size: int = 32,
                      workers: int = 2) -> Iterator[dict]:
-        """Yield per image ``{"path", "top": [{"class", "index", "prob"}, ...]}`` or
-        ``{"path", "error"}`` when it cannot be read or decoded, in input order.
+        """Yield per image ``{"path", "top": [{"class", "index", "prob"}, ...]}`` (the ``topk``
+        likeliest classes; multi-label models add ``"labels"``: every class whose probability
+        reaches the threshold, likeliest first) or ``{"path", "error"}`` when it cannot be read or
+        decoded, in input order.
 
         Images are decoded by ``workers`` threads (libjpeg-turbo and the resize release the
         GIL), the next batch while the model runs on the current one.
@@ -153,12 +160,18 @@ class Predictor:
                            for r, d in zip(chunk, decoded)]
                 tensors = [d for d in decoded if not isinstance(d, str)]
                 if tensors:
-                    top = self.predict(torch.stack(tensors)).topk(k, dim=1)
-                    ok = iter(r for r in results if "error" not in r)
-                    for vals, idx in zip(top.values.tolist(), top.indices.tolist()):
-                        next(ok)["top"] = [{"class": self.classes[i], "index": i, "prob": round(v, 6)}
-                                           for v, i in zip(vals, idx)]
+                    probs = self.predict(torch.stack(tensors))
+                    ok = [r for r in results if "error" not in r]
+                    for r, p in zip(ok, probs):
+                        order = p.argsort(descending=True).tolist()
+                        r["top"] = [self._entry(p, i) for i in order[:k]]
+                        if self.task == "multilabel":
+                            r["labels"] = [self._entry(p, i) for i in order if p[i] >= self.threshold]
                 yield from results
+
+
+    def _entry(self, probs: torch.Tensor, i: int) -> dict:
+        return {"class": self.classes[i], "index": i, "prob": round(float(probs[i]), 6)}
 
 
 def _is_quantized(model: torch.nn.Module) -> bool:

@@ -222,13 +222,16 @@ def prune_checkpoint(checkpoint, out, heads: float = 0.25, mlp: float = 0.0, dat
         (accuracy keys only with ``evaluate``).
     Raises:
         FileNotFoundError / ValueError / DataError: unreadable checkpoint or data, bad fractions,
-        an already quantised checkpoint, fine-tune steps without ``finetune``.
+        an already quantised or a multi-label checkpoint, fine-tune steps without ``finetune``.
     """
     if finetune_steps and finetune is None:
         raise ValueError("finetune_steps > 0 needs a finetune function (vitflow.train.distill.distill_finetune)")
     if not (0 <= heads < 1 and 0 <= mlp < 1) or heads == mlp == 0:
         raise ValueError(f"give --heads and/or --mlp as fractions in [0, 1) to remove (got {heads}, {mlp})")
     state = _float_checkpoint(checkpoint)
+    if state.get("task", "multiclass") == "multilabel":
+        raise ValueError(f"{state['path']} is a multi-label model: pruning scores and distils single-label "
+                         "classifiers only")
     cfg = build_config(base=state["config"])
     model = model_from_checkpoint(state).float()
     pp = Preprocess.from_dict(state["preprocess"])

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from vitflow.checkpoint import apply_quantization, load_checkpoint, model_from_checkpoint, save_checkpoint
+from vitflow.config import DataConfig
 from vitflow.data import open_split
 from vitflow.infer.calibration import accuracy
 from vitflow.infer.export import export_onnx
@@ -207,16 +208,18 @@ def _quantize_checkpoint(model_path: str | Path, tmp: Path, dtype: str):
 
 def _accuracy_guard(reference, candidate, info: ModelInfo, data: str, split: str, max_drop: float, force: bool,
                     out: Path, log) -> dict:
-    """Top-1 of both models on ``data [split]``; raises AccuracyDropError when it fell by more
-    than ``max_drop`` points (unless ``force``)."""
-    source = open_split(data, split, "auto", classes=info.classes)
-    log(f"measuring top-1 on {len(source)} images of {data} [{split}] ...")
-    before = accuracy(reference, source, info.preprocess)
-    after = accuracy(candidate, source, info.preprocess)
-    drop = (before["top1"] - after["top1"]) * 100
+    """Top-1 (multi-label models: mAP) of both models on ``data [split]``; raises AccuracyDropError
+    when it fell by more than ``max_drop`` points (unless ``force``)."""
+    multilabel = info.task == "multilabel"
+    figure, name = ("map", "mAP") if multilabel else ("top1", "top-1")
+    source = open_split(data, split, "auto", classes=info.classes, cfg=DataConfig(task=info.task))
+    log(f"measuring {name} on {len(source)} images of {data} [{split}] ...")
+    before = accuracy(reference, source, info.preprocess, threshold=info.threshold)
+    after = accuracy(candidate, source, info.preprocess, threshold=info.threshold)
+    drop = (before[figure] - after[figure]) * 100
     if drop > max_drop and not force:
         raise AccuracyDropError(
-            f"top-1 fell from {before['top1']:.2%} to {after['top1']:.2%} ({drop:.2f} points > "
+            f"{name} fell from {before[figure]:.2%} to {after[figure]:.2%} ({drop:.2f} points > "
             f"--max-drop {max_drop:g}); {out} NOT written (use --force to write it anyway)")
-    return {"top1_before": before["top1"], "top1_after": after["top1"], "drop_points": round(drop, 3),
+    return {f"{figure}_before": before[figure], f"{figure}_after": after[figure], "drop_points": round(drop, 3),
             "images": after["images"], "max_drop": max_drop}

@@ -1,4 +1,5 @@
-"""Training criteria: the label loss, and knowledge distillation from a teacher checkpoint.
+"""Training criteria: the label loss (single- or multi-label), and knowledge distillation from a
+teacher checkpoint.
 
 A criterion is called as ``criterion(outputs, targets, x) -> loss`` inside the training step's
 autocast region: ``outputs`` are the model's logits ``(B, C)`` (or the pair of head logits of a
@@ -20,7 +21,12 @@ import torch.nn.functional as F
 from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.config import DistillConfig, OptimConfig
 from vitflow.data.transforms import Preprocess
-from vitflow.train.losses import classification_loss, hard_distillation_loss, soft_distillation_loss
+from vitflow.train.losses import (
+    classification_loss,
+    hard_distillation_loss,
+    multilabel_loss,
+    soft_distillation_loss,
+)
 from vitflow.train.optim import build_optimizer
 from vitflow.train.schedules import build_scheduler
 
@@ -35,6 +41,17 @@ class LabelLoss:
 
     def __call__(self, outputs: torch.Tensor, targets: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return classification_loss(outputs, targets, self.label_smoothing)
+
+
+class MultiLabelLoss:
+    """Binary cross-entropy or the asymmetric loss over multi-hot targets
+    (:func:`~vitflow.train.losses.multilabel_loss`); label smoothing does not apply."""
+
+    def __init__(self, kind: str = "bce"):
+        self.kind = kind
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return multilabel_loss(outputs, targets.float(), self.kind)
 
 
 class Teacher:
@@ -98,9 +115,12 @@ class DistillationLoss:
 
 
 def build_criterion(cfg: DistillConfig, label_smoothing: float, model: torch.nn.Module, classes: list[str],
-                    pp: Preprocess, device: torch.device):
-    """The run's criterion: :class:`LabelLoss`, or :class:`DistillationLoss` when
+                    pp: Preprocess, device: torch.device, loss: str = "auto", task: str = "multiclass"):
+    """The run's criterion: :class:`LabelLoss`; :class:`MultiLabelLoss` for ``task="multilabel"``
+    (``loss``: ``bce`` (also ``auto``) or ``asl``); or :class:`DistillationLoss` when
     ``distill.teacher`` is set (which also switches a distilled ViT to returning both heads)."""
+    if task == "multilabel":
+        return MultiLabelLoss("bce" if loss == "auto" else loss)
     if not cfg.teacher:
         return LabelLoss(label_smoothing)
     if hasattr(model, "distilled_training"):

@@ -1,9 +1,11 @@
-"""The evaluations of a training run on its test split: each one logged, ``eval.json`` rewritten,
-a line printed; sharded over the ranks under DDP."""
+"""The evaluations of a training run: the validation split (or, without one, the test split)
+during training and at the end, the test split once at the end. Each is logged with its split,
+``eval.json`` rewritten, a line printed; sharded over the ranks under DDP (single-label)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -12,68 +14,100 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from vitflow.data import Preprocess, SkipReport, eval_loader
+from vitflow.data import Datasets, SkipReport, eval_loader
 from vitflow.data.sources import ImageSource
-from vitflow.evaluation import evaluate, scalar_metrics
+from vitflow.evaluation import evaluate, evaluate_multilabel, headline, scalar_metrics
 from vitflow.rundir import EVAL
 from vitflow.runtime import Precision
 from vitflow.train.distributed import DistEnv
 from vitflow.train.logging import MetricsLog
 
+log = logging.getLogger(__name__)
+SUMMARY_KEYS = ("loss", "top1", "top5", "map", "micro_f1", "macro_f1", "threshold")
+
 
 class RunEvaluator:
-    """Evaluates a run's weights on the test split ``test``.
+    """Evaluates a run's weights on its validation and test splits.
 
-    Under DDP (``shard``) each rank scores its share and the counts are summed; FSDP forwards are
-    collective, so there every rank scores everything. ``skips`` warns once per unreadable test
-    image over all the run's evaluations (each evaluation still counts its own).
+    ``role`` is ``"val"`` or ``"test"``; :attr:`monitored` is the role evaluated during training
+    (``val`` when the data has a validation split). For multi-label data the threshold is chosen
+    on the monitored split and applied to the test split (:attr:`threshold`), so a test figure
+    never chose anything. Under DDP (``shard``) each rank scores its share of a single-label split
+    and the counts are summed; FSDP forwards are collective, so there every rank scores everything,
+    as every rank does for multi-label splits. ``skips`` warns once per unreadable image over all
+    the run's evaluations (each evaluation still counts its own).
     """
 
-    def __init__(self, test: ImageSource, pp: Preprocess, classes: list[str], split: str, batch_size: int,
-                 num_workers: int | str, device: torch.device, precision: Precision, dist: DistEnv, shard: bool,
-                 metrics: MetricsLog, run_dir: Path):
-        self.test, self.pp, self.classes, self.split = test, pp, classes, split
+    def __init__(self, data: Datasets, batch_size: int, num_workers: int | str, device: torch.device,
+                 precision: Precision, dist: DistEnv, shard: bool, metrics: MetricsLog, run_dir: Path):
+        self.pp, self.classes, self.multilabel = data.preprocess, data.classes, data.task == "multilabel"
+        self.monitored = data.monitored[0]
+        self.splits: dict[str, tuple[str, ImageSource]] = {"val": (data.val_split, data.val),
+                                                          "test": (data.test_split, data.test)}
+        self.splits = {role: v for role, v in self.splits.items() if v[1] is not None}
         self.batch_size, self.num_workers, self.device, self.precision = batch_size, num_workers, device, precision
-        self.dist, self.shard, self.metrics, self.run_dir = dist, shard, metrics, run_dir
+        self.dist, self.shard, self.metrics, self.run_dir = dist, shard and not self.multilabel, metrics, run_dir
         self.skips = SkipReport()
+        self.threshold: float | None = None
 
-    def __call__(self, model: torch.nn.Module, ema: torch.nn.Module | None, step: int) -> dict[str, Any]:
-        """Evaluate the trained weights (and the EMA's, as ``ema_*``). Rank 0 writes the ``eval``
-        record and ``RUN_DIR/eval.json`` (confusion matrix and per-class top-1 of the weights
-        inference uses). Returns the metrics of those weights (``raw_*``: the trained ones when an
-        EMA exists)."""
-        test, reduce = self.test, None
+    def _evaluate(self, model: torch.nn.Module, source: ImageSource, role: str) -> dict[str, Any]:
+        reduce = None
         if self.shard:
-            test = test.subset(np.arange(self.dist.rank, len(test), self.dist.world_size))
+            source = source.subset(np.arange(self.dist.rank, len(source), self.dist.world_size))
             reduce = self.dist.all_reduce_sum
-        loader = eval_loader(test, self.pp, self.batch_size, self.num_workers)
-        args = (loader, self.device, self.precision, self.pp, self.skips, reduce, len(self.classes))
-        raw = evaluate(model, *args)
-        averaged = evaluate(ema, *args) if ema is not None else None
+        loader = eval_loader(source, self.pp, self.batch_size, self.num_workers)
+        if not self.multilabel:
+            return evaluate(model, loader, self.device, self.precision, self.pp, self.skips, reduce, len(self.classes))
+        chooses = role == self.monitored and (role == "val" or self.threshold is None)
+        result = evaluate_multilabel(model, loader, self.device, self.precision, self.pp, self.skips,
+                                     None if chooses else self.threshold)
+        return result
+
+    def __call__(self, model: torch.nn.Module, ema: torch.nn.Module | None, step: int,
+                 role: str | None = None) -> dict[str, Any]:
+        """Evaluate the trained weights (and the EMA's, as ``ema_*``) on the ``role`` split
+        (default: the monitored one). Rank 0 writes the ``eval`` record (with ``split``) and
+        ``RUN_DIR/eval.json`` (per-class figures of the weights inference uses). Returns the
+        metrics of those weights (``raw_*``: the trained ones when an EMA exists)."""
+        role = role or self.monitored
+        split, source = self.splits[role]
+        raw = self._evaluate(model, source, role)
+        averaged = self._evaluate(ema, source, role) if ema is not None else None
+        served = averaged or raw
+        if self.multilabel and role == self.monitored and (role == "val" or self.threshold is None):
+            self.threshold = served["threshold"]
+            if role == "test":
+                log.warning("no validation split: the multi-label threshold %.2f is chosen on the test split, so the "
+                            "test F1 is optimistic; set data.val_split", self.threshold)
         scalars = scalar_metrics(raw)
         if averaged is not None:
-            scalars.update({f"ema_{k}": averaged[k] for k in ("loss", "top1", "top5")})
-        self.metrics.write("eval", step=step, split=self.split, **scalars)
-        served = averaged or raw
+            scalars.update({f"ema_{k}": v for k, v in scalar_metrics(averaged).items() if k in SUMMARY_KEYS})
+        self.metrics.write("eval", step=step, split=role, split_expr=split, **scalars)
         if self.dist.is_main:
             (self.run_dir / EVAL).write_text(json.dumps({
-                "step": step, "split": self.split, "weights": "ema" if averaged else "raw", "classes": self.classes,
-                **served}))
-            msg = f"step {step}: test loss {raw['loss']:.4f} top-1 {raw['top1']:.2%} top-5 {raw['top5']:.2%}"
+                "step": step, "split": role, "split_expr": split, "task": "multilabel" if self.multilabel else
+                "multiclass", "weights": "ema" if averaged else "raw", "classes": self.classes, **served}))
+            msg = f"step {step}: {role} {headline(raw)}"
             if averaged is not None:
-                msg += f" | EMA top-1 {averaged['top1']:.2%} top-5 {averaged['top5']:.2%}"
+                msg += f" | EMA {headline(averaged)}"
             tqdm.write(msg)
-        return {**served, **({f"raw_{k}": raw[k] for k in ("loss", "top1", "top5")} if averaged else {})}
+        extra = {f"raw_{k}": v for k, v in raw.items() if k in SUMMARY_KEYS} if averaged else {}
+        return {**served, **extra}
 
     def seconds(self, model: torch.nn.Module) -> float:
-        """Estimated seconds of one evaluation of this rank's share of the test split, from
-        timing two eval batches after an untimed one (a new shape's first call is slow on CPU)."""
+        """Estimated seconds of the evaluations at the end of the run (this rank's share of the
+        monitored split, and of the test split when it is another), from timing two eval batches
+        after an untimed one (a new shape's first call is slow on CPU)."""
         bs = self.batch_size
+        source = self.splits[self.monitored][1]
         seconds, n = 0.0, 0
-        for part in (np.arange(min(len(self.test), bs)), np.arange(min(len(self.test), 2 * bs))):
-            loader = eval_loader(self.test.subset(part), self.pp, bs, self.num_workers)
+        for part in (np.arange(min(len(source), bs)), np.arange(min(len(source), 2 * bs))):
             t0 = time.perf_counter()
-            evaluate(model, loader, self.device, self.precision, self.pp, self.skips)
+            try:
+                self._evaluate(model, source.subset(part), self.monitored)
+            except ValueError:  # a multi-label sample without a positive label: timed all the same
+                pass
             seconds, n = time.perf_counter() - t0, len(part)
-        share = len(self.test) / (self.dist.world_size if self.shard else 1)
+        images = sum(len(s) for _, s in self.splits.values())
+        share = images / (self.dist.world_size if self.shard else 1)
         return seconds / n * share

@@ -42,7 +42,7 @@ from vitflow.train.budget import ProgressiveResizing, TimeBudget
 from vitflow.train.distill import build_criterion
 from vitflow.train.distributed import Parallel, init_distributed, micro_batch, rank_device, shutdown
 from vitflow.train.ema import ModelEMA
-from vitflow.train.evaluator import RunEvaluator
+from vitflow.train.evaluator import SUMMARY_KEYS, RunEvaluator
 from vitflow.train.guards import NonFiniteGuard, StopSignals
 from vitflow.train.logging import EpochTracker, Meter, MetricsLog, StallHint, memory_mb
 from vitflow.train.optim import build_optimizer
@@ -94,10 +94,10 @@ class Trainer:
                                   else None), self.step if self.state else None)
         self.epochs = EpochTracker(self.metrics, self.loader.batches_per_epoch, position,
                                    saved.get("data", {}).get("skipped"))
-        self.evaluator = RunEvaluator(self.data.test, self.data.preprocess, self.data.classes, cfg.data.test_split,
-                                      cfg.data.eval_batch_size or self.micro_batch, cfg.data.num_workers, self.device,
-                                      self.precision, self.dist, self.parallel.kind == "ddp", self.metrics,
-                                      self.run_dir)
+        self.evaluator = RunEvaluator(self.data, cfg.data.eval_batch_size or self.micro_batch, cfg.data.num_workers,
+                                      self.device, self.precision, self.dist, self.parallel.kind == "ddp",
+                                      self.metrics, self.run_dir)
+        self.evaluator.threshold = saved.get("threshold")
         self.resizing = ProgressiveResizing(cfg.data.progressive_min_size, image_size, cfg.data.progressive_ramp,
                                             self.model.patch_size, self.model.num_prefix_tokens)
         self.last_eval: dict[str, Any] | None = None
@@ -122,7 +122,7 @@ class Trainer:
         t = cfg.train
         self.ema = ModelEMA(self.model, t.ema_decay, t.ema_warmup) if t.ema_decay else None
         self.criterion = build_criterion(cfg.distill, t.label_smoothing, self.model, self.data.classes,
-                                         self.data.preprocess, self.device)
+                                         self.data.preprocess, self.device, t.loss, cfg.data.task)
         return step, position
 
     def _build_optimization(self) -> None:
@@ -208,12 +208,15 @@ class Trainer:
         (no final evaluation) with ``interrupted`` set to the signal's name.
 
         Returns:
-            The final metrics: ``test_loss``, ``test_top1``, ``test_top5`` (fractions, of the
-            weights inference uses: the EMA when ``train.ema_decay`` is set, with the trained
-            weights' figures as ``raw_test_*``), ``step``, ``run_dir``, ``checkpoint``,
-            ``train_images_per_s``, ``skipped_images`` (unreadable training images, summed over
-            the epochs), ``test_skipped`` (unreadable test images, as in ``eval.json``),
-            ``skipped_steps``, ``elapsed_s``; or, when interrupted, ``interrupted``, ``step``,
+            The final metrics, per evaluated split ``R`` (``val`` and / or ``test``; the test split
+            is evaluated once, at the end, after the validation split chose the checkpoint and
+            thresholds): ``R_loss``, ``R_top1``, ``R_top5`` (fractions) or, for multi-label,
+            ``R_map``, ``R_micro_f1``, ``R_macro_f1``, ``R_threshold``; ``R_skipped`` (unreadable
+            images, as in ``eval.json``) — of the weights inference uses: the EMA when
+            ``train.ema_decay`` is set, with the trained weights' figures as ``raw_R_*``; then
+            ``step``, ``run_dir``, ``checkpoint``, ``train_images_per_s``, ``skipped_images``
+            (unreadable training images, summed over the epochs), ``skipped_steps``,
+            ``elapsed_s``; or, when interrupted, ``interrupted``, ``step``,
             ``run_dir``, ``checkpoint``, ``elapsed_s``.
         Raises:
             NonFiniteError: see :meth:`train_step`.
@@ -224,7 +227,8 @@ class Trainer:
             budget = TimeBudget(parse_duration(t.time_budget), started, self.resizing, self.cfg.optim, 2 if self.ema else 1)
         self.metrics.write("start", step=self.step, device=str(self.device), precision=self.precision.name,
                            micro_batch=self.micro_batch, accum_steps=t.accum_steps, world_size=self.dist.world_size,
-                           train_images=len(self.data.train), test_images=len(self.data.test),
+                           train_images=len(self.data.train), val_images=len(self.data.val or ()),
+                           test_images=len(self.data.test or ()),
                            resumed_from=self.state["path"] if self.state else None)
         try:
             with self.stop, logging_redirect_tqdm():  # log lines above the progress bar, not inside it
@@ -234,26 +238,36 @@ class Trainer:
                     self.loader.close()
             if self.stop.signum:
                 return self._interrupted(started)
-            records = self.metrics.offsets()  # the final checkpoint's: a resume from it evaluates again, once
-            result = self.run_eval()
-            path = self.save(records)
-            self.epochs.end_partial(self.step)  # after the checkpoint: a resume from it records the epoch whole
-            summary = {"test_loss": result["loss"], "test_top1": result["top1"], "test_top5": result["top5"],
-                       "step": self.step, "run_dir": str(self.run_dir), "checkpoint": str(path),
-                       "train_images_per_s": images_seen * self.dist.world_size / train_time if train_time else 0.0,
-                       "skipped_images": self.epochs.skips.total, "test_skipped": result["skipped"],
-                       "skipped_steps": self.guard.skipped, "elapsed_s": time.perf_counter() - started}
-            if self.ema is not None:
-                summary.update({f"raw_test_{k}": result[f"raw_{k}"] for k in ("loss", "top1", "top5")})
-            test = getattr(self.data.test, "base", None) or self.data.test  # the files behind a RAM cache
-            if not isinstance(test, FileSource) and self.dist.is_main:  # no image files (embedded data, CIFAR
-                # batches, packed): write a few, so that `vitflow predict` can be tried at once
-                summary["samples"] = str(export_samples(self.data.test, self.run_dir / "samples")[0].parent)
+            summary = self._finish(images_seen, train_time, started)
             self.metrics.write("summary", **summary)
             return summary
         finally:
             self.metrics.close()
             shutdown(self.dist)
+
+    def _finish(self, images_seen: int, train_time: float, started: float) -> dict[str, Any]:
+        """The end of a run: the monitored split's evaluation, the final checkpoint, the test split's
+        single evaluation, and the summary of :meth:`fit`."""
+        records = self.metrics.offsets()  # the final checkpoint's: a resume from it evaluates again, once
+        results = {self.evaluator.monitored: self.run_eval()}
+        path = self.save(records)
+        if self.evaluator.monitored == "val" and "test" in self.evaluator.splits:  # once, chose nothing
+            results["test"] = self.evaluator(self.model, self.ema.module if self.ema is not None else None,
+                                             self.step, "test")
+        self.epochs.end_partial(self.step)  # after the checkpoint: a resume from it records the epoch whole
+        summary = {"step": self.step, "run_dir": str(self.run_dir), "checkpoint": str(path),
+                   "train_images_per_s": images_seen * self.dist.world_size / train_time if train_time else 0.0,
+                   "skipped_images": self.epochs.skips.total, "skipped_steps": self.guard.skipped,
+                   "elapsed_s": time.perf_counter() - started}
+        for role, result in results.items():
+            summary.update({f"{role}_{k}": v for k, v in result.items() if k in SUMMARY_KEYS + ("skipped",)})
+            summary.update({f"raw_{role}_{k[4:]}": v for k, v in result.items() if k.startswith("raw_")})
+        shown = self.evaluator.splits[self.evaluator.monitored][1]
+        files = getattr(shown, "base", None) or shown  # the files behind a RAM cache
+        if not isinstance(files, FileSource) and self.dist.is_main:  # no image files (embedded data, CIFAR
+            # batches, packed): write a few, so that `vitflow predict` can be tried at once
+            summary["samples"] = str(export_samples(shown, self.run_dir / "samples")[0].parent)
+        return summary
 
     def _loop(self, budget: TimeBudget | None) -> tuple[int, float]:
         """Steps until ``total_steps``, the budget or a stop signal; returns (images seen on this
@@ -342,6 +356,7 @@ class Trainer:
             "records": records or self.metrics.offsets(), "meter": self.meter.state_dict(),
             "config": self.cfg.to_dict(), "model_args": self.model_args, "classes": self.data.classes,
             "preprocess": self.data.preprocess.to_dict(), "metrics": scalar_metrics(self.last_eval or {}),
+            "task": self.data.task, "threshold": self.evaluator.threshold,
             "ema": self.ema.state_dict() if self.ema is not None else None, "guard": self.guard.state_dict(),
         }
         try:

@@ -3,7 +3,8 @@
 Reads what a run writes (``metrics.jsonl``, ``config.yaml``, ``eval.json``) and writes::
 
     RUN_DIR/report/loss.png         train loss (and test loss at each evaluation), grad norm
-    RUN_DIR/report/accuracy.png     test top-1 / top-5 (and the EMA's) at each evaluation
+    RUN_DIR/report/accuracy.png     top-1 / top-5 (multi-label: mAP / micro-F1; and the EMA's) at each
+                                    evaluation of the split evaluated during training (val, else test)
     RUN_DIR/report/lr.png           learning rate per logged step
     RUN_DIR/report/throughput.png   images/s and the data-stall fraction
     RUN_DIR/report.html             the four PNGs embedded as base64, the final metrics, the
@@ -19,12 +20,14 @@ import base64
 import datetime as dt
 import html
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from vitflow.rundir import read_metrics
 from vitflow.viz.curves import line_plot
 
+FIGURES = ("top1", "top5", "loss", "map", "micro_f1", "macro_f1", "threshold", "skipped")  # per split
 MAX_MATRIX_CLASSES = 40  # larger confusion matrices are summarised as the most frequent confusions
 
 
@@ -38,17 +41,27 @@ def _xy(records: list[dict], key: str) -> tuple[list[float], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def monitored_evals(records: list[dict]) -> tuple[str, list[dict]]:
+    """``(split, eval records by step)`` of the split evaluated during training: ``val`` when the
+    run has a validation split, else ``test``."""
+    evals = [r for r in records if r.get("kind") == "eval"]
+    split = "val" if any(r.get("split") == "val" for r in evals) else "test"
+    return split, _by_step([r for r in evals if r.get("split", "test") == split], "eval")
+
+
 def write_curves(records: list[dict], out: Path) -> dict[str, Path]:
     """The four PNGs of the module docstring into folder ``out``; returns ``{name: path}``."""
     out.mkdir(parents=True, exist_ok=True)
-    train, evals = _by_step(records, "train"), _by_step(records, "eval")
+    train, (split, evals) = _by_step(records, "train"), monitored_evals(records)
     marker = {"marker": "o", "markersize": 4}
-    loss = [("train loss", *_xy(train, "loss"), {}), ("test loss", *_xy(evals, "loss"), marker)]
+    loss = [("train loss", *_xy(train, "loss"), {}), (f"{split} loss", *_xy(evals, "loss"), marker)]
     if any("ema_loss" in e for e in evals):
-        loss.append(("EMA test loss", *_xy(evals, "ema_loss"), marker))
-    acc = [("top-1", *_xy(evals, "top1"), marker), ("top-5", *_xy(evals, "top5"), {**marker, "alpha": 0.6})]
-    if any("ema_top1" in e for e in evals):
-        acc.append(("EMA top-1", *_xy(evals, "ema_top1"), {**marker, "linestyle": "--"}))
+        loss.append((f"EMA {split} loss", *_xy(evals, "ema_loss"), marker))
+    first, second = (("map", "mAP"), ("micro_f1", "micro-F1")) if any("map" in e for e in evals) else \
+        (("top1", "top-1"), ("top5", "top-5"))
+    acc = [(first[1], *_xy(evals, first[0]), marker), (second[1], *_xy(evals, second[0]), {**marker, "alpha": 0.6})]
+    if any(f"ema_{first[0]}" in e for e in evals):
+        acc.append((f"EMA {first[1]}", *_xy(evals, f"ema_{first[0]}"), {**marker, "linestyle": "--"}))
     acc = [(label, xs, [100 * y for y in ys], kw) for label, xs, ys, kw in acc]
     stall_x, stall_y = _xy(train, "data_stall")
     return {
@@ -56,7 +69,7 @@ def write_curves(records: list[dict], out: Path) -> dict[str, Path]:
                           right=[("grad norm", *_xy(train, "grad_norm"), {"color": "gray", "alpha": 0.4,
                                                                           "linewidth": 0.8})],
                           right_label="gradient L2 norm"),
-        "accuracy": line_plot(out / "accuracy.png", "test accuracy", acc, "%"),
+        "accuracy": line_plot(out / "accuracy.png", f"{split} {first[1]} / {second[1]}", acc, "%"),
         "lr": line_plot(out / "lr.png", "learning rate", [("lr", *_xy(train, "lr"), {})], "learning rate"),
         "throughput": line_plot(out / "throughput.png", "throughput",
                                 [("images/s", *_xy(train, "images_per_s"), {})], "images/s",
@@ -71,15 +84,15 @@ def final_metrics(records: list[dict]) -> dict[str, Any]:
     peak memory logged."""
     start = next((r for r in reversed(records) if r.get("kind") == "start"), {})
     summary = next((r for r in reversed(records) if r.get("kind") in ("summary", "interrupted")), None)
-    train, evals = _by_step(records, "train"), _by_step(records, "eval")
+    train, (split, evals) = _by_step(records, "train"), monitored_evals(records)
     out: dict[str, Any] = {}
     if summary and summary["kind"] == "summary":
-        out.update({k: summary[k] for k in ("test_top1", "test_top5", "test_loss", "raw_test_top1", "step",
-                                            "elapsed_s", "train_images_per_s", "skipped_steps", "skipped_images")
-                    if k in summary})
+        out.update({k: v for k, v in summary.items() if re.fullmatch(r"(raw_)?(val|test)_(" + "|".join(FIGURES) + ")", k)})
+        out.update({k: summary[k] for k in ("step", "elapsed_s", "train_images_per_s", "skipped_steps",
+                                            "skipped_images") if k in summary})
     else:
         if evals:
-            out.update(test_top1=evals[-1]["top1"], test_top5=evals[-1]["top5"], test_loss=evals[-1]["loss"])
+            out.update({f"{split}_{k}": evals[-1][k] for k in FIGURES if k in evals[-1]})
         out["step"] = (summary or (train[-1] if train else {})).get("step")
         out["status"] = f"interrupted ({summary['interrupted']})" if summary else "incomplete"
     if train:
@@ -89,7 +102,7 @@ def final_metrics(records: list[dict]) -> dict[str, Any]:
         if mem:
             out["peak_memory_mb"] = max(mem)
     out.update({k: start[k] for k in ("device", "precision", "world_size", "micro_batch", "train_images",
-                                      "test_images") if k in start})
+                                      "val_images", "test_images") if k in start})
     return out
 
 
@@ -110,7 +123,7 @@ def _img(path: Path) -> str:
 
 
 def _fmt(key: str, v: Any) -> str:
-    if isinstance(v, float) and ("top" in key):
+    if isinstance(v, float) and any(f in key for f in ("top", "map", "_f1")):
         return f"{v:.2%}"
     if isinstance(v, float):
         return f"{v:,.4g}" if abs(v) < 1000 else f"{v:,.0f}"
@@ -125,6 +138,14 @@ def _per_class_table(ev: dict) -> str:
         rows.append(f"<tr><td>{html.escape(name)}</td><td class=num>{sum(row)}</td><td class=num>{pct}</td>"
                     f'<td><div class=bar style="width:{width}px"></div></td></tr>')
     return "<table><tr><th>class</th><th>images</th><th>top-1</th><th></th></tr>" + "".join(rows) + "</table>"
+
+
+def _per_class_ap_table(ev: dict) -> str:
+    rows = []
+    for name, ap in zip(ev["classes"], ev["per_class_ap"]):
+        rows.append(f"<tr><td>{html.escape(name)}</td><td class=num>{'n/a' if ap is None else f'{ap:.1%}'}</td>"
+                    f'<td><div class=bar style="width:{0 if ap is None else round(200 * ap)}px"></div></td></tr>')
+    return "<table><tr><th>class</th><th>AP</th><th></th></tr>" + "".join(rows) + "</table>"
 
 
 def _confusion_html(ev: dict) -> str:
@@ -181,18 +202,25 @@ def write_report(run_dir: str | Path, output: str | Path | None = None) -> Path:
     config = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else "(no config.yaml)"
     ev = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else None
 
-    kpi_keys = [("test_top1", "test top-1"), ("test_top5", "test top-5"), ("test_loss", "test loss"),
-                ("step", "steps"), ("epochs", "epochs"), ("train_images_per_s", "train images/s")]
+    kpi_keys = [(f"{role}_{k}", f"{role} {label}") for role in ("val", "test") for k, label in
+                (("top1", "top-1"), ("top5", "top-5"), ("map", "mAP"), ("micro_f1", "micro-F1"), ("loss", "loss"))]
+    kpi_keys += [("step", "steps"), ("epochs", "epochs"), ("train_images_per_s", "train images/s")]
     kpis = "".join(f"<div>{label}<b>{_fmt(k, final[k])}</b></div>" for k, label in kpi_keys
                    if final.get(k) is not None)
     table = "".join(f"<tr><td>{html.escape(k)}</td><td class=num>{_fmt(k, v)}</td></tr>" for k, v in final.items()
                     if v is not None)
     images = "".join(_img(pngs[k]) for k in ("loss", "accuracy", "lr", "throughput"))
     if ev:
-        last = (f"<h2>Last evaluation: step {ev['step']}, {html.escape(str(ev['split']))} split, "
-                f"{ev['images']} images, {ev['weights']} weights</h2>"
-                f"<p>top-1 {ev['top1']:.2%}, top-5 {ev['top5']:.2%}, loss {ev['loss']:.4f}</p>"
-                f"<h3>Per-class top-1</h3>{_per_class_table(ev)}<h3>Confusion matrix</h3>{_confusion_html(ev)}")
+        title = (f"<h2>Last evaluation: step {ev['step']}, {html.escape(str(ev['split']))} split "
+                 f"({html.escape(str(ev.get('split_expr') or ev['split']))}), {ev['images']} images, "
+                 f"{ev['weights']} weights</h2>")
+        if "map" in ev:
+            last = (f"{title}<p>mAP {ev['map']:.2%}, micro-F1 {ev['micro_f1']:.2%}, macro-F1 {ev['macro_f1']:.2%} at "
+                    f"threshold {ev['threshold']:.2f} (chosen on the validation split), loss {ev['loss']:.4f}</p>"
+                    f"<h3>Per-class average precision</h3>{_per_class_ap_table(ev)}")
+        else:
+            last = (f"{title}<p>top-1 {ev['top1']:.2%}, top-5 {ev['top5']:.2%}, loss {ev['loss']:.4f}</p>"
+                    f"<h3>Per-class top-1</h3>{_per_class_table(ev)}<h3>Confusion matrix</h3>{_confusion_html(ev)}")
     else:
         last = "<h2>Last evaluation</h2><p>No eval.json in the run directory.</p>"
     page = f"""<!doctype html>
