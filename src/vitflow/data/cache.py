@@ -17,8 +17,7 @@ import numpy as np
 import torch
 
 from vitflow.data.decode import CorruptImageError
-from vitflow.data.decode import image_size as image_size_of
-from vitflow.data.encode import encode_images
+from vitflow.data.encode import center_offset, encode_images
 from vitflow.data.packed import PackedSource
 from vitflow.data.sources import DataError, ImageSource, TensorSource
 
@@ -91,10 +90,7 @@ def cache_resolution(source: ImageSource, setting: int | str, image_size: int, c
     sizes = set()
     for i in range(min(32, len(source))):
         try:
-            data = source.encoded(i)
-            if data is None:
-                return None, "images kept as decoded"
-            sizes.add(image_size_of(data, source.name(i)))
+            sizes.add(source.image_size(i))
         except CorruptImageError:
             continue
     if not sizes:
@@ -190,7 +186,7 @@ class CenterCropSource(ImageSource):
             raise ValueError(f"cannot center-crop {size}x{size} from images of size {base.fixed_size}")
         h, w = base.fixed_size
         self.base, self.classes, self.labels, self.fixed_size = base, base.classes, base.labels, (size, size)
-        self.top, self.left = int(round((h - size) / 2.0)), int(round((w - size) / 2.0))
+        self.top, self.left = center_offset(h, size), center_offset(w, size)
 
     def _crop(self, images: torch.Tensor) -> torch.Tensor:
         s = self.fixed_size[0]

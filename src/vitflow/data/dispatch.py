@@ -159,3 +159,14 @@ def resolve_eval_splits(cfg: DataConfig) -> tuple[str | None, str | None]:
                         f"part of the training images with data.train_split='{cfg.train_split}[:90%]' "
                         f"data.val_split='{cfg.train_split}[90%:]'")
     return val, test
+
+
+def scored_split(cfg: DataConfig) -> tuple[str, str]:
+    """``(role, split expression)`` a finished model is scored on: the test split, or the
+    validation split when the data has no test split (see :func:`resolve_eval_splits`).
+
+    Raises:
+        DataError: as :func:`resolve_eval_splits`.
+    """
+    val, test = resolve_eval_splits(cfg)
+    return ("test", test) if test is not None else ("val", val)

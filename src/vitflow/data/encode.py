@@ -52,7 +52,8 @@ def short_side_size(h: int, w: int, size: int) -> tuple[int, int]:
     return size, int(size * w / h)
 
 
-def _center(n: int, size: int) -> int:
+def center_offset(n: int, size: int) -> int:
+    """Where torchvision's ``CenterCrop`` starts a window of ``size`` pixels in ``n``."""
     return int(round((n - size) / 2.0))  # torchvision's CenterCrop anchor (Python's round half to even)
 
 
@@ -88,10 +89,10 @@ def load_square(source: ImageSource, i: int, size: int, interpolation: str = "bi
         oh, ow = short_side_size(img.shape[-2], img.shape[-1], size)
     if tuple(img.shape[-2:]) != (oh, ow):
         img = F.resize(img, [oh, ow], interpolation=_interp(interpolation), antialias=True)
-    top, left = _center(oh, size), _center(ow, size)
+    top, left = center_offset(oh, size), center_offset(ow, size)
     if center_on is not None:  # the window's own center crop is the whole image's
-        top = min(max(_center(oh, center_on) - _center(size, center_on), 0), oh - size)
-        left = min(max(_center(ow, center_on) - _center(size, center_on), 0), ow - size)
+        top = min(max(center_offset(oh, center_on) - center_offset(size, center_on), 0), oh - size)
+        left = min(max(center_offset(ow, center_on) - center_offset(size, center_on), 0), ow - size)
     return img[:, top:top + size, left:left + size].contiguous()
 
 

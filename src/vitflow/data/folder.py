@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
 from vitflow.data.decode import is_image_name
-from vitflow.data.readers import FolderReader, TarReader
+from vitflow.data.readers import FolderReader, TarReader, is_hidden
 from vitflow.data.sources import DataError, FileSource
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def _note_ignored(where: str, ignored: dict[str, list[str]]) -> None:
 SPLIT_FOLDERS = ("train", "val", "valid", "validation", "test")
 
 
-def _candidates(files: dict[str, object], dirs: set[str]) -> list[str]:
+def _candidates(files: Iterable[str], dirs: set[str]) -> list[str]:
     """Folder prefixes that may hold the split folders: the root, and a single wrapper folder
     (e.g. ``cifar10/``) when the root holds nothing else."""
     tops = {p.split("/", 1)[0] for p in dirs if "/" not in p}
@@ -63,9 +64,27 @@ def folder_split_names(p: Path, kind: str) -> list[str]:
     """The split folders (``train``, ``val``, ``valid``, ``validation``, ``test``) of the folder
     (``kind="folder"``) or tar (``"tar"``) at ``p``; ``["train"]`` when it has none (its class
     folders are the train split)."""
-    reader = FolderReader(p) if kind == "folder" else TarReader(p)
-    files, dirs = reader.list()
+    files, dirs = _top_listing(p) if kind == "folder" else TarReader(p).list()  # a tar's index is kept
     return _splits_found(dirs, _candidates(files, dirs)) or ["train"]
+
+
+def _top_listing(root: Path) -> tuple[set[str], set[str]]:
+    """The part of :meth:`FolderReader.list` that :func:`_candidates` and :func:`_splits_found`
+    read — the files and folders at the top of ``root``, and the folders inside a lone top folder —
+    without walking the whole tree (a photo folder may hold millions of files)."""
+    def entries(folder: Path, prefix: str) -> tuple[set[str], set[str]]:
+        files, dirs = set(), set()
+        with os.scandir(folder) as it:
+            for e in it:
+                if not is_hidden(e.name):
+                    (dirs if e.is_dir() else files).add(prefix + e.name)
+        return files, dirs
+
+    files, dirs = entries(root, "")
+    if len(dirs) == 1 and not files:
+        top = next(iter(dirs))
+        dirs |= entries(root / top, top + "/")[1]
+    return files, dirs
 
 
 def _split_prefix(files: dict[str, object], dirs: set[str], split: str, where: str) -> str:

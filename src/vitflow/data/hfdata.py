@@ -41,7 +41,6 @@ from vitflow.data.sources import DataError, ImageSource
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "reading Hugging Face datasets needs pip install 'vitflow[hf]'"
-_NOTED: set[tuple] = set()
 
 
 def _pyarrow():
@@ -361,17 +360,8 @@ def open_hf_split(path: str | Path, split: str, classes: list[str] | None = None
     gone = np.setdiff1d(np.arange(n), rows.keep)  # the rows encode_rows left out, in its order
     reasons = {int(r): d for r, d in zip(gone, rows.dropped)} | {r: (f"{prefix}[{r}]", w) for r, w in why.items()}
     dropped = [reasons[r] for r in sorted(reasons)]
-    _warn_once(f"{where} split {split!r}", dropped, n)
+    lb.warn_dropped(f"{where} split {split!r}", dropped, n)
     if not ok.any():
         raise DataError(f"{where}: no usable rows in split {split!r} (of {n}; e.g. {dropped[0][0]}: {dropped[0][1]})")
     return HFSource(list(classes), rows.labels[ok], rows.keep[ok], images, paths, has_bytes, has_path,
                     root, prefix)
-
-
-def _warn_once(what: str, dropped: list[tuple[str, str]], total: int) -> None:
-    """:func:`~vitflow.data.labels.warn_dropped`, once per split and process however many slices
-    of it are opened (``train[:90%]`` and ``train[90%:]`` warn once)."""
-    key = (what, len(dropped), dropped[0] if dropped else None, total)
-    if dropped and key not in _NOTED:
-        _NOTED.add(key)
-        lb.warn_dropped(what, dropped, total)

@@ -160,10 +160,17 @@ def classes_from(cells_per_split: Sequence[list[str]], class_file: str | None) -
     return sorted_classes(names)
 
 
+_WARNED: set[tuple] = set()
+
+
 def warn_dropped(what: str, dropped: list[tuple[str, str]], total: int) -> None:
-    """One warning for the rows of ``what`` left out: how many, and the first three with why."""
-    if not dropped:
+    """One warning for the rows of ``what`` left out: how many, and the first three with why; once
+    per process, however many slices of the split are opened (``train[:90%]`` and ``train[90%:]``
+    warn once)."""
+    key = (what, len(dropped), dropped[0] if dropped else None, total)
+    if not dropped or key in _WARNED:
         return
+    _WARNED.add(key)
     shown = "; ".join(f"{w}: {why}" for w, why in dropped[:3])
     log.warning("%s: left out %d of %d rows (%s%s)", what, len(dropped), total, shown,
                 "; ..." if len(dropped) > 3 else "")

@@ -54,12 +54,10 @@ class Datasets:
     task: str = "multiclass"
 
     @property
-    def monitored(self) -> tuple[str, str, ImageSource]:
-        """``(role, split expression, source)`` of the split evaluated during training: the
-        validation split, or the test split when there is none."""
-        if self.val is not None:
-            return "val", self.val_split, self.val
-        return "test", self.test_split, self.test
+    def monitored(self) -> str:
+        """The role of the split evaluated during training: ``"val"``, or ``"test"`` when there is
+        no validation split."""
+        return "val" if self.val is not None else "test"
 
 
 def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vitflow.data.decode import CorruptImageError, decode_image
+from vitflow.data.decode import CorruptImageError, decode_image, image_size
 
 
 class DataError(ValueError):
@@ -58,6 +58,15 @@ class ImageSource:
         """The encoded bytes of image ``i`` (``load`` decodes them), or ``None`` for a source of
         decoded pixels. Raises CorruptImageError when unreadable."""
         return None
+
+    def image_size(self, i: int) -> tuple[int, int]:
+        """``(width, height)`` of image ``i`` in pixels: from the header of its encoded bytes (no
+        decode), or from the decoded image. Raises CorruptImageError."""
+        data = self.encoded(i)
+        if data is None:
+            h, w = self.load(i).shape[-2:]
+            return w, h
+        return image_size(data, self.name(i))
 
     def load_batch(self, idx: np.ndarray) -> torch.Tensor:
         """Images ``idx`` as one ``uint8`` ``(B, 3, H, W)`` tensor (only when ``fixed_size``; leave

@@ -11,7 +11,7 @@ import torch
 from vitflow.config import build_config
 from vitflow.data import eval_loader, model_input, open_split
 from vitflow.data.decode import CorruptImageError, decode_image
-from vitflow.data.dispatch import resolve_eval_splits
+from vitflow.data.dispatch import scored_split
 from vitflow.data.sources import ImageSource
 from vitflow.data.transforms import Preprocess, eval_transform
 from vitflow.evaluation import evaluate, evaluate_multilabel
@@ -31,8 +31,7 @@ def checkpoint_split(state: dict, path: str | Path | None = None, split: str | N
     if path is not None:
         data.path, data.source = str(path), "auto"
     if split is None:
-        val_split, test_split = resolve_eval_splits(data)
-        split = test_split if test_split is not None else val_split
+        split = scored_split(data)[1]
     return open_split(data.path, split, data.source, classes=list(state["classes"]), cfg=data)
 
 

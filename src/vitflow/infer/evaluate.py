@@ -11,7 +11,7 @@ from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.config import build_config
 from vitflow.data import check_config as check_data_config
 from vitflow.data import eval_loader, open_split
-from vitflow.data.dispatch import resolve_eval_splits
+from vitflow.data.dispatch import scored_split
 from vitflow.data.transforms import Preprocess
 from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
 from vitflow.runtime import resolve_device, resolve_precision
@@ -54,8 +54,7 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
     dev = torch.device("cpu") if quantized else dev
     precision = resolve_precision("fp32" if quantized else cfg.train.precision, dev)
     pp = Preprocess.from_dict(state["preprocess"])
-    val_split, test_split = resolve_eval_splits(cfg.data)
-    role, split = ("test", test_split) if test_split is not None else ("val", val_split)
+    role, split = scored_split(cfg.data)
     source = open_split(cfg.data.path, split, cfg.data.source, classes=list(state["classes"]), cfg=cfg.data)
     loader = eval_loader(source, pp, cfg.data.eval_batch_size or 256, cfg.data.num_workers)
     model = model_from_checkpoint(state, weights).to(dev)

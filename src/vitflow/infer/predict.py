@@ -161,17 +161,18 @@ class Predictor:
                 tensors = [d for d in decoded if not isinstance(d, str)]
                 if tensors:
                     probs = self.predict(torch.stack(tensors))
-                    ok = [r for r in results if "error" not in r]
-                    for r, p in zip(ok, probs):
-                        order = p.argsort(descending=True).tolist()
-                        r["top"] = [self._entry(p, i) for i in order[:k]]
+                    top = probs.topk(k, dim=1)
+                    ok = (r for r in results if "error" not in r)
+                    for r, p, vals, idx in zip(ok, probs, top.values.tolist(), top.indices.tolist()):
+                        r["top"] = self._entries(vals, idx)
                         if self.task == "multilabel":
-                            r["labels"] = [self._entry(p, i) for i in order if p[i] >= self.threshold]
+                            over = p.ge(self.threshold).nonzero().flatten()
+                            over = over[p[over].argsort(descending=True)]
+                            r["labels"] = self._entries(p[over].tolist(), over.tolist())
                 yield from results
 
-
-    def _entry(self, probs: torch.Tensor, i: int) -> dict:
-        return {"class": self.classes[i], "index": i, "prob": round(float(probs[i]), 6)}
+    def _entries(self, probs: list[float], indices: list[int]) -> list[dict]:
+        return [{"class": self.classes[i], "index": i, "prob": round(v, 6)} for v, i in zip(probs, indices)]
 
 
 def _is_quantized(model: torch.nn.Module) -> bool:

@@ -39,16 +39,17 @@ class RunEvaluator:
     """
 
     def __init__(self, data: Datasets, batch_size: int, num_workers: int | str, device: torch.device,
-                 precision: Precision, dist: DistEnv, shard: bool, metrics: MetricsLog, run_dir: Path):
+                 precision: Precision, dist: DistEnv, shard: bool, metrics: MetricsLog, run_dir: Path,
+                 threshold: float | None = None):
         self.pp, self.classes, self.multilabel = data.preprocess, data.classes, data.task == "multilabel"
-        self.monitored = data.monitored[0]
+        self.monitored = data.monitored
         self.splits: dict[str, tuple[str, ImageSource]] = {"val": (data.val_split, data.val),
                                                           "test": (data.test_split, data.test)}
         self.splits = {role: v for role, v in self.splits.items() if v[1] is not None}
         self.batch_size, self.num_workers, self.device, self.precision = batch_size, num_workers, device, precision
         self.dist, self.shard, self.metrics, self.run_dir = dist, shard and not self.multilabel, metrics, run_dir
         self.skips = SkipReport()
-        self.threshold: float | None = None
+        self.threshold = threshold  # multi-label: the one chosen so far (a resumed run's, from its checkpoint)
 
     def _evaluate(self, model: torch.nn.Module, source: ImageSource, role: str) -> dict[str, Any]:
         reduce = None
@@ -58,10 +59,13 @@ class RunEvaluator:
         loader = eval_loader(source, self.pp, self.batch_size, self.num_workers)
         if not self.multilabel:
             return evaluate(model, loader, self.device, self.precision, self.pp, self.skips, reduce, len(self.classes))
-        chooses = role == self.monitored and (role == "val" or self.threshold is None)
-        result = evaluate_multilabel(model, loader, self.device, self.precision, self.pp, self.skips,
-                                     None if chooses else self.threshold)
-        return result
+        return evaluate_multilabel(model, loader, self.device, self.precision, self.pp, self.skips,
+                                   None if self._chooses_threshold(role) else self.threshold)
+
+    def _chooses_threshold(self, role: str) -> bool:
+        """Whether an evaluation of ``role`` chooses the multi-label threshold: every one of the
+        validation split; of the test split only the first, when there is no validation split."""
+        return self.multilabel and role == self.monitored and (role == "val" or self.threshold is None)
 
     def __call__(self, model: torch.nn.Module, ema: torch.nn.Module | None, step: int,
                  role: str | None = None) -> dict[str, Any]:
@@ -74,7 +78,7 @@ class RunEvaluator:
         raw = self._evaluate(model, source, role)
         averaged = self._evaluate(ema, source, role) if ema is not None else None
         served = averaged or raw
-        if self.multilabel and role == self.monitored and (role == "val" or self.threshold is None):
+        if self._chooses_threshold(role):
             self.threshold = served["threshold"]
             if role == "test":
                 log.warning("no validation split: the multi-label threshold %.2f is chosen on the test split, so the "
@@ -111,3 +115,16 @@ class RunEvaluator:
         images = sum(len(s) for _, s in self.splits.values())
         share = images / (self.dist.world_size if self.shard else 1)
         return seconds / n * share
+
+
+def summary_figures(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The run summary's figures of each evaluated split ``R`` (``results``: role -> what
+    :class:`RunEvaluator` returned): ``R_loss``, ``R_top1``, ``R_top5`` (fractions) or, for
+    multi-label, ``R_map``, ``R_micro_f1``, ``R_macro_f1``, ``R_threshold``; ``R_skipped``
+    (unreadable images, as in ``eval.json``) — of the weights inference uses: the EMA when
+    ``train.ema_decay`` is set, with the trained weights' figures as ``raw_R_*``."""
+    out: dict[str, Any] = {}
+    for role, result in results.items():
+        out.update({f"{role}_{k}": v for k, v in result.items() if k in SUMMARY_KEYS + ("skipped",)})
+        out.update({f"raw_{role}_{k[4:]}": v for k, v in result.items() if k.startswith("raw_")})
+    return out

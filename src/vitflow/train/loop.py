@@ -25,11 +25,12 @@ from vitflow import checkpoint as ckpt
 from vitflow.config import Config, parse_duration
 from vitflow.data import check_config as check_data_config
 from vitflow.data import open_datasets, train_loader
-from vitflow.data.sources import FileSource, export_samples
+from vitflow.data.sources import FileSource, ImageSource, export_samples
 from vitflow.evaluation import scalar_metrics
 from vitflow.models import check_config as check_model_config
 from vitflow.models import create_model, model_args, model_kwargs
 from vitflow.runtime import (
+    Precision,
     configure_allocator,
     mix_seed,
     quiet,
@@ -40,9 +41,9 @@ from vitflow.runtime import (
 )
 from vitflow.train.budget import ProgressiveResizing, TimeBudget
 from vitflow.train.distill import build_criterion
-from vitflow.train.distributed import Parallel, init_distributed, micro_batch, rank_device, shutdown
+from vitflow.train.distributed import DistEnv, Parallel, init_distributed, micro_batch, rank_device, shutdown
 from vitflow.train.ema import ModelEMA
-from vitflow.train.evaluator import SUMMARY_KEYS, RunEvaluator
+from vitflow.train.evaluator import RunEvaluator, summary_figures
 from vitflow.train.guards import NonFiniteGuard, StopSignals
 from vitflow.train.logging import EpochTracker, Meter, MetricsLog, StallHint, memory_mb
 from vitflow.train.optim import build_optimizer
@@ -74,10 +75,7 @@ class Trainer:
             torch.set_num_threads(t.threads)
         self.dist = init_distributed(t.device)
         self.device = rank_device(resolve_device(t.device), self.dist)
-        precision = t.precision
-        if precision == "auto":  # a timed choice on a CPU: rank 0 makes it, every rank trains alike
-            precision = self.dist.broadcast(resolve_precision("auto", self.device).name if self.dist.is_main else None)
-        self.precision = resolve_precision(precision, self.device)
+        self.precision = _run_precision(t.precision, self.device, self.dist)
         self.state, self.run_dir, start_over = locate_run(cfg, self.dist)
         image_size = cfg.model.img_size or model_kwargs(cfg.model.name)["img_size"]
         self.data = open_datasets(cfg.data, image_size)
@@ -96,8 +94,7 @@ class Trainer:
                                    saved.get("data", {}).get("skipped"))
         self.evaluator = RunEvaluator(self.data, cfg.data.eval_batch_size or self.micro_batch, cfg.data.num_workers,
                                       self.device, self.precision, self.dist, self.parallel.kind == "ddp",
-                                      self.metrics, self.run_dir)
-        self.evaluator.threshold = saved.get("threshold")
+                                      self.metrics, self.run_dir, saved.get("threshold"))
         self.resizing = ProgressiveResizing(cfg.data.progressive_min_size, image_size, cfg.data.progressive_ramp,
                                             self.model.patch_size, self.model.num_prefix_tokens)
         self.last_eval: dict[str, Any] | None = None
@@ -208,23 +205,17 @@ class Trainer:
         (no final evaluation) with ``interrupted`` set to the signal's name.
 
         Returns:
-            The final metrics, per evaluated split ``R`` (``val`` and / or ``test``; the test split
-            is evaluated once, at the end, after the validation split chose the checkpoint and
-            thresholds): ``R_loss``, ``R_top1``, ``R_top5`` (fractions) or, for multi-label,
-            ``R_map``, ``R_micro_f1``, ``R_macro_f1``, ``R_threshold``; ``R_skipped`` (unreadable
-            images, as in ``eval.json``) — of the weights inference uses: the EMA when
-            ``train.ema_decay`` is set, with the trained weights' figures as ``raw_R_*``; then
-            ``step``, ``run_dir``, ``checkpoint``, ``train_images_per_s``, ``skipped_images``
-            (unreadable training images, summed over the epochs), ``skipped_steps``,
-            ``elapsed_s``; or, when interrupted, ``interrupted``, ``step``,
-            ``run_dir``, ``checkpoint``, ``elapsed_s``.
+            The final metrics of each evaluated split (``val`` and / or ``test``, the test split
+            once, at the end: :func:`~vitflow.train.evaluator.summary_figures`), ``step``,
+            ``run_dir``, ``checkpoint``, ``train_images_per_s``, ``skipped_images`` (unreadable
+            training images, summed over the epochs), ``skipped_steps``, ``elapsed_s``; or, when
+            interrupted, ``interrupted``, ``step``, ``run_dir``, ``checkpoint``, ``elapsed_s``.
         Raises:
             NonFiniteError: see :meth:`train_step`.
         """
         t, started = self.cfg.train, time.perf_counter()
-        budget = None
-        if t.time_budget:
-            budget = TimeBudget(parse_duration(t.time_budget), started, self.resizing, self.cfg.optim, 2 if self.ema else 1)
+        budget = TimeBudget(parse_duration(t.time_budget), started, self.resizing, self.cfg.optim,
+                            2 if self.ema else 1) if t.time_budget else None
         self.metrics.write("start", step=self.step, device=str(self.device), precision=self.precision.name,
                            micro_batch=self.micro_batch, accum_steps=t.accum_steps, world_size=self.dist.world_size,
                            train_images=len(self.data.train), val_images=len(self.data.val or ()),
@@ -252,21 +243,15 @@ class Trainer:
         results = {self.evaluator.monitored: self.run_eval()}
         path = self.save(records)
         if self.evaluator.monitored == "val" and "test" in self.evaluator.splits:  # once, chose nothing
-            results["test"] = self.evaluator(self.model, self.ema.module if self.ema is not None else None,
-                                             self.step, "test")
+            results["test"] = self.run_eval("test")
         self.epochs.end_partial(self.step)  # after the checkpoint: a resume from it records the epoch whole
         summary = {"step": self.step, "run_dir": str(self.run_dir), "checkpoint": str(path),
                    "train_images_per_s": images_seen * self.dist.world_size / train_time if train_time else 0.0,
                    "skipped_images": self.epochs.skips.total, "skipped_steps": self.guard.skipped,
-                   "elapsed_s": time.perf_counter() - started}
-        for role, result in results.items():
-            summary.update({f"{role}_{k}": v for k, v in result.items() if k in SUMMARY_KEYS + ("skipped",)})
-            summary.update({f"raw_{role}_{k[4:]}": v for k, v in result.items() if k.startswith("raw_")})
+                   "elapsed_s": time.perf_counter() - started, **summary_figures(results)}
         shown = self.evaluator.splits[self.evaluator.monitored][1]
-        files = getattr(shown, "base", None) or shown  # the files behind a RAM cache
-        if not isinstance(files, FileSource) and self.dist.is_main:  # no image files (embedded data, CIFAR
-            # batches, packed): write a few, so that `vitflow predict` can be tried at once
-            summary["samples"] = str(export_samples(shown, self.run_dir / "samples")[0].parent)
+        if self.dist.is_main and (samples := _write_samples(shown, self.run_dir)):
+            summary["samples"] = samples
         return summary
 
     def _loop(self, budget: TimeBudget | None) -> tuple[int, float]:
@@ -322,10 +307,13 @@ class Trainer:
         if self.step >= 3 * self.cfg.train.log_every:
             self.stall_hint(stall)
 
-    def run_eval(self) -> dict[str, Any]:
-        """Evaluate the trained weights (and the EMA) on the test split (:class:`RunEvaluator`)."""
-        self.last_eval = self.evaluator(self.model, self.ema.module if self.ema is not None else None, self.step)
-        return self.last_eval
+    def run_eval(self, role: str | None = None) -> dict[str, Any]:
+        """Evaluate the trained weights (and the EMA) on the split evaluated during training, or on
+        ``role`` (:class:`RunEvaluator`); the former's figures are the ones checkpoints keep."""
+        result = self.evaluator(self.model, self.ema.module if self.ema is not None else None, self.step, role)
+        if role is None:
+            self.last_eval = result
+        return result
 
     def _interrupted(self, started: float) -> dict[str, Any]:
         path = self.save()
@@ -365,6 +353,24 @@ class Trainer:
             raise ckpt.CheckpointWriteError(f"{e}; then continue with: vitflow resume {self.run_dir}") from None
         ckpt.prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
         return path
+
+
+def _run_precision(name: str, device: torch.device, dist: DistEnv) -> Precision:
+    """``train.precision`` resolved for ``device``. ``auto`` on a CPU is a timed choice: rank 0
+    makes it and every rank trains alike."""
+    if name == "auto":
+        name = dist.broadcast(resolve_precision("auto", device).name if dist.is_main else None)
+    return resolve_precision(name, device)
+
+
+def _write_samples(source: ImageSource, run_dir: Path) -> str | None:
+    """For data without image files (the embedded digits, CIFAR batches, packed datasets): a few of
+    ``source``'s images written to ``RUN_DIR/samples``, so that ``vitflow predict`` can be tried at
+    once; returns the folder, or ``None`` when the images are files already."""
+    files = getattr(source, "base", None) or source  # the files behind a RAM cache
+    if isinstance(files, FileSource):
+        return None
+    return str(export_samples(source, run_dir / "samples")[0].parent)
 
 
 def train(cfg: Config) -> dict[str, Any]:

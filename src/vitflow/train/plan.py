@@ -18,7 +18,7 @@ import numpy as np
 
 from vitflow.config import Config, build_config, to_yaml
 from vitflow.data import DataError, open_split
-from vitflow.data.decode import CorruptImageError, image_size
+from vitflow.data.decode import CorruptImageError
 from vitflow.models import model_kwargs
 from vitflow.runtime import resolve_device
 
@@ -50,8 +50,7 @@ def profile_data(cfg: Config) -> DataProfile:
     sizes = []
     for i in np.linspace(0, len(src) - 1, min(SAMPLE, len(src))).astype(int):
         try:
-            data = src.encoded(int(i))
-            sizes.append(image_size(data, src.name(int(i))) if data is not None else src.load(int(i)).shape[:0:-1])
+            sizes.append(src.image_size(int(i)))
         except CorruptImageError:
             continue
     if not sizes:

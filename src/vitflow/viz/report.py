@@ -130,22 +130,25 @@ def _fmt(key: str, v: Any) -> str:
     return html.escape(str(v))
 
 
+def _bar_table(heads: list[str], rows) -> str:
+    """A per-class table: ``heads`` (the class column first, the fraction's last), and per row
+    ``(class name, [cells between], fraction or None)``; the fraction as a percentage and a bar."""
+    out = []
+    for name, cells, frac in rows:
+        middle = "".join(f"<td class=num>{c}</td>" for c in cells)
+        pct, width = ("n/a", 0) if frac is None else (f"{frac:.1%}", round(200 * frac))
+        out.append(f"<tr><td>{html.escape(name)}</td>{middle}<td class=num>{pct}</td>"
+                   f'<td><div class=bar style="width:{width}px"></div></td></tr>')
+    return "<table><tr>" + "".join(f"<th>{h}</th>" for h in heads) + "<th></th></tr>" + "".join(out) + "</table>"
+
+
 def _per_class_table(ev: dict) -> str:
-    rows = []
-    for name, acc, row in zip(ev["classes"], ev["per_class_top1"], ev["confusion"]):
-        pct = "n/a" if acc is None else f"{acc:.1%}"
-        width = 0 if acc is None else round(200 * acc)
-        rows.append(f"<tr><td>{html.escape(name)}</td><td class=num>{sum(row)}</td><td class=num>{pct}</td>"
-                    f'<td><div class=bar style="width:{width}px"></div></td></tr>')
-    return "<table><tr><th>class</th><th>images</th><th>top-1</th><th></th></tr>" + "".join(rows) + "</table>"
+    rows = zip(ev["classes"], ([sum(row)] for row in ev["confusion"]), ev["per_class_top1"])
+    return _bar_table(["class", "images", "top-1"], rows)
 
 
 def _per_class_ap_table(ev: dict) -> str:
-    rows = []
-    for name, ap in zip(ev["classes"], ev["per_class_ap"]):
-        rows.append(f"<tr><td>{html.escape(name)}</td><td class=num>{'n/a' if ap is None else f'{ap:.1%}'}</td>"
-                    f'<td><div class=bar style="width:{0 if ap is None else round(200 * ap)}px"></div></td></tr>')
-    return "<table><tr><th>class</th><th>AP</th><th></th></tr>" + "".join(rows) + "</table>"
+    return _bar_table(["class", "AP"], ((name, [], ap) for name, ap in zip(ev["classes"], ev["per_class_ap"])))
 
 
 def _confusion_html(ev: dict) -> str:
