@@ -3,8 +3,10 @@
     python benchmarks/models.py [--json] [--quick] [--models cifar,tiny,small] [--repeats 5]
 
 For vit_tiny_patch16_224 and vit_small_patch16_224 (batch 32) and the 32x32 CIFAR variant
-vit_cifar_patch4_32 (dim 192, depth 9, 3 heads, MLP ratio 2, patch 4; batch 64), in fp32 and
-bf16 autocast, it measures images/s of
+vit_cifar_patch4_32 (dim 192, depth 9, 3 heads, MLP ratio 2, patch 4; batch 64), and for the
+pretrained backbones ``dinov2`` (vit_small_patch14_reg4_dinov2 at 224 px, batch 32) and ``siglip``
+(vit_base_patch16_siglip_224, batch 16) against timm's model of the same name (vit-pytorch has
+none: its column reads ``-``, ``null`` in the JSON), in fp32 and bf16 autocast, it measures images/s of
 - training: forward, cross-entropy, backward, AdamW step (lr 1e-4, weight decay 0.05 off norms
   and biases), ``zero_grad``; the optimizer is built as each project's training script builds
   it: vitflow's ``build_optimizer`` (torch's fused AdamW on the CPU), timm's
@@ -54,11 +56,16 @@ import vitflow  # noqa: E402
 from vitflow.models import MODELS  # noqa: E402
 from vitflow.runtime import configure_allocator  # noqa: E402
 
-MODEL_SPECS = {  # key: (vitflow variant, batch, classes)
-    "tiny": ("vit_tiny_patch16_224", 32, 1000),
-    "small": ("vit_small_patch16_224", 32, 1000),
-    "cifar": ("vit_cifar_patch4_32", 64, 10),
+MODEL_SPECS = {  # key: (vitflow variant, batch, classes, input size (None: the variant's))
+    "tiny": ("vit_tiny_patch16_224", 32, 1000, None),
+    "small": ("vit_small_patch16_224", 32, 1000, None),
+    "cifar": ("vit_cifar_patch4_32", 64, 10, None),
+    # pretrained backbones, against timm's model of the same name (vit-pytorch has none); fine-tuning
+    # input sizes: DINOv2 at 224 (16x16 patches of 14 px, 4 registers), SigLIP at its native 224
+    "dinov2": ("vit_small_patch14_reg4_dinov2", 32, 1000, 224),
+    "siglip": ("vit_base_patch16_siglip_224", 16, 1000, None),
 }
+PLAIN = ("tiny", "small", "cifar")  # plain ViTs: timm's VisionTransformer and vit-pytorch's ViT of the same shape
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
@@ -84,12 +91,11 @@ def _addmm_flops(self_shape, mat1_shape, mat2_shape, *args, **kwargs) -> int:
     return 2 * mat1_shape[0] * mat1_shape[1] * mat2_shape[1]
 
 
-def forward_gflops(name: str, num_classes: int) -> float:
-    """Forward GFLOP per image, counted on vitflow's explicit (math) attention path."""
+def forward_gflops(name: str, num_classes: int, size: int) -> float:
+    """Forward GFLOP per image at ``size`` px, counted on vitflow's explicit (math) attention path."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    model = vitflow.create_model(name, num_classes=num_classes, attention="math").eval()
-    size = MODELS[name]["img_size"]
+    model = vitflow.create_model(name, num_classes=num_classes, attention="math", img_size=size).eval()
     # the blocks' proj / fc2 accumulate onto the residual in place (vitflow.models.matmul.Linear)
     counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: _addmm_flops})
     with counter, torch.no_grad():
@@ -97,12 +103,16 @@ def forward_gflops(name: str, num_classes: int) -> float:
     return counter.get_total_flops() / 1e9
 
 
-def build(impl: str, name: str, num_classes: int) -> torch.nn.Module:
+def build(impl: str, name: str, num_classes: int, size: int) -> torch.nn.Module:
     cfg = MODELS[name]
     dim, depth, heads = cfg["embed_dim"], cfg["depth"], cfg["num_heads"]
     mlp_ratio = cfg.get("mlp_ratio", 4.0)
     if impl == "vitflow":
-        return vitflow.create_model(name, num_classes=num_classes, attention="auto")
+        return vitflow.create_model(name, num_classes=num_classes, attention="auto", img_size=size)
+    if impl == "timm" and (size != cfg["img_size"] or name not in (MODEL_SPECS[k][0] for k in PLAIN)):
+        import timm
+
+        return timm.create_model(name, pretrained=False, num_classes=num_classes, img_size=size)
     if impl == "timm":
         from timm.models.vision_transformer import VisionTransformer
 
@@ -152,19 +162,19 @@ def make_step(impl: str, model: torch.nn.Module, mode: str, dtype: torch.dtype |
 
 
 def run_cell(key: str, mode: str, dt: str, repeats: int, seconds: float) -> dict:
-    name, batch, classes = MODEL_SPECS[key]
-    size = MODELS[name]["img_size"]
+    name, batch, classes, size = MODEL_SPECS[key]
+    size = size or MODELS[name]["img_size"]
     torch.manual_seed(0)
     x, y = torch.randn(batch, 3, size, size), torch.randint(0, classes, (batch,))
-    impls = ("vitflow", "timm", "vit_pytorch")
+    impls = ("vitflow", "timm", "vit_pytorch") if key in PLAIN else ("vitflow", "timm")
     rates: dict[str, list[float]] = {impl: [] for impl in impls}
     for r in range(repeats):
         torch.manual_seed(r)  # fresh models each round: no implementation keeps one memory placement
-        steps = {impl: make_step(impl, build(impl, name, classes), mode, DTYPES[dt], x, y) for impl in impls}
+        steps = {impl: make_step(impl, build(impl, name, classes, size), mode, DTYPES[dt], x, y) for impl in impls}
         for step in steps.values():  # warm-up (vitflow's attention=auto decides in the first round)
             for _ in range(2 if r == 0 else 1):
                 step()
-        for impl in impls[r % 3:] + impls[:r % 3]:  # rotate the order between rounds
+        for impl in impls[r % len(impls):] + impls[:r % len(impls)]:  # rotate the order between rounds
             n, t0 = 0, time.perf_counter()
             while n < 1 or time.perf_counter() - t0 < seconds:
                 steps[impl]()
@@ -177,7 +187,7 @@ def run_cell(key: str, mode: str, dt: str, repeats: int, seconds: float) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="cifar,tiny,small", help="comma list of cifar, tiny, small")
+    ap.add_argument("--models", default="cifar,tiny,small", help="comma list of " + ", ".join(MODEL_SPECS))
     ap.add_argument("--modes", default="train,infer")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds per cell (median reported)")
@@ -200,25 +210,27 @@ def main() -> None:
           f"{'x timm':>7s} {'x best':>7s} {'MFU':>5s}  backend")
     cells = []
     for key in args.models.split(","):
-        name, _, classes = MODEL_SPECS[key]
-        gflops = forward_gflops(name, classes)
+        name, _, classes, size = MODEL_SPECS[key]
+        gflops = forward_gflops(name, classes, size or MODELS[name]["img_size"])
         for mode in args.modes.split(","):
             for dt in args.dtypes.split(","):
                 rates = run_cell(key, mode, dt, args.repeats, args.seconds)
                 med = {impl: statistics.median(v) for impl, v in rates.items()}
+                med.setdefault("vit_pytorch", float("nan"))
                 mfu = med["vitflow"] * gflops * (3 if mode == "train" else 1) / (
                     max(peak.values()) if dt == "bf16" else peak[dt])
-                best = max(med["timm"], med["vit_pytorch"])
+                best = max(v for k, v in med.items() if k != "vitflow" and v == v)
                 backend = ",".join(sorted({k[-1] for k in _auto_choices()})) or "-"
                 gemms = _gemm_choices()
                 if gemms:
                     backend += ", gemm " + ",".join(gemms)
                 fmt = {impl: f"{med[impl]:.1f} ({min(v):.0f}-{max(v):.0f})" for impl, v in rates.items()}
+                fmt.setdefault("vit_pytorch", "-")
                 print(f"{name:24s} {mode:5s} {dt:5s} {fmt['vitflow']:>20s} {fmt['timm']:>18s} {fmt['vit_pytorch']:>18s} "
                       f"{med['vitflow'] / med['timm']:7.2f} {med['vitflow'] / best:7.2f} {mfu:5.0%}  {backend}",
                       flush=True)
                 cells.append({"model": name, "mode": mode, "dtype": dt, "vitflow_ips": round(med["vitflow"], 2),
-                              "timm_ips": round(med["timm"], 2), "vit_pytorch_ips": round(med["vit_pytorch"], 2),
+                              "timm_ips": round(med["timm"], 2), "vit_pytorch_ips": round(med["vit_pytorch"], 2) if med["vit_pytorch"] == med["vit_pytorch"] else None,
                               "vitflow_mfu": round(mfu, 4)})
                 gc.collect()
     if args.json:
