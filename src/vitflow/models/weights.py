@@ -206,7 +206,7 @@ def load_pretrained(model: torch.nn.Module, spec: str | Path) -> None:
         log.info("%d tensors not in %s keep their initialisation (e.g. %s)", len(new), pre.weights, new[0])
     missing = [k for k in own if k not in sd and k not in new]
     unexpected = [k for k in sd if k not in own]
-    mismatched = [k for k in sd if k in own and sd[k].shape != own[k].shape]
+    mismatched = [k for k in own if k in sd and sd[k].shape != own[k].shape]
     if mismatched and pre.model_name:
         k = mismatched[0]
         raise ValueError(f"the config of {pre.source} (architecture {pre.model_name}) disagrees with its weights "
