@@ -89,6 +89,11 @@ def check_config(m: ModelConfig) -> None:
     Raises:
         ConfigError: naming the key and, for a name, the nearest registered ones.
     """
+    if m.name == "auto":  # the architecture named by model.pretrained's config, checked once it is read
+        if not m.pretrained:
+            raise ConfigError("model.name=auto takes the architecture from model.pretrained's config: set "
+                              "model.pretrained", "model.name")
+        return
     if m.name not in MODELS:
         close = difflib.get_close_matches(m.name, MODELS, n=3)
         raise ConfigError(f"model.name: unknown model {m.name!r}"
