@@ -166,8 +166,9 @@ def to_openclip(sd):
             out[f"visual.{names[top]}.{k.rsplit('.', 1)[1]}"] = v
         elif k.startswith("blocks."):
             _, i, rest = k.split(".", 2)
-            rest = (rest.replace("norm1", "ln_1").replace("norm2", "ln_2").replace("attn.qkv.weight", "attn.in_proj_weight")
-                    .replace("attn.qkv.bias", "attn.in_proj_bias").replace("attn.proj", "attn.out_proj")
+            rest = (rest.replace("norm1", "ln_1").replace("norm2", "ln_2")
+                    .replace("attn.qkv.weight", "attn.in_proj_weight").replace("attn.qkv.bias", "attn.in_proj_bias")
+                    .replace("attn.proj", "attn.out_proj")
                     .replace("mlp.fc1", "mlp.c_fc").replace("mlp.fc2", "mlp.c_proj"))
             out[f"visual.transformer.resblocks.{i}.{rest}"] = v
             out[f"transformer.resblocks.{i}.{rest}"] = torch.randn(3)  # the text tower, to be dropped

@@ -203,3 +203,23 @@ def test_hf_hub_offline_and_not_cached(offline_hub):
 def test_missing_path():
     with pytest.raises(FileNotFoundError, match="no such file or folder: /nonexistent/w.safetensors"):
         load_pretrained(vit(), "/nonexistent/w.safetensors")
+
+
+def test_relative_position_tables_resampled_to_another_grid():
+    """BEiT's per-block tables of a 2x2 grid fitted to a 3x3 model: resampled, the three
+    class-token rows kept, then a strict load."""
+    pytest.importorskip("timm")
+    from timm.models.beit import Beit
+
+    small = Beit(img_size=28, patch_size=14, embed_dim=64, depth=2, num_heads=2, use_abs_pos_emb=False,
+                 use_rel_pos_bias=True, num_classes=0)
+    big = Beit(img_size=42, patch_size=14, embed_dim=64, depth=2, num_heads=2, use_abs_pos_emb=False,
+               use_rel_pos_bias=True, num_classes=0)
+    with torch.no_grad():
+        for p in small.parameters():
+            p.normal_()
+    sd = adapt_state_dict(small.state_dict(), big)
+    key = "blocks.1.attn.relative_position_bias_table"
+    assert small.state_dict()[key].shape == (12, 2) and sd[key].shape == (28, 2)
+    assert torch.equal(sd[key][-3:], small.state_dict()[key][-3:])
+    big.load_state_dict(sd, strict=True)
