@@ -223,3 +223,31 @@ def test_relative_position_tables_resampled_to_another_grid():
     assert small.state_dict()[key].shape == (12, 2) and sd[key].shape == (28, 2)
     assert torch.equal(sd[key][-3:], small.state_dict()[key][-3:])
     big.load_state_dict(sd, strict=True)
+
+
+def test_transformers_snapshot_end_to_end_into_vitflow(tmp_path):
+    """``Dinov2Model.save_pretrained`` (config.json + model.safetensors) plus a
+    preprocessor_config.json -> resolved, converted, loaded strict into vitflow's ViT, same
+    features as transformers; the same weights as a bare ``pytorch_model.bin`` load alike."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Dinov2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                                    patch_size=14)
+    torch.manual_seed(0)
+    ref = transformers.Dinov2Model(cfg).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    ref.save_pretrained(tmp_path / "snap")
+    (tmp_path / "snap" / "preprocessor_config.json").write_text(json.dumps({
+        "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225], "size": {"shortest_edge": 32},
+        "crop_size": {"height": 28, "width": 28}, "do_center_crop": True, "resample": 3}))
+    pre = resolve_pretrained(tmp_path / "snap")
+    assert pre.model_name == "vit_small_patch14_dinov2" and pre.preprocess["crop_pct"] == 0.875
+    sizes = {k: pre.model_kwargs[k] for k in ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")}
+    x = torch.randn(2, 3, 28, 28)
+    expected = ref(pixel_values=x).last_hidden_state
+    torch.save(ref.state_dict(), tmp_path / "pytorch_model.bin")
+    for spec in (tmp_path / "snap", tmp_path / "pytorch_model.bin"):
+        ours = VisionTransformer(**sizes, layer_scale_init=1.0, global_pool="token", num_classes=0).eval()
+        load_pretrained(ours, spec)
+        assert torch.allclose(ours.forward_features(x), expected, atol=1e-5)

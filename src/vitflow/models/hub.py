@@ -185,6 +185,8 @@ def _from_transformers(config: dict[str, Any], out: Pretrained, path: Path) -> N
                  "num_heads": int(vision["num_attention_heads"]), "patch_size": p, "img_size": img}
         if vision.get("intermediate_size"):
             sizes["mlp_ratio"] = int(vision["intermediate_size"]) / d
+        elif vision.get("mlp_ratio"):  # DINOv2's configs
+            sizes["mlp_ratio"] = float(vision["mlp_ratio"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path}: model_type {kind!r} without a usable {e} (hidden_size, num_hidden_layers, "
                          "num_attention_heads, patch_size, image_size)") from None
