@@ -68,3 +68,17 @@ def test_auto_needs_a_config(tmp_path, snapshot):
                        checks={"model": check_config})
     with pytest.raises(ConfigError, match="has no config naming an architecture"):
         apply_pretrained(cfg)
+
+
+def test_create_pretrained_model(snapshot):
+    """The architecture, sizes and weights from the snapshot; a head of another class count reset."""
+    from vitflow.models.pretrained_config import create_pretrained_model
+
+    folder, source = snapshot
+    model, pre = create_pretrained_model(str(folder))
+    assert pre.preprocess["mean"] == MEAN and model.num_classes == 10
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.allclose(model.eval()(x), source.eval()(x), atol=1e-6)
+    five, _ = create_pretrained_model(str(folder), num_classes=5)
+    assert five.head.weight.shape == (5, 64)
+    assert torch.equal(five.blocks[3].mlp.fc1.weight, source.blocks[3].mlp.fc1.weight)

@@ -18,8 +18,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch.nn as nn
+
 from vitflow.config import Config, ConfigError
 from vitflow.models.hub import Pretrained, resolve_pretrained
+from vitflow.models.registry import MODELS, create_model
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,9 @@ def apply_pretrained(cfg: Config) -> Pretrained | None:
         if not pre.model_name:
             raise ConfigError(f"model.name=auto: {m.pretrained} has no config naming an architecture (a snapshot "
                               "folder with config.json or open_clip_config.json); set model.name", "model.name")
+        if pre.model_name not in MODELS:
+            raise ConfigError(f"model.name=auto: the config of {m.pretrained} names {pre.model_name!r}, which vitflow "
+                              "does not build (see vitflow models)", "model.name")
         m.name = pre.model_name
         taken = {k: v for k, v in pre.model_kwargs.items() if k in SIZE_KEYS and f"model.{k}" not in explicit}
         for k, v in taken.items():
@@ -78,6 +84,26 @@ def apply_pretrained(cfg: Config) -> Pretrained | None:
                  "".join(f", {k}={v}" for k, v in taken.items()))
     _apply_preprocess(cfg, pre.preprocess or {}, explicit)
     return pre
+
+
+def create_pretrained_model(spec: str, **overrides: Any) -> tuple[nn.Module, Pretrained]:
+    """The model a snapshot folder or ``hf-hub:`` name describes, with its weights: the
+    architecture and sizes from its config, ``overrides`` (e.g. ``num_classes=5``: the head is
+    then reset) on top. Returns ``(model, resolved)``; ``resolved.preprocess`` is the input
+    preprocessing of the weights.
+
+    Raises:
+        ValueError: no config naming an architecture, or one vitflow does not build; as
+        :func:`vitflow.models.weights.load_pretrained`.
+    """
+    pre = resolve_pretrained(spec)
+    if not pre.model_name:
+        raise ValueError(f"{spec}: no config naming an architecture (config.json or open_clip_config.json); "
+                         "build the model by name and pass pretrained=")
+    if pre.model_name not in MODELS:
+        raise ValueError(f"{spec}: its config names {pre.model_name!r}, which vitflow does not build "
+                         "(see vitflow models)")
+    return create_model(pre.model_name, pretrained=spec, **{**pre.model_kwargs, **overrides}), pre
 
 
 def _apply_preprocess(cfg: Config, pp: dict[str, Any], explicit: set[str]) -> None:
