@@ -98,17 +98,17 @@ def hub_snapshot(name: str) -> Path:
     Raises:
         ValueError: neither cached nor downloadable (one line naming the repo and the cache).
     """
-    import huggingface_hub as hh
+    from huggingface_hub import constants, snapshot_download
 
     repo, _, revision = name.partition("@")
     if repo.count("/") != 1:
         raise ValueError(f"model.pretrained=hf-hub:{name}: expected hf-hub:ORG/NAME[@revision]")
     cache = hub_cache_dir()
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or bool(
-        getattr(hh.constants, "HF_HUB_OFFLINE", False))
+        getattr(constants, "HF_HUB_OFFLINE", False))
     try:
-        folder = hh.snapshot_download(repo, revision=revision or None, cache_dir=cache, local_files_only=offline,
-                                      allow_patterns=_HUB_PATTERNS)
+        folder = snapshot_download(repo, revision=revision or None, cache_dir=cache, local_files_only=offline,
+                                   allow_patterns=_HUB_PATTERNS)
     except Exception as e:  # huggingface_hub's errors: not cached, offline, no network, no such repo
         why = "the hub is offline (HF_HUB_OFFLINE=1)" if offline else f"the hub could not be read ({type(e).__name__})"
         raise ValueError(f"model.pretrained=hf-hub:{name}: {repo} is not in the Hugging Face cache {cache} "

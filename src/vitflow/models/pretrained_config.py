@@ -69,7 +69,8 @@ def apply_pretrained(cfg: Config) -> Pretrained | None:
     if m.name != "auto" and all(k in explicit for k in PREPROCESS_KEYS):
         return None
     pre = resolve_pretrained(m.pretrained)
-    if m.name == "auto":
+    auto = m.name == "auto"
+    if auto:
         if not pre.model_name:
             raise ConfigError(f"model.name=auto: {m.pretrained} has no config naming an architecture (a snapshot "
                               "folder with config.json or open_clip_config.json); set model.name", "model.name")
@@ -82,7 +83,10 @@ def apply_pretrained(cfg: Config) -> Pretrained | None:
             setattr(m, k, v)
         log.info("architecture from the weights' config: %s%s", m.name,
                  "".join(f", {k}={v}" for k, v in taken.items()))
-    _apply_preprocess(cfg, pre.preprocess or {}, explicit)
+    pp = dict(pre.preprocess or {})
+    if "img_size" in pre.model_kwargs and "input_size" not in pp and auto:  # the size the config names
+        pp["input_size"] = pre.model_kwargs["img_size"]
+    _apply_preprocess(cfg, pp, explicit)
     return pre
 
 
