@@ -82,3 +82,13 @@ def test_create_pretrained_model(snapshot):
     five, _ = create_pretrained_model(str(folder), num_classes=5)
     assert five.head.weight.shape == (5, 64)
     assert torch.equal(five.blocks[3].mlp.fc1.weight, source.blocks[3].mlp.fc1.weight)
+
+
+def test_auto_leaves_a_presets_architecture_keys_to_the_weights(snapshot):
+    """cifar10-vit-tiny sets global_pool=avg and pos_embed=sincos2d for its own model: under
+    model.name=auto they are reset; its data.mean gives way to the weights'."""
+    cfg = build_config("cifar10-vit-tiny", overrides=["model.name=auto", f"model.pretrained={snapshot[0]}"])
+    apply_pretrained(cfg)
+    m = cfg.model
+    assert (m.name, m.global_pool, m.pos_embed, m.img_size, list(cfg.data.mean)) == (
+        "vit_digits_patch2_8", None, "learned", 8, MEAN)

@@ -7,7 +7,9 @@ Which keys count as set by the user (``Config.key_origins``, recorded by
 resumed checkpoint's config is explicit and wins. A key set by a *preset* is not explicit for
 ``data.mean`` / ``data.std`` / ``data.crop_pct`` / ``data.interpolation`` (the normalisation
 belongs to the weights, not to the recipe), nor for any ``model.*`` size with
-``model.name=auto`` (the preset's sizes describe the preset's model); a preset's
+``model.name=auto`` (the preset's sizes describe the preset's model: its architecture keys,
+sizes, ``img_size``, ``global_pool``, ``pos_embed``, ``layer_scale_init``, ``distilled``, are
+reset to their defaults and left to the weights); a preset's
 ``model.img_size`` with a named model is explicit (a recipe's resolution, e.g. fine-tuning at
 384 px). A :class:`Config` built without ``build_config`` counts its non-default values as
 explicit.
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from vitflow.config import Config, ConfigError
+from vitflow.config import Config, ConfigError, ModelConfig
 from vitflow.models.hub import Pretrained, resolve_pretrained
 from vitflow.models.registry import MODELS, create_model
 
@@ -28,6 +30,8 @@ log = logging.getLogger(__name__)
 
 PREPROCESS_KEYS = ("data.mean", "data.std", "data.crop_pct", "data.interpolation", "model.img_size")
 SIZE_KEYS = ("embed_dim", "depth", "num_heads", "mlp_ratio", "patch_size")
+# a preset's architecture keys describe the preset's model: reset to their defaults under model.name=auto
+ARCH_KEYS = (*SIZE_KEYS, "img_size", "global_pool", "pos_embed", "layer_scale_init", "distilled")
 
 
 def explicit_keys(cfg: Config) -> set[str]:
@@ -78,6 +82,7 @@ def apply_pretrained(cfg: Config) -> Pretrained | None:
             raise ConfigError(f"model.name=auto: the config of {m.pretrained} names {pre.model_name!r}, which vitflow "
                               "does not build (see vitflow models)", "model.name")
         m.name = pre.model_name
+        _reset_preset_arch_keys(cfg)
         taken = {k: v for k, v in pre.model_kwargs.items() if k in SIZE_KEYS and f"model.{k}" not in explicit}
         for k, v in taken.items():
             setattr(m, k, v)
@@ -88,6 +93,16 @@ def apply_pretrained(cfg: Config) -> Pretrained | None:
         pp["input_size"] = pre.model_kwargs["img_size"]
     _apply_preprocess(cfg, pp, explicit)
     return pre
+
+
+def _reset_preset_arch_keys(cfg: Config) -> None:
+    origins = getattr(cfg, "key_origins", {})
+    default = ModelConfig()
+    reset = [k for k in ARCH_KEYS if origins.get(f"model.{k}", "").startswith("preset ")]
+    for k in reset:
+        setattr(cfg.model, k, getattr(default, k))
+    if reset:
+        log.info("model.name=auto: the preset's %s left to the weights' architecture", ", ".join(reset))
 
 
 def create_pretrained_model(spec: str, **overrides: Any) -> tuple[nn.Module, Pretrained]:
