@@ -92,3 +92,11 @@ def test_auto_leaves_a_presets_architecture_keys_to_the_weights(snapshot):
     m = cfg.model
     assert (m.name, m.global_pool, m.pos_embed, m.img_size, list(cfg.data.mean)) == (
         "vit_digits_patch2_8", None, "learned", 8, MEAN)
+
+
+def test_print_config_shows_what_the_weights_set(snapshot, capsys):
+    from vitflow.cli import main
+
+    assert main(["train", "--print-config", "model.name=auto", f"model.pretrained={snapshot[0]}"]) == 0
+    out = capsys.readouterr().out
+    assert "name: vit_digits_patch2_8" in out and "- 0.35" in out and "interpolation: bilinear" in out
