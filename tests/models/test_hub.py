@@ -177,6 +177,19 @@ def test_config_disagrees_with_weights(tmp_path):
     assert "cls_token is (1, 1, 48) in the weights but (1, 1, 32)" in msg and "vit_tiny_patch16_224" in msg
 
 
+def test_class_count_mismatch_resets_the_head_logged(tmp_path, caplog):
+    """Not an error: a 1000-class head into a 5-class model is reset (logged with both counts),
+    every other tensor loaded."""
+    src = vit(num_classes=1000)
+    save_file(src.state_dict(), str(tmp_path / "w.safetensors"))
+    model = vit(num_classes=5)
+    head = model.head.weight.clone()
+    with caplog.at_level(logging.INFO, logger="vitflow.models.weights"):
+        load_pretrained(model, tmp_path / "w.safetensors")
+    assert "head reset: 1000 -> 5 classes" in caplog.text
+    assert torch.equal(model.head.weight, head) and torch.equal(model.pos_embed, src.pos_embed)
+
+
 class _RunsCode:
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))
