@@ -37,6 +37,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = planned_config(args.overrides, CONFIG_CHECKS)  # a photo folder: the recipe from the data
     cfg = cfg or build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS)
     if args.print_config:
+        from vitflow.models.pretrained_config import apply_pretrained
+
+        apply_pretrained(cfg)  # model.name=auto and the weights' preprocessing, as training takes them
         print(to_yaml(cfg), end="")
         if cfg.data.path and not os.path.exists(cfg.data.path):  # shown, but training would stop here
             print(f"warning: data.path {cfg.data.path} does not exist", file=sys.stderr)
@@ -248,6 +251,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_lr_schedule(args: argparse.Namespace) -> int:
     cfg = build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS)
     if args.print_config:
+        from vitflow.models.pretrained_config import apply_pretrained
+
+        apply_pretrained(cfg)  # model.name=auto and the weights' preprocessing, as training takes them
         print(to_yaml(cfg), end="")
         return 0
     from vitflow.models import model_kwargs

@@ -231,6 +231,10 @@ def build_config(preset: str | None = None, config_file: str | Path | None = Non
         checks: section name -> a layer's validation of that section, run after the config's own
             (e.g. ``{"model": vitflow.models.check_config, "data": vitflow.data.check_config}``);
             their errors name the layer that set the key.
+    Returns:
+        the config; its ``key_origins`` attribute (not a config key) maps each key set by a layer
+        to that layer (``"preset NAME"``, the file's path, ``"command line"``, ``"checkpoint
+        config"``), so that later steps can tell user-set keys from presets.
     Raises:
         ConfigError: unknown preset, unreadable file, unknown key or invalid value.
     """
@@ -265,6 +269,7 @@ def build_config(preset: str | None = None, config_file: str | Path | None = Non
         if e.key in origins:
             raise ConfigError(f"{e} (in {origins[e.key]})", e.key) from None
         raise
+    cfg.key_origins = origins  # type: ignore[attr-defined]  # read by vitflow.models.pretrained_config
     return cfg
 
 

@@ -35,8 +35,11 @@ class ConfigError(ValueError):
 class ModelConfig:
     """Which ViT to build (see ``vitflow.list_models()``) and its per-run options."""
 
-    name: str = "vit_digits_patch2_8"  # a variant of `vitflow models` (the family registry)
-    pretrained: str | None = None  # weights file (timm, Hugging Face or big_vision layout); head/pos_embed adapted
+    name: str = "vit_digits_patch2_8"  # a variant of `vitflow models`; auto = the one model.pretrained's config names
+    # weights: a file (timm, Hugging Face, OpenCLIP or big_vision names), a hub snapshot folder or
+    # hf-hub:ORG/NAME[@rev]; head/pos_embed adapted; its preprocessing (mean, std, size, crop, interpolation) used
+    # unless set
+    pretrained: str | None = None
     img_size: int | None = None  # input resolution in pixels; None = the variant's own
     num_classes: int | None = None  # None = number of classes found in the data
     embed_dim: int | None = None  # token width; None = the variant's

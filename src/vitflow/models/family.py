@@ -19,8 +19,10 @@ class ModelFamily:
         description: one line: the architecture and its paper.
         variants: variant name -> constructor arguments (e.g. ``{"embed_dim": 384, ...}``).
         build: constructor arguments -> a model with ``forward_features`` / ``forward_head``.
-        load_pretrained: ``(model, path)`` -> None, loading a weights file into a built model
-            (raises ValueError for weights that do not fit), or ``None`` when the family reads no
+        load_pretrained: ``(model, spec)`` -> None, loading weights into a built model: a file, a
+            snapshot folder or ``hf-hub:ORG/NAME[@rev]`` (the generic
+            :func:`vitflow.models.weights.load_pretrained` for every family with timm's names;
+            raises ValueError for weights that do not fit), or ``None`` when the family reads no
             foreign weights.
         summary: variant arguments -> a short column text for ``vitflow models``.
     """

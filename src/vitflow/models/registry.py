@@ -61,10 +61,11 @@ def create_model(name: str, pretrained: str | Path | None = None, **overrides: A
 
     Args:
         name: a name from :func:`list_models`.
-        pretrained: path to a weights file of the family's layout (for ViT: ``.safetensors``,
-            ``.pt``/``.pth``/``.bin`` state dict or vitflow checkpoint, Hugging Face or big_vision
-            ``.npz`` names converted). A head of another class count is reset; a position
-            embedding of another grid is resampled bicubically.
+        pretrained: a weights file (``.safetensors``, ``.pt``/``.pth``/``.bin`` state dict or
+            vitflow checkpoint, ``.npz``; timm, Hugging Face, OpenCLIP or big_vision names
+            converted), a hub snapshot folder or ``hf-hub:ORG/NAME[@rev]``
+            (:func:`vitflow.models.hub.resolve_pretrained`). A head of another class count is
+            reset; a position embedding of another grid is resampled bicubically.
         **overrides: constructor arguments (for ViT: ``num_classes``, ``img_size``,
             ``drop_path_rate``, ``attention``, ..., ``distilled=True`` for DeiT's distilled ViT,
             ``grad_checkpointing``); ``None`` values are ignored. These are the names of the
@@ -89,6 +90,11 @@ def check_config(m: ModelConfig) -> None:
     Raises:
         ConfigError: naming the key and, for a name, the nearest registered ones.
     """
+    if m.name == "auto":  # the architecture named by model.pretrained's config, checked once it is read
+        if not m.pretrained:
+            raise ConfigError("model.name=auto takes the architecture from model.pretrained's config: set "
+                              "model.pretrained", "model.name")
+        return
     if m.name not in MODELS:
         close = difflib.get_close_matches(m.name, MODELS, n=3)
         raise ConfigError(f"model.name: unknown model {m.name!r}"

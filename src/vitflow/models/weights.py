@@ -2,8 +2,10 @@
 
 ``.safetensors`` files are read with safetensors; ``.pt``/``.pth``/``.bin`` with
 ``torch.load(weights_only=True)``, which refuses pickled code; ``.npz`` (Google
-vision_transformer / big_vision) with ``numpy.load(allow_pickle=False)``. Hugging Face ViT and
-Flax names are converted to timm's layout by :mod:`vitflow.models.convert`.
+vision_transformer / big_vision) with ``numpy.load(allow_pickle=False)``. Foreign names are
+converted to timm's layout: Hugging Face ViT and Flax by :mod:`vitflow.models.convert`, Hugging
+Face DINOv2 / DINOv3 / CLIP / SigLIP / BEiT by :mod:`vitflow.models.convert_hf`, OpenCLIP by
+:mod:`vitflow.models.convert_openclip`. :func:`load_pretrained` is every family's loader.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from pathlib import Path
 import torch
 
 from vitflow.models.convert import convert_hf_vit, convert_jax_npz, is_hf_vit, read_npz
+from vitflow.models.convert_hf import CONVERTERS, detect_hf_layout
+from vitflow.models.convert_openclip import convert_openclip, is_openclip
+from vitflow.models.hub import resolve_pretrained
 from vitflow.models.position import resample_pos_embed, resample_relative_table
-from vitflow.models.vit import VisionTransformer
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +50,60 @@ def _first_sentence(text: str) -> str:
     return line.split(". ")[0].rstrip(".") if len(line) > 120 else line
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Load a flat ``{name: tensor}`` dict in timm's ViT layout from a weights file or a vitflow
-    checkpoint.
+def detect_layout(sd: dict[str, torch.Tensor]) -> str:
+    """The naming layout of a state_dict: ``"openclip"``, a Hugging Face family (``"hf_vit"``,
+    ``"hf_dinov2"``, ``"hf_dinov3"``, ``"hf_clip"``, ``"hf_siglip"``, ``"hf_beit"``), ``"timm"``
+    (timm / vitflow names), or ``"unknown"``; from the key names alone."""
+    keys = set(sd)
+    if is_openclip(keys):
+        return "openclip"
+    family = detect_hf_layout(keys)
+    if family:
+        return family
+    if is_hf_vit(sd):
+        return "hf_vit"
+    if any(k.startswith(("patch_embed.", "blocks.")) for k in keys):
+        return "timm"
+    return "unknown"
 
-    Nested dicts under ``model`` / ``state_dict`` / ``module`` are unwrapped, a ``module.``
-    prefix (DDP) is stripped, Hugging Face ViT names and ``.npz`` Flax checkpoints are converted
-    (:mod:`vitflow.models.convert`).
+
+def convert_layout(sd: dict[str, torch.Tensor], where: str | Path, known: bool = True) -> dict[str, torch.Tensor]:
+    """``sd`` in timm names (:func:`detect_layout`, then the family's converter); with
+    ``known=False`` a state_dict of an unknown layout is returned as it is.
 
     Raises:
-        FileNotFoundError: no such file. ValueError: the file is not a readable weights file.
+        ValueError: an unknown layout (naming a few of its keys) or a key the converter does
+        not know, with ``where`` (the file).
+    """
+    layout = detect_layout(sd)
+    if layout == "unknown" and not known:
+        return sd
+    if layout == "unknown":
+        raise ValueError(f"{where}: weights of an unknown layout (neither timm, Hugging Face nor OpenCLIP names); "
+                         f"unexpected names e.g. {', '.join(list(sd)[:4])}")
+    convert = {"openclip": convert_openclip, "hf_vit": convert_hf_vit, **CONVERTERS}.get(layout)
+    if convert is None:
+        return sd
+    try:
+        out = convert(sd)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    log.info("%s: %s layout converted to timm names (%d tensors)", where, layout, len(out))
+    return out
+
+
+def read_state_dict(path: str | Path, known_layout: bool = False) -> dict[str, torch.Tensor]:
+    """Load a flat ``{name: tensor}`` dict in timm's layout from a weights file or a vitflow
+    checkpoint, reading nothing that could run code.
+
+    Nested dicts under ``model`` / ``state_dict`` / ``module`` are unwrapped, a ``module.``
+    prefix (DDP) is stripped, foreign names are converted (:func:`convert_layout`: Hugging Face
+    ViT, DINOv2, DINOv3, CLIP, SigLIP, BEiT; OpenCLIP; ``.npz`` Flax checkpoints). Names of no
+    known layout are returned as they are, or refused with ``known_layout=True``.
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: not a readable weights file (a pickle holding
+        objects other than tensors is refused), or weights of an unknown layout.
     """
     path = Path(path)
     if not path.is_file():
@@ -84,70 +132,91 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             sd = sd[key]
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise ValueError(f"{path} does not hold a state_dict of tensors")
-    sd = {k.removeprefix("module."): v for k, v in sd.items()}
-    if is_hf_vit(sd):
-        try:
-            sd = convert_hf_vit(sd)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-    return sd
+    return convert_layout({k.removeprefix("module."): v for k, v in sd.items()}, path, known_layout)
 
 
-def adapt_state_dict(sd: dict[str, torch.Tensor], model: VisionTransformer) -> dict[str, torch.Tensor]:
-    """Fit a timm-layout ViT state_dict to ``model``: resample ``pos_embed`` (bicubic) and
-    relative position bias tables to the model's grid, drop a learned ``pos_embed`` the model
-    does not use (``sincos2d`` / ``relative``), and drop a ``head`` whose class count differs
-    (it stays freshly initialised)."""
+def model_grid(model: torch.nn.Module) -> tuple[int, int]:
+    """The model's patch grid ``(h, w)``: ``grid_size`` (int or pair) of the model or of its
+    ``patch_embed``, else ``img_size // patch_size``."""
+    grid = getattr(model, "grid_size", None) or getattr(getattr(model, "patch_embed", None), "grid_size", None)
+    if grid is None:
+        size, patch = getattr(model, "img_size"), getattr(model, "patch_size")
+        size = size if isinstance(size, (tuple, list)) else (size, size)
+        patch = patch if isinstance(patch, (tuple, list)) else (patch, patch)
+        grid = (size[0] // patch[0], size[1] // patch[1])
+    return (grid, grid) if isinstance(grid, int) else (int(grid[0]), int(grid[1]))
+
+
+def adapt_state_dict(sd: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Fit a timm-layout state_dict to ``model`` (any family): resample a learned ``pos_embed``
+    (bicubic) to the model's grid, its prefix rows kept (``num_prefix_tokens``, none with
+    ``no_embed_class``); resample relative position bias tables; drop a learned ``pos_embed``
+    the model does not use (``sincos2d`` / ``relative`` / RoPE); reset a head of another class
+    count (dropped here, logged ``head reset: 1000 -> 5 classes``)."""
     sd = dict(sd)
-    grid = (model.grid_size, model.grid_size)
-    pos = sd.get("pos_embed")
-    if pos is not None and not isinstance(model.pos_embed, torch.nn.Parameter):
-        log.info("dropping the file's learned pos_embed: the model uses pos_embed=%s", model.pos_embed_type)
-        sd.pop("pos_embed")
-    elif pos is not None and pos.shape != model.pos_embed.shape:
-        log.info("resampling pos_embed %s -> %s", tuple(pos.shape), tuple(model.pos_embed.shape))
-        sd["pos_embed"] = resample_pos_embed(pos, grid, model.num_prefix_tokens)
     own = model.state_dict()
+    grid = model_grid(model)
+    pos = sd.get("pos_embed")
+    own_pos = own.get("pos_embed")
+    if pos is not None and own_pos is None:
+        log.info("dropping the file's learned pos_embed: the model has none (pos_embed=%s)",
+                 getattr(model, "pos_embed_type", "rope or fixed"))
+        sd.pop("pos_embed")
+    elif pos is not None and pos.shape != own_pos.shape:
+        prefix = 0 if getattr(model, "no_embed_class", False) else int(getattr(model, "num_prefix_tokens", 1))
+        log.info("resampling pos_embed %s -> %s", tuple(pos.shape), tuple(own_pos.shape))
+        sd["pos_embed"] = resample_pos_embed(pos, grid, prefix)
+    with_cls = int(getattr(model, "num_prefix_tokens", 1)) > 0
     for key in [k for k in sd if k.endswith("relative_position_bias_table")]:
         if key in own and sd[key].shape != own[key].shape:
-            rows = sd[key].shape[0] - (3 if model.num_prefix_tokens else 0)
+            rows = sd[key].shape[0] - (3 if with_cls else 0)
             side = (math.isqrt(rows) + 1) // 2
             log.info("resampling %s %s -> %s", key, tuple(sd[key].shape), tuple(own[key].shape))
-            sd[key] = resample_relative_table(sd[key], (side, side), grid, model.num_prefix_tokens)
+            sd[key] = resample_relative_table(sd[key], (side, side), grid, int(with_cls))
     head = sd.get("head.weight")
-    own_head = own.get("head.weight")
-    if head is not None and (own_head is None or head.shape != own_head.shape):
-        log.info("dropping head %s: model has %d classes", tuple(head.shape), model.num_classes)
-        sd.pop("head.weight", None)
-        sd.pop("head.bias", None)
+    if head is not None and (own.get("head.weight") is None or head.shape != own["head.weight"].shape):
+        log.info("head reset: %d -> %d classes", head.shape[0], getattr(model, "num_classes", 0))
+        for key in [k for k in sd if k.startswith(("head.", "head_dist."))]:
+            sd.pop(key)
     return sd
 
 
-_NEW_OK = ("head.", ".attn.kernel.", "relative_position_bias_table")  # may stay freshly initialised
+_NEW_OK = ("head.", "head_dist.", ".attn.kernel.", "relative_position_bias_table")  # may stay freshly initialised
 
 
-def load_pretrained(model: VisionTransformer, path: str | Path) -> None:
-    """Load weights from ``path`` into ``model`` (see :func:`adapt_state_dict`); every other
-    parameter must match by name and shape. The head, attention-kernel parameters (Linformer
-    projections, Performer features) and relative position bias tables absent from the file
-    keep their initialisation (logged).
+def load_pretrained(model: torch.nn.Module, spec: str | Path) -> None:
+    """Load pretrained weights into ``model`` (any family with timm's names): resolve ``spec``
+    (a file, a snapshot folder or ``hf-hub:ORG/NAME[@rev]``, :func:`vitflow.models.hub.resolve_pretrained`),
+    read it safely, convert foreign names (:func:`convert_layout`), adapt it
+    (:func:`adapt_state_dict`), then ``load_state_dict(strict=True)``. The head, attention-kernel
+    parameters, relative position tables and buffers absent from the file keep their
+    initialisation (logged); every other tensor must match by name and shape.
 
     Raises:
-        ValueError: missing or unexpected keys, or shape mismatches (all named in the message).
+        FileNotFoundError: no such file or folder. ValueError: unreadable or unknown weights, a
+        snapshot without weights, a hub name neither cached nor reachable, or weights that do not
+        fit (naming the key and both shapes; a snapshot's config that disagrees with its weights).
     """
-    sd = adapt_state_dict(read_state_dict(path), model)
+    pre = resolve_pretrained(spec)
+    sd = adapt_state_dict(read_state_dict(pre.weights, known_layout=True), model)
     own = model.state_dict()
-    new = [k for k in own if k not in sd and any(s in k for s in _NEW_OK)]
+    params = {n for n, _ in model.named_parameters()}
+    new = [k for k in own if k not in sd and (k not in params or any(s in k for s in _NEW_OK))]
     if new:
-        log.info("%d tensors not in %s keep their initialisation (e.g. %s)", len(new), path, new[0])
+        log.info("%d tensors not in %s keep their initialisation (e.g. %s)", len(new), pre.weights, new[0])
     missing = [k for k in own if k not in sd and k not in new]
     unexpected = [k for k in sd if k not in own]
-    mismatched = [f"{k}: file {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
-                  for k in sd if k in own and sd[k].shape != own[k].shape]
+    mismatched = [k for k in own if k in sd and sd[k].shape != own[k].shape]
+    if mismatched and pre.model_name:
+        k = mismatched[0]
+        raise ValueError(f"the config of {pre.source} (architecture {pre.model_name}) disagrees with its weights "
+                         f"{pre.weights.name}: {k} is {tuple(sd[k].shape)} in the weights but {tuple(own[k].shape)} "
+                         f"in the model the config describes")
     if missing or unexpected or mismatched:
-        raise ValueError(f"weights in {path} do not fit this model: missing={missing[:5]} "
-                         f"unexpected={unexpected[:5]} mismatched={mismatched[:5]}")
-    model.load_state_dict(sd, strict=False)
+        shapes = [f"{k}: file {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}" for k in mismatched]
+        raise ValueError(f"weights in {pre.weights} do not fit this model: missing={missing[:5]} "
+                         f"unexpected={unexpected[:5]} mismatched={shapes[:5]}")
+    model.load_state_dict({**{k: own[k] for k in new}, **sd}, strict=True)
 
 
 def save_safetensors(model: torch.nn.Module, path: str | Path) -> None:

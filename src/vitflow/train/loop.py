@@ -28,6 +28,7 @@ from vitflow.data import open_datasets, train_loader
 from vitflow.data.sources import FileSource, ImageSource, export_samples
 from vitflow.evaluation import scalar_metrics
 from vitflow.models import check_config as check_model_config
+from vitflow.models.pretrained_config import apply_pretrained
 from vitflow.models import create_model, model_args, model_kwargs
 from vitflow.runtime import (
     Precision,
@@ -67,6 +68,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config):
+        apply_pretrained(cfg)  # model.name=auto and the weights' preprocessing, unless the user set them
         check_model_config(cfg.model)
         check_data_config(cfg.data)
         self.cfg, t = cfg, cfg.train
