@@ -133,10 +133,8 @@ class Predictor:
         return (logits.sigmoid() if self.task == "multilabel" else logits.softmax(dim=-1)).cpu()
 
     def _decode(self, ref: ImageRef) -> torch.Tensor | str:
-        try:
-            return self.transform(decode_image(ref.read(), ref.name))
-        except (CorruptImageError, OSError) as e:
-            return str(e)
+        """One image through the eval preprocessing, or its error text."""
+        return decode_ref(ref, self.transform)
 
     def predict_refs(self, refs: list[ImageRef], topk: int = 5, batch_size: int = 32,
                      workers: int = 2) -> Iterator[dict]:
@@ -149,30 +147,54 @@ class Predictor:
         GIL), the next batch while the model runs on the current one.
         """
         k = min(topk, len(self.classes))
-        chunks = [refs[i:i + batch_size] for i in range(0, len(refs), batch_size)]
-        with ThreadPoolExecutor(max(1, workers)) as pool:
-            pending = [pool.map(self._decode, c) for c in chunks[:1]]
-            for i, chunk in enumerate(chunks):
-                decoded = list(pending.pop(0))
-                if i + 1 < len(chunks):
-                    pending.append(pool.map(self._decode, chunks[i + 1]))
-                results = [{"path": r.name, "error": d} if isinstance(d, str) else {"path": r.name}
-                           for r, d in zip(chunk, decoded)]
-                tensors = [d for d in decoded if not isinstance(d, str)]
-                if tensors:
-                    probs = self.predict(torch.stack(tensors))
-                    top = probs.topk(k, dim=1)
-                    ok = (r for r in results if "error" not in r)
-                    for r, p, vals, idx in zip(ok, probs, top.values.tolist(), top.indices.tolist()):
-                        r["top"] = self._entries(vals, idx)
-                        if self.task == "multilabel":
-                            over = p.ge(self.threshold).nonzero().flatten()
-                            over = over[p[over].argsort(descending=True)]
-                            r["labels"] = self._entries(p[over].tolist(), over.tolist())
-                yield from results
+        for chunk, decoded in decoded_batches(refs, self.transform, batch_size, workers):
+            results = [{"path": r.name, "error": d} if isinstance(d, str) else {"path": r.name}
+                       for r, d in zip(chunk, decoded)]
+            tensors = [d for d in decoded if not isinstance(d, str)]
+            if tensors:
+                probs = self.predict(torch.stack(tensors))
+                top = probs.topk(k, dim=1)
+                ok = (r for r in results if "error" not in r)
+                for r, p, vals, idx in zip(ok, probs, top.values.tolist(), top.indices.tolist()):
+                    r["top"] = self._entries(vals, idx)
+                    if self.task == "multilabel":
+                        over = p.ge(self.threshold).nonzero().flatten()
+                        over = over[p[over].argsort(descending=True)]
+                        r["labels"] = self._entries(p[over].tolist(), over.tolist())
+            yield from results
 
     def _entries(self, probs: list[float], indices: list[int]) -> list[dict]:
         return [{"class": self.classes[i], "index": i, "prob": round(v, 6)} for v, i in zip(probs, indices)]
+
+
+def decode_ref(ref: ImageRef, transform) -> torch.Tensor | str:
+    """``transform(decoded image)`` (``uint8 (3, S, S)``), or the error text naming the file."""
+    try:
+        return transform(decode_image(ref.read(), ref.name))
+    except (CorruptImageError, OSError) as e:
+        return str(e)
+
+
+def decoded_batches(refs: list[ImageRef], transform, batch_size: int = 32, workers: int = 2
+                    ) -> Iterator[tuple[list[ImageRef], list[torch.Tensor | str]]]:
+    """``(refs of a batch, their decoded images)`` in input order, ``batch_size`` at a time: each
+    image ``uint8 (3, S, S)`` after ``transform`` (the eval preprocessing), or the error text
+    (naming the file) of one that cannot be read or decoded.
+
+    Images are decoded by ``workers`` threads (libjpeg-turbo and the resize release the GIL), the
+    next batch while the caller works on the current one.
+    """
+    def decode(ref: ImageRef) -> torch.Tensor | str:
+        return decode_ref(ref, transform)
+
+    chunks = [refs[i:i + batch_size] for i in range(0, len(refs), batch_size)]
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        pending = [pool.map(decode, c) for c in chunks[:1]]
+        for i, chunk in enumerate(chunks):
+            decoded = list(pending.pop(0))
+            if i + 1 < len(chunks):
+                pending.append(pool.map(decode, chunks[i + 1]))
+            yield chunk, decoded
 
 
 def _is_quantized(model: torch.nn.Module) -> bool:
