@@ -97,7 +97,8 @@ def hub_config(state: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
     pool = targs.get("global_pool", "token")
     cfg = {"input_size": [targs.get("in_chans", 3), pp.image_size, pp.image_size], "mean": list(pp.mean),
            "std": list(pp.std), "crop_pct": pp.crop_pct, "interpolation": pp.interpolation, "fixed_input_size": True,
-           "first_conv": "patch_embed.proj", "classifier": "head", "num_classes": targs["num_classes"]}
+           "first_conv": "patch_embed.proj", "num_classes": targs["num_classes"],
+           "classifier": ["head", "head_dist"] if hasattr(model, "head_dist") else "head"}
     return {"architecture": arch, "num_classes": targs["num_classes"], "num_features": int(model.embed_dim),
             "global_pool": pool, "model_args": targs, "label_names": list(state["classes"]),
             "pretrained_cfg": cfg,

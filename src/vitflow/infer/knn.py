@@ -67,4 +67,4 @@ def knn_top1(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tenso
     if len(queries) == 0:
         raise ValueError("k-NN: no query features to score")
     scores = knn_scores(bank, bank_labels, queries, k, temperature, num_classes)
-    return float((scores.argmax(dim=1) == query_labels.long()).float().mean())
+    return float((scores.argmax(dim=1) == query_labels.long()).double().mean())
