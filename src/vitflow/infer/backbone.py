@@ -64,20 +64,36 @@ def load_backbone(spec: str | Path, model_name: str | None = None, weights: str 
         ``model_name``; unreadable or incompatible weights (named).
     """
     p = Path(spec)
-    if model_name is None and is_hub_folder(p):
+    if model_name is not None or str(spec).startswith("hf-hub:"):
+        return load_plain_weights(spec, model_name)
+    if is_hub_folder(p):
         model, pp, classes, name = read_hub_folder(p)
         return Backbone(model, pp, classes, str(p), name)
+    if not p.exists():
+        raise FileNotFoundError(f"no such run directory, checkpoint or model folder: {p}")
+    try:
+        state = load_checkpoint(p)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"{e}; for plain weights name the architecture: --model NAME "
+                         f"(a folder with {CONFIG_NAME} is read as a hub-style model folder)") from None
+    model = model_from_checkpoint(state, weights)
+    return Backbone(model, Preprocess.from_dict(state["preprocess"]), list(state["classes"]), state["path"],
+                    state["model_args"]["name"], state["config"])
+
+
+def load_plain_weights(spec: str | Path, model_name: str | None) -> Backbone:
+    """A headless backbone from weights: ``create_model(model_name, pretrained=spec, num_classes=0)``
+    with :func:`default_preprocess`.
+
+    This is where the model layer's weight resolution plugs in (snapshot folders, ``hf-hub:``
+    names, ``model.name=auto``, the preprocessing saved with the weights): today ``spec`` is a
+    weights file the model family reads, and ``model_name`` is required.
+
+    Raises:
+        ValueError: no ``model_name``; weights that do not fit. FileNotFoundError: no such file.
+    """
     if model_name is None:
-        if not p.exists():
-            raise FileNotFoundError(f"no such run directory, checkpoint or model folder: {p}")
-        try:
-            state = load_checkpoint(p)
-        except (FileNotFoundError, ValueError) as e:
-            raise ValueError(f"{e}; for plain weights name the architecture: --model NAME "
-                             f"(a folder with {CONFIG_NAME} is read as a hub-style model folder)") from None
-        model = model_from_checkpoint(state, weights)
-        return Backbone(model, Preprocess.from_dict(state["preprocess"]), list(state["classes"]), state["path"],
-                        state["model_args"]["name"], state["config"])
+        raise ValueError(f"{spec}: name the architecture of these weights with --model NAME (see `vitflow models`)")
     model = create_model(model_name, pretrained=str(spec), num_classes=0).eval()
     pp = default_preprocess(model)
     log.info("%s: no preprocessing saved with the weights; using %s", spec, pp)

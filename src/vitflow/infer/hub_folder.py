@@ -18,7 +18,6 @@ the one timm's ``push_to_hf_hub`` / ``save_for_hf`` writes (``timm/models/_hub.p
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -32,7 +31,6 @@ from vitflow.infer.model_card import model_card
 from vitflow.models import create_model, family_of, model_kwargs
 from vitflow.models.attention import EXACT_BACKENDS
 
-log = logging.getLogger(__name__)
 
 CONFIG_NAME, WEIGHTS_NAME, CARD_NAME = "config.json", "model.safetensors", "README.md"
 
