@@ -37,10 +37,10 @@ def test_export_hub_loads_in_timm_and_vitflow(tiny_run, tmp_path, capsys):
     with torch.no_grad():
         want = model_from_checkpoint(state)(x)
     assert (timm_logits(out, x) - want).abs().max() <= 1e-5
-    model, read_pp, classes, name = read_hub_folder(out)
+    hub = read_hub_folder(out)
     with torch.no_grad():
-        assert torch.equal(model(x), want)
-    assert read_pp == pp and classes == state["classes"] and name == "vit_digits_patch2_8"
+        assert torch.equal(hub.model(x), want)
+    assert hub.preprocess == pp and hub.classes == state["classes"] and hub.name == "vit_digits_patch2_8"
 
     config = json.loads((out / "config.json").read_text())
     assert config["pretrained_cfg"]["input_size"] == [3, pp.image_size, pp.image_size]
@@ -49,6 +49,23 @@ def test_export_hub_loads_in_timm_and_vitflow(tiny_run, tmp_path, capsys):
     assert config["label_names"] == state["classes"] and config["num_features"] == 64
     card = (out / "README.md").read_text()
     assert f"{summary['test_top1']:.2%}" in card and "local-dir:digits-vit" in card and "center-crop 8 x 8" in card
+
+    # vitflow predict reads the folder: the same probabilities as from the run
+    samples = [str(p) for p in sorted(Path(summary["samples"]).glob("*.png"))]
+    rows = []
+    for model_path in (out, run):
+        assert main(["predict", str(model_path), *samples, "--json"]) == 0
+        rows.append([json.loads(line) for line in capsys.readouterr().out.strip().splitlines()])
+    assert rows[0] == rows[1] and len(rows[0]) == 10
+
+    # a timm folder (no `vitflow` key) is read from its architecture and model_args, head and classes too
+    timm_only = tmp_path / "timm-only"
+    timm_only.mkdir()
+    (timm_only / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+    (timm_only / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "vitflow"}))
+    plain = read_hub_folder(timm_only)
+    with torch.no_grad():
+        assert (plain.model(x) - want).abs().max() <= 1e-6 and plain.classes == state["classes"]
 
     before = snapshot(out)  # a folder that is not empty is never written into
     assert main(["export", str(run), "--format", "hub", "-o", str(out)]) == 2
@@ -81,8 +98,13 @@ def test_timm_named_variants(tmp_path, name, extra):
     with torch.no_grad():
         want = model_from_checkpoint(load_checkpoint(ckpt))(x)
     assert (timm_logits(tmp_path / "hub", x) - want).abs().max() <= 1e-5
-    cfg = json.loads((tmp_path / "hub" / "config.json").read_text())["pretrained_cfg"]
+    config = json.loads((tmp_path / "hub" / "config.json").read_text())
+    cfg = config["pretrained_cfg"]
     assert (cfg["crop_pct"], cfg["interpolation"], cfg["mean"]) == (0.9, "bilinear", [0.5, 0.4, 0.3])
+    del config["vitflow"]  # as timm would have written it: vitflow reads architecture + model_args
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        assert (read_hub_folder(tmp_path / "hub").model(x) - want).abs().max() <= 1e-6
 
 
 def test_models_timm_cannot_rebuild_are_refused(tmp_path, capsys):

@@ -67,8 +67,8 @@ def load_backbone(spec: str | Path, model_name: str | None = None, weights: str 
     if model_name is not None or str(spec).startswith("hf-hub:"):
         return load_plain_weights(spec, model_name)
     if is_hub_folder(p):
-        model, pp, classes, name = read_hub_folder(p)
-        return Backbone(model, pp, classes, str(p), name)
+        hub = read_hub_folder(p)
+        return Backbone(hub.model, hub.preprocess, hub.classes, str(p), hub.name)
     if not p.exists():
         raise FileNotFoundError(f"no such run directory, checkpoint or model folder: {p}")
     try:

@@ -11,7 +11,8 @@
 
 timm reads it with ``timm.create_model("local-dir:DIR", pretrained=True)`` (tested with timm
 1.0.31; its ``model_args`` rebuild variants timm has no name for), vitflow with
-:func:`read_hub_folder` (or ``vitflow embed DIR`` / ``vitflow eval DIR --knn``). The layout is
+:func:`read_hub_folder` (and ``vitflow predict DIR ...``, ``vitflow embed DIR ...``,
+``vitflow eval DIR --knn K --data PATH``). The layout is
 the one timm's ``push_to_hf_hub`` / ``save_for_hf`` writes (``timm/models/_hub.py``).
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +144,7 @@ def save_hub_folder(checkpoint: str | Path, out: str | Path, weights: str = "aut
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    reloaded = read_hub_folder(out)[0]
+    reloaded = read_hub_folder(out).model
     x = torch.randn(2, config["pretrained_cfg"]["input_size"][0], *config["pretrained_cfg"]["input_size"][1:])
     with torch.no_grad():
         diff = float((reloaded(x) - model(x)).abs().max())
@@ -162,12 +164,53 @@ def _run_eval(state: dict[str, Any]) -> dict[str, Any] | None:
     return found if found.get("step") == state.get("step") else None
 
 
-def read_hub_folder(folder: str | Path) -> tuple[torch.nn.Module, Preprocess, list[str] | None, str]:
-    """Load a hub-style folder: ``(model in eval mode, preprocess, class names or None, model name)``.
+@dataclass
+class HubModel:
+    """A model read from a hub-style folder: ``model`` (eval mode, CPU), its ``preprocess``, the
+    class names of its head (``None`` when unknown), its vitflow ``name``, and for vitflow's own
+    folders the ``task`` and multi-label ``threshold``."""
 
-    A folder written by vitflow is rebuilt exactly from its ``vitflow.model_args`` with its head; a
-    timm folder without that key is built headless from its ``architecture`` (a vitflow model of
-    that name) and its ``pretrained_cfg`` preprocessing.
+    model: torch.nn.Module
+    preprocess: Preprocess
+    classes: list[str] | None
+    name: str
+    task: str = "multiclass"
+    threshold: float | None = None
+
+
+_SAME_NAMES = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "global_pool",
+               "in_chans")
+
+
+def vitflow_model_args(architecture: str, model_args: dict[str, Any]) -> dict[str, Any]:
+    """:func:`vitflow.create_model` arguments for a timm ``config.json``'s ``architecture`` and
+    ``model_args`` (the inverse of :func:`timm_model_args` for the ViT family: timm's
+    ``init_values`` is vitflow's ``layer_scale_init``; other families take timm's ``img_size``).
+
+    Raises:
+        ValueError: an unknown architecture, or a timm argument vitflow's ViT has no equivalent for
+            (named).
+    """
+    if family_of(architecture).name != "vit":
+        return {k: model_args[k] for k in ("img_size",) if k in model_args}
+    args = {k: model_args[k] for k in _SAME_NAMES if k in model_args}
+    if model_args.get("init_values"):
+        args["layer_scale_init"] = model_args["init_values"]
+    pool = args.get("global_pool", "token")
+    unknown = sorted(set(model_args) - {*_SAME_NAMES, "init_values", "class_token", "num_classes"})
+    if unknown or model_args.get("class_token", pool == "token") != (pool == "token"):
+        raise ValueError(f"config.json model_args {unknown or ['class_token']}: vitflow's {architecture} has no "
+                         "such option (a class token goes with global_pool=token)")
+    return args
+
+
+def read_hub_folder(folder: str | Path) -> HubModel:
+    """Load a hub-style folder (see the module docstring).
+
+    A folder written by vitflow is rebuilt exactly from its ``vitflow.model_args``; a timm folder
+    without that key from its ``architecture`` (a vitflow model of that name) and ``model_args``
+    (:func:`vitflow_model_args`), with its head when ``label_names`` fit ``num_classes``. The
+    preprocessing is ``pretrained_cfg``'s.
 
     Raises:
         FileNotFoundError: no ``config.json`` or no ``model.safetensors``.
@@ -188,17 +231,22 @@ def read_hub_folder(folder: str | Path) -> tuple[torch.nn.Module, Preprocess, li
     weights = folder / WEIGHTS_NAME
     if not weights.is_file():
         raise FileNotFoundError(f"{folder}: no {WEIGHTS_NAME} beside {CONFIG_NAME}")
-    saved = config.get("vitflow", {}).get("model_args")
-    if saved is None:
-        model = create_model(config["architecture"], pretrained=str(weights), num_classes=0)
-        return model.eval(), pp, None, config["architecture"]
+    labels = list(config.get("label_names") or []) or None
+    own = config.get("vitflow") or {}
+    if own.get("model_args") is None:
+        name = config["architecture"]
+        classes = config.get("num_classes", 0)
+        labels = labels if labels and len(labels) == classes else None
+        model = create_model(name, pretrained=str(weights), num_classes=classes if labels else 0,
+                             **vitflow_model_args(name, config.get("model_args") or {}))
+        return HubModel(model.eval(), pp, labels, name)
     from safetensors.torch import load_file
 
-    args = dict(saved)
+    args = dict(own["model_args"])
     name = args.pop("name")
     model = create_model(name, **args)
     try:
         model.load_state_dict(load_file(str(weights)))
     except RuntimeError as e:
         raise ValueError(f"{weights} does not fit {CONFIG_NAME}'s model: {str(e).splitlines()[0]}") from None
-    return model.eval(), pp, list(config.get("label_names") or []) or None, name
+    return HubModel(model.eval(), pp, labels, name, own.get("task", "multiclass"), own.get("threshold"))

@@ -60,10 +60,12 @@ def model_card(state: dict[str, Any], config: dict[str, Any], name: str, run_eva
         f"Decode as RGB (EXIF orientation applied), resize the shorter side to "
         f"{round(size / pcfg['crop_pct'])} px ({pcfg['interpolation']}), center-crop {size} x {size}, scale to "
         f"[0, 1], normalise with mean {pcfg['mean']} and std {pcfg['std']} (`pretrained_cfg` in config.json).", "",
-        "## Use it", "", "vitflow (features and k-NN of the backbone, or the classifier in Python):", "", "```bash",
-        f"vitflow embed {name} photos/ -o features.npy", f"vitflow eval {name} --knn 20 --data PATH", "```", "",
+        "## Use it", "", "vitflow (classify, embed, k-NN of the frozen features, or in Python):", "", "```bash",
+        f"vitflow predict {name} photos/", f"vitflow embed {name} photos/ -o features.npy",
+        f"vitflow eval {name} --knn 20 --data PATH", "```", "",
         "```python", "from vitflow.infer.hub_folder import read_hub_folder", "",
-        f'model, preprocess, classes, arch = read_hub_folder("{name}")  # eval mode, with its head', "```", "",
+        f'hub = read_hub_folder("{name}")  # hub.model (eval mode, with its head), hub.preprocess, hub.classes',
+        "```", "",
         "timm (a version that reads `local-dir:` folders; written and tested with timm 1.0.31):", "", "```python", "import timm", "",
         f'model = timm.create_model("local-dir:{name}", pretrained=True).eval()',
         "config = timm.data.resolve_data_config({}, model=model)",

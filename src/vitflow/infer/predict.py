@@ -21,6 +21,7 @@ from vitflow.data import model_input
 from vitflow.data.decode import CorruptImageError, decode_image, is_image_name
 from vitflow.data.readers import TarReader, is_hidden
 from vitflow.data.transforms import Preprocess, eval_transform
+from vitflow.infer.hub_folder import is_hub_folder, read_hub_folder
 from vitflow.infer.onnx_model import OnnxModel, is_onnx
 from vitflow.runtime import configure_allocator, resolve_device, resolve_precision
 
@@ -117,9 +118,23 @@ class Predictor:
         return cls(model, info.classes, info.preprocess, "cpu", "fp32", str(path), info.task, info.threshold)
 
     @classmethod
+    def from_hub_folder(cls, path: str | Path, device: str = "auto", precision: str = "fp32") -> "Predictor":
+        """A hub-style model folder (``vitflow export --format hub``; see
+        :mod:`vitflow.infer.hub_folder`). Raises FileNotFoundError / ValueError naming the folder,
+        or ValueError for a folder whose head has no class names."""
+        hub = read_hub_folder(path)
+        if hub.classes is None:
+            raise ValueError(f"{path}: its config.json names no classes (label_names) for its head; "
+                             "`vitflow embed` takes it as a backbone")
+        return cls(hub.model, hub.classes, hub.preprocess, device, precision, str(path), hub.task, hub.threshold)
+
+    @classmethod
     def load(cls, path: str | Path, device: str = "auto", precision: str = "fp32", weights: str = "auto"
              ) -> "Predictor":
-        """:meth:`from_onnx` for a ``.onnx`` file, else :meth:`from_checkpoint` (``weights`` as there)."""
+        """:meth:`from_onnx` for a ``.onnx`` file, :meth:`from_hub_folder` for a folder with a
+        ``config.json``, else :meth:`from_checkpoint` (``weights`` as there)."""
+        if is_hub_folder(path):
+            return cls.from_hub_folder(path, device, precision)
         if is_onnx(path):
             if precision != "fp32":
                 raise ValueError(f"{path} runs in the precision it was exported or quantized in: use --precision fp32")
