@@ -97,6 +97,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from vitflow.evaluation import headline, split_results
     from vitflow.infer.evaluate import evaluate_checkpoint
 
+    if args.knn:
+        return _eval_knn(args)
+    if args.model or args.data or args.batch_size:
+        raise ValueError("--model, --data and --batch-size go with --knn K (for a plain evaluation on other data "
+                         "use data.path=...)")
     r = evaluate_checkpoint(args.checkpoint, args.overrides, weights=args.weights)
     role = r["split"]
     result = split_results(r)[role]
@@ -106,6 +111,42 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"skipped {result['skipped']} unreadable image(s); see the warnings above")
     if args.json:
         _print_json(args, r)
+    return 0
+
+
+def _eval_knn(args: argparse.Namespace) -> int:
+    """``vitflow eval MODEL --knn K``: k-NN top-1 of frozen features (train split as the memory bank)."""
+    from vitflow.infer.embed import knn_evaluate
+
+    r = knn_evaluate(args.checkpoint, args.knn, args.data, args.overrides, args.model, args.weights, args.batch_size)
+    print(f"{r['split']} k-NN top-1 {r['knn_top1']:.2%}  (k={r['knn_k']}, T={r['knn_temperature']:g}, cosine on "
+          f"{r['feature_dim']}-d features; {r['images']} images of {r['split_expr']} against {r['train_images']} "
+          f"of {r['train_split']}; {r['model']})")
+    if r["skipped"]:
+        print(f"skipped {r['skipped']} unreadable image(s); see the warnings above")
+    if args.json:
+        _print_json(args, r)
+    return 0
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    from vitflow.infer import collect_images
+    from vitflow.infer.backbone import load_backbone
+    from vitflow.infer.embed import embed_images, write_features
+
+    backbone = load_backbone(args.model, args.model_name, args.weights)
+    refs = collect_images(args.inputs)
+    if not refs:
+        raise FileNotFoundError(f"no images found in {' '.join(args.inputs)}")
+    feats, paths = embed_images(backbone, refs, args.batch_size, args.workers, args.device)
+    files = write_features(feats, paths, args.output)
+    print(f"embedded {len(paths)} of {len(refs)} image(s): {feats.shape[1]}-d features -> {files['features']}, "
+          f"paths -> {files['paths']}")
+    if len(paths) < len(refs):
+        print(f"skipped {len(refs) - len(paths)} unreadable image(s); see the warnings above", file=sys.stderr)
+    if args.json:
+        _print_json(args, {"count": len(paths), "dim": int(feats.shape[1]), "skipped": len(refs) - len(paths),
+                           **files})
     return 0
 
 
@@ -167,6 +208,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from vitflow.infer.export import export_checkpoint
 
+    if args.format == "hub":
+        return _export_hub(args)
     target = args.target or ("gpu" if torch.cuda.is_available() else "cpu")
     r = export_checkpoint(args.checkpoint, args.output, args.format, args.optimize, target, args.opset,
                           args.verify_data, args.tolerance, fp16=not args.fp32)
@@ -177,6 +220,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(args, {k: v for k, v in r.items() if k != "summary"})
     return 0 if r["ok"] else 1
+
+
+def _export_hub(args: argparse.Namespace) -> int:
+    """``vitflow export RUN --format hub -o DIR``: a hub-style folder timm and vitflow load."""
+    from vitflow.infer.hub_folder import save_hub_folder
+
+    r = save_hub_folder(args.checkpoint, args.output)
+    print(f"wrote {r['path']}: {', '.join(r['files'])} ({r['bytes'] / 2**20:.1f} MiB, timm architecture "
+          f"{r['architecture']}); read back: max |logit diff| {r['max_abs_diff']:.1e}")
+    print(f"load it: timm.create_model(\"local-dir:{r['path']}\", pretrained=True)")
+    if args.json:
+        _print_json(args, r)
+    return 0
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -301,6 +357,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": cmd_train, "resume": cmd_resume, "eval": cmd_eval, "predict": cmd_predict, "attention": cmd_attention,
+            "embed": cmd_embed,
             "export": cmd_export, "quantize": cmd_quantize, "prune": cmd_prune, "prepare": cmd_prepare,
             "bench": cmd_bench, "lr-schedule": cmd_lr_schedule, "report": cmd_report, "presets": cmd_presets,
             "models": cmd_models}

@@ -71,10 +71,12 @@ def _training_commands(sub) -> None:
     p.add_argument("--nproc", type=int, default=1, metavar="N", help="data-parallel on N local processes")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config keys to change, e.g. train.total_steps=2000")
 
-    p = sub.add_parser("eval", help="evaluate a checkpoint on its test split")
-    p.add_argument("checkpoint", help="checkpoint file or run directory (newest checkpoint)")
+    p = sub.add_parser("eval", help="evaluate a checkpoint on its test split (--knn K: k-NN top-1 of its frozen features)")
+    p.add_argument("checkpoint", help="checkpoint file or run directory (newest checkpoint); with --knn also a "
+                   "hub-style model folder, or weights with --model NAME")
     p.add_argument("--json", action="store_true", help="end with one JSON line of metrics")
     _add_weights_arg(p)
+    _add_knn_args(p)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.path=... data.test_split=test")
 
     p = sub.add_parser("predict", help="classify images, folders or tars")
@@ -92,12 +94,43 @@ def _training_commands(sub) -> None:
     fmt.add_argument("--csv", action="store_true", help="CSV: path,rank,class,index,prob,error (one row per class)")
 
 
+def _add_knn_args(p: argparse.ArgumentParser) -> None:
+    """``vitflow eval --knn``: a backbone judged by k-NN on its frozen features."""
+    g = p.add_argument_group("k-NN on frozen features")
+    g.add_argument("--knn", type=_positive, metavar="K", help="k-NN top-1 instead: cosine similarity of pooled "
+                   "features, the K nearest train images vote with weights exp(sim/0.07) (DINO's protocol; K=20 there)")
+    g.add_argument("--data", metavar="PATH", help="--knn: images with a train split and a test or val split "
+                   "(default: the run's data)")
+    g.add_argument("--model", metavar="NAME", help="--knn: the architecture of plain weights (see `vitflow models`)")
+    g.add_argument("--batch-size", type=_positive, help="--knn: images per forward pass (default data.eval_batch_size or 256)")
+
+
+def _add_embed_command(sub) -> None:
+    p = sub.add_parser("embed", help="pooled features of images, folders or tars, written as .npy with their paths")
+    p.add_argument("model", help="run directory, checkpoint, hub-style model folder, or weights with --model NAME")
+    p.add_argument("inputs", nargs="+", metavar="IMAGE_OR_DIR", help="image files, folders or .tar archives")
+    p.add_argument("-o", "--output", required=True, metavar="FEATURES.npy",
+                   help="float32 (N, D) features; the N image paths go beside it, one per line: FEATURES.paths.txt")
+    p.add_argument("--model", dest="model_name", metavar="NAME", help="the architecture of plain weights "
+                   "(create_model(NAME, pretrained=MODEL, num_classes=0))")
+    p.add_argument("--batch-size", type=_positive, default=32)
+    p.add_argument("--workers", type=int, default=2, help="image decoding threads (default 2)")
+    p.add_argument("--device", default="auto")
+    _add_weights_arg(p)
+    p.add_argument("--json", action="store_true", help="end with one JSON line: count, dim, output paths")
+
+
 def _deployment_commands(sub) -> None:
     """export, quantize, prune."""
-    p = sub.add_parser("export", help="export a checkpoint (ONNX, TorchScript, ExportedProgram, TensorRT), verified")
+    _add_embed_command(sub)
+    p = sub.add_parser("export", help="export a checkpoint (ONNX, TorchScript, ExportedProgram, TensorRT, hub-style "
+                       "folder), verified")
     p.add_argument("checkpoint", help="checkpoint file or run directory")
-    p.add_argument("--format", default="onnx", choices=["onnx", "torchscript", "exported-program", "tensorrt"])
-    p.add_argument("-o", "--output", required=True, help="output file (.onnx, .ts, .pt2, .engine)")
+    p.add_argument("--format", default="onnx", choices=["onnx", "torchscript", "exported-program", "tensorrt", "hub"],
+                   help="hub: a new folder of config.json, model.safetensors (timm names) and README.md (model card) "
+                   "that timm and vitflow load")
+    p.add_argument("-o", "--output", required=True, help="output file (.onnx, .ts, .pt2, .engine) or, for hub, a "
+                   "new (or empty) folder")
     p.add_argument("--optimize", action="store_true", help="ONNX: apply ONNX Runtime's transformer fusions")
     p.add_argument("--target", choices=["cpu", "gpu"], help="--optimize for this target (default: gpu if CUDA "
                    "is available, else cpu)")

@@ -21,6 +21,7 @@ from vitflow.data import model_input
 from vitflow.data.decode import CorruptImageError, decode_image, is_image_name
 from vitflow.data.readers import TarReader, is_hidden
 from vitflow.data.transforms import Preprocess, eval_transform
+from vitflow.infer.hub_folder import is_hub_folder, read_hub_folder
 from vitflow.infer.onnx_model import OnnxModel, is_onnx
 from vitflow.runtime import configure_allocator, resolve_device, resolve_precision
 
@@ -117,9 +118,23 @@ class Predictor:
         return cls(model, info.classes, info.preprocess, "cpu", "fp32", str(path), info.task, info.threshold)
 
     @classmethod
+    def from_hub_folder(cls, path: str | Path, device: str = "auto", precision: str = "fp32") -> "Predictor":
+        """A hub-style model folder (``vitflow export --format hub``; see
+        :mod:`vitflow.infer.hub_folder`). Raises FileNotFoundError / ValueError naming the folder,
+        or ValueError for a folder whose head has no class names."""
+        hub = read_hub_folder(path)
+        if hub.classes is None:
+            raise ValueError(f"{path}: its config.json names no classes (label_names) for its head; "
+                             "`vitflow embed` takes it as a backbone")
+        return cls(hub.model, hub.classes, hub.preprocess, device, precision, str(path), hub.task, hub.threshold)
+
+    @classmethod
     def load(cls, path: str | Path, device: str = "auto", precision: str = "fp32", weights: str = "auto"
              ) -> "Predictor":
-        """:meth:`from_onnx` for a ``.onnx`` file, else :meth:`from_checkpoint` (``weights`` as there)."""
+        """:meth:`from_onnx` for a ``.onnx`` file, :meth:`from_hub_folder` for a folder with a
+        ``config.json``, else :meth:`from_checkpoint` (``weights`` as there)."""
+        if is_hub_folder(path):
+            return cls.from_hub_folder(path, device, precision)
         if is_onnx(path):
             if precision != "fp32":
                 raise ValueError(f"{path} runs in the precision it was exported or quantized in: use --precision fp32")
@@ -133,10 +148,8 @@ class Predictor:
         return (logits.sigmoid() if self.task == "multilabel" else logits.softmax(dim=-1)).cpu()
 
     def _decode(self, ref: ImageRef) -> torch.Tensor | str:
-        try:
-            return self.transform(decode_image(ref.read(), ref.name))
-        except (CorruptImageError, OSError) as e:
-            return str(e)
+        """One image through the eval preprocessing, or its error text."""
+        return decode_ref(ref, self.transform)
 
     def predict_refs(self, refs: list[ImageRef], topk: int = 5, batch_size: int = 32,
                      workers: int = 2) -> Iterator[dict]:
@@ -149,30 +162,54 @@ class Predictor:
         GIL), the next batch while the model runs on the current one.
         """
         k = min(topk, len(self.classes))
-        chunks = [refs[i:i + batch_size] for i in range(0, len(refs), batch_size)]
-        with ThreadPoolExecutor(max(1, workers)) as pool:
-            pending = [pool.map(self._decode, c) for c in chunks[:1]]
-            for i, chunk in enumerate(chunks):
-                decoded = list(pending.pop(0))
-                if i + 1 < len(chunks):
-                    pending.append(pool.map(self._decode, chunks[i + 1]))
-                results = [{"path": r.name, "error": d} if isinstance(d, str) else {"path": r.name}
-                           for r, d in zip(chunk, decoded)]
-                tensors = [d for d in decoded if not isinstance(d, str)]
-                if tensors:
-                    probs = self.predict(torch.stack(tensors))
-                    top = probs.topk(k, dim=1)
-                    ok = (r for r in results if "error" not in r)
-                    for r, p, vals, idx in zip(ok, probs, top.values.tolist(), top.indices.tolist()):
-                        r["top"] = self._entries(vals, idx)
-                        if self.task == "multilabel":
-                            over = p.ge(self.threshold).nonzero().flatten()
-                            over = over[p[over].argsort(descending=True)]
-                            r["labels"] = self._entries(p[over].tolist(), over.tolist())
-                yield from results
+        for chunk, decoded in decoded_batches(refs, self.transform, batch_size, workers):
+            results = [{"path": r.name, "error": d} if isinstance(d, str) else {"path": r.name}
+                       for r, d in zip(chunk, decoded)]
+            tensors = [d for d in decoded if not isinstance(d, str)]
+            if tensors:
+                probs = self.predict(torch.stack(tensors))
+                top = probs.topk(k, dim=1)
+                ok = (r for r in results if "error" not in r)
+                for r, p, vals, idx in zip(ok, probs, top.values.tolist(), top.indices.tolist()):
+                    r["top"] = self._entries(vals, idx)
+                    if self.task == "multilabel":
+                        over = p.ge(self.threshold).nonzero().flatten()
+                        over = over[p[over].argsort(descending=True)]
+                        r["labels"] = self._entries(p[over].tolist(), over.tolist())
+            yield from results
 
     def _entries(self, probs: list[float], indices: list[int]) -> list[dict]:
         return [{"class": self.classes[i], "index": i, "prob": round(v, 6)} for v, i in zip(probs, indices)]
+
+
+def decode_ref(ref: ImageRef, transform) -> torch.Tensor | str:
+    """``transform(decoded image)`` (``uint8 (3, S, S)``), or the error text naming the file."""
+    try:
+        return transform(decode_image(ref.read(), ref.name))
+    except (CorruptImageError, OSError) as e:
+        return str(e)
+
+
+def decoded_batches(refs: list[ImageRef], transform, batch_size: int = 32, workers: int = 2
+                    ) -> Iterator[tuple[list[ImageRef], list[torch.Tensor | str]]]:
+    """``(refs of a batch, their decoded images)`` in input order, ``batch_size`` at a time: each
+    image ``uint8 (3, S, S)`` after ``transform`` (the eval preprocessing), or the error text
+    (naming the file) of one that cannot be read or decoded.
+
+    Images are decoded by ``workers`` threads (libjpeg-turbo and the resize release the GIL), the
+    next batch while the caller works on the current one.
+    """
+    def decode(ref: ImageRef) -> torch.Tensor | str:
+        return decode_ref(ref, transform)
+
+    chunks = [refs[i:i + batch_size] for i in range(0, len(refs), batch_size)]
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        pending = [pool.map(decode, c) for c in chunks[:1]]
+        for i, chunk in enumerate(chunks):
+            decoded = list(pending.pop(0))
+            if i + 1 < len(chunks):
+                pending.append(pool.map(decode, chunks[i + 1]))
+            yield chunk, decoded
 
 
 def _is_quantized(model: torch.nn.Module) -> bool:

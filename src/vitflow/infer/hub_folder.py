@@ -1,0 +1,252 @@
+"""A trained model saved as a hub-style folder, in timm's layout (``vitflow export --format hub``).
+
+::
+
+    DIR/config.json        {"architecture": timm name, "num_classes", "num_features", "global_pool",
+                            "model_args": timm constructor arguments, "label_names": [...],
+                            "pretrained_cfg": {"input_size": [3, H, W], "mean", "std", "crop_pct",
+                            "interpolation", ...}, "vitflow": {"model_args", "task", "threshold", ...}}
+    DIR/model.safetensors  the weights with timm's parameter names
+    DIR/README.md          the model card: the run's metrics, classes, preprocessing, how to load it
+
+timm reads it with ``timm.create_model("local-dir:DIR", pretrained=True)`` (tested with timm
+1.0.31; its ``model_args`` rebuild variants timm has no name for), vitflow with
+:func:`read_hub_folder` (and ``vitflow predict DIR ...``, ``vitflow embed DIR ...``,
+``vitflow eval DIR --knn K --data PATH``). The layout is
+the one timm's ``push_to_hf_hub`` / ``save_for_hf`` writes (``timm/models/_hub.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
+from vitflow.data.transforms import Preprocess
+from vitflow.infer.model_card import model_card
+from vitflow.models import create_model, family_of, model_kwargs
+from vitflow.models.attention import EXACT_BACKENDS
+
+
+CONFIG_NAME, WEIGHTS_NAME, CARD_NAME = "config.json", "model.safetensors", "README.md"
+
+
+def is_hub_folder(path: str | Path) -> bool:
+    """A folder holding a ``config.json`` (a hub-style model folder or snapshot)."""
+    return Path(path).is_dir() and (Path(path) / CONFIG_NAME).is_file()
+
+
+def timm_model_args(model_args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``(architecture, model_args)`` that make timm build the model a vitflow ``model_args`` names.
+
+    ViT family: the full structure (``img_size``, ``patch_size``, ``embed_dim``, ``depth``,
+    ``num_heads``, ``mlp_ratio``, ``qkv_bias``, ``class_token``, ``global_pool``, ``init_values``),
+    so that variants timm has no name for (``vit_digits_patch2_8``) build too; the architecture is
+    the vitflow name when timm knows it (checked when timm is installed). Other families use
+    timm's names and arguments: the name with ``num_classes`` and ``img_size``.
+
+    Raises:
+        ValueError: a model timm cannot build with these weights (naming the key): pruned blocks,
+            a position embedding other than ``learned``, an approximate attention kernel.
+    """
+    args = {k: v for k, v in model_args.items() if k != "name"}
+    name = model_args["name"]
+    kw = model_kwargs(name, **args)
+    if family_of(name).name != "vit":
+        extra = {"img_size": kw["img_size"]} if kw.get("img_size") else {}
+        return name, {"num_classes": kw.get("num_classes", 1000), **extra}
+    refusals = {"block_heads": kw.get("block_heads") is not None, "block_mlp_hidden": kw.get("block_mlp_hidden") is not None,
+                "pos_embed": kw.get("pos_embed", "learned") != "learned",
+                "attention": kw.get("attention", "sdpa") not in (*EXACT_BACKENDS, "auto")}
+    for key, bad in refusals.items():
+        if bad:
+            raise ValueError(f"model.{key}={kw.get(key)!r}: timm cannot rebuild this model (a hub folder holds "
+                             "plain ViT weights: no pruned blocks, learned position embedding, exact attention)")
+    pool = kw.get("global_pool") or "token"
+    out = {"img_size": kw["img_size"], "patch_size": kw["patch_size"], "embed_dim": kw["embed_dim"],
+           "depth": kw["depth"], "num_heads": kw["num_heads"], "mlp_ratio": kw.get("mlp_ratio") or 4.0,
+           "qkv_bias": kw.get("qkv_bias", True), "num_classes": kw.get("num_classes", 1000)}
+    if kw.get("in_chans", 3) != 3:
+        out["in_chans"] = kw["in_chans"]
+    if kw.get("layer_scale_init"):
+        out["init_values"] = kw["layer_scale_init"]
+    if kw.get("distilled"):
+        return (name if _timm_knows(name) else "deit_base_distilled_patch16_224"), out
+    out.update(class_token=pool == "token", global_pool=pool)
+    return (name if _timm_knows(name) else "vit_base_patch16_224"), out
+
+
+def _timm_knows(name: str) -> bool:
+    try:
+        import timm
+    except ImportError:
+        return False
+    return timm.is_model(name)
+
+
+def hub_config(state: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """``config.json`` of a checkpoint ``state`` (see the module docstring)."""
+    arch, targs = timm_model_args(state["model_args"])
+    pp = Preprocess.from_dict(state["preprocess"])
+    pool = targs.get("global_pool", "token")
+    cfg = {"input_size": [targs.get("in_chans", 3), pp.image_size, pp.image_size], "mean": list(pp.mean),
+           "std": list(pp.std), "crop_pct": pp.crop_pct, "interpolation": pp.interpolation, "fixed_input_size": True,
+           "first_conv": "patch_embed.proj", "num_classes": targs["num_classes"],
+           "classifier": ["head", "head_dist"] if hasattr(model, "head_dist") else "head"}
+    return {"architecture": arch, "num_classes": targs["num_classes"], "num_features": int(model.embed_dim),
+            "global_pool": pool, "model_args": targs, "label_names": list(state["classes"]),
+            "pretrained_cfg": cfg,
+            "vitflow": {"model_args": state["model_args"], "task": state.get("task", "multiclass"),
+                        "threshold": state.get("threshold"), "step": state.get("step")}}
+
+
+def save_hub_folder(checkpoint: str | Path, out: str | Path, weights: str = "auto") -> dict[str, Any]:
+    """Write a checkpoint (or a run directory's newest) as a hub-style folder ``out``.
+
+    The folder is written as a hidden ``.NAME.partial`` beside ``out`` and renamed when complete;
+    it is then read back with :func:`read_hub_folder` and its logits compared with the
+    checkpoint's model on one random batch (``max_abs_diff``).
+
+    Args:
+        weights: ``auto`` (the EMA weights when saved), ``ema`` or ``raw``.
+    Returns:
+        ``{"path", "architecture", "files": [names], "bytes", "max_abs_diff", "classes": count}``.
+    Raises:
+        ValueError: ``out`` exists and is not an empty folder (never overwritten); an INT8
+            checkpoint; a model timm cannot rebuild (:func:`timm_model_args`).
+        FileNotFoundError: no checkpoint.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} exists and is not an empty folder: choose a new folder for the model "
+                         "(an existing one is never overwritten)")
+    state = load_checkpoint(checkpoint)
+    if state.get("quantization"):
+        raise ValueError(f"{state['path']} is an INT8 checkpoint: save the float checkpoint as a hub folder")
+    model = model_from_checkpoint(state, weights).float()
+    config = hub_config(state, model)
+    tmp = out.parent / f".{out.name}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        tensors = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / CARD_NAME).write_text(model_card(state, config, out.name, _run_eval(state)))
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    reloaded = read_hub_folder(out).model
+    x = torch.randn(2, config["pretrained_cfg"]["input_size"][0], *config["pretrained_cfg"]["input_size"][1:])
+    with torch.no_grad():
+        diff = float((reloaded(x) - model(x)).abs().max())
+    files = sorted(p.name for p in out.iterdir())
+    return {"path": str(out), "architecture": config["architecture"], "files": files, "max_abs_diff": diff,
+            "bytes": sum((out / f).stat().st_size for f in files), "classes": len(config["label_names"]),
+            "checkpoint": state["path"], "step": state.get("step")}
+
+
+def _run_eval(state: dict[str, Any]) -> dict[str, Any] | None:
+    """The run's final evaluation (``RUN/eval.json``) when it belongs to this checkpoint's step."""
+    path = Path(state["path"]).parent.parent / "eval.json"
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return found if found.get("step") == state.get("step") else None
+
+
+@dataclass
+class HubModel:
+    """A model read from a hub-style folder: ``model`` (eval mode, CPU), its ``preprocess``, the
+    class names of its head (``None`` when unknown), its vitflow ``name``, and for vitflow's own
+    folders the ``task`` and multi-label ``threshold``."""
+
+    model: torch.nn.Module
+    preprocess: Preprocess
+    classes: list[str] | None
+    name: str
+    task: str = "multiclass"
+    threshold: float | None = None
+
+
+_SAME_NAMES = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "global_pool",
+               "in_chans")
+
+
+def vitflow_model_args(architecture: str, model_args: dict[str, Any]) -> dict[str, Any]:
+    """:func:`vitflow.create_model` arguments for a timm ``config.json``'s ``architecture`` and
+    ``model_args`` (the inverse of :func:`timm_model_args` for the ViT family: timm's
+    ``init_values`` is vitflow's ``layer_scale_init``; other families take timm's ``img_size``).
+
+    Raises:
+        ValueError: an unknown architecture, or a timm argument vitflow's ViT has no equivalent for
+            (named).
+    """
+    if family_of(architecture).name != "vit":
+        return {k: model_args[k] for k in ("img_size",) if k in model_args}
+    args = {k: model_args[k] for k in _SAME_NAMES if k in model_args}
+    if model_args.get("init_values"):
+        args["layer_scale_init"] = model_args["init_values"]
+    pool = args.get("global_pool", "token")
+    unknown = sorted(set(model_args) - {*_SAME_NAMES, "init_values", "class_token", "num_classes"})
+    if unknown or model_args.get("class_token", pool == "token") != (pool == "token"):
+        raise ValueError(f"config.json model_args {unknown or ['class_token']}: vitflow's {architecture} has no "
+                         "such option (a class token goes with global_pool=token)")
+    return args
+
+
+def read_hub_folder(folder: str | Path) -> HubModel:
+    """Load a hub-style folder (see the module docstring).
+
+    A folder written by vitflow is rebuilt exactly from its ``vitflow.model_args``; a timm folder
+    without that key from its ``architecture`` (a vitflow model of that name) and ``model_args``
+    (:func:`vitflow_model_args`), with its head when ``label_names`` fit ``num_classes``. The
+    preprocessing is ``pretrained_cfg``'s.
+
+    Raises:
+        FileNotFoundError: no ``config.json`` or no ``model.safetensors``.
+        ValueError: unreadable config, or weights that do not fit (naming the folder).
+    """
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / CONFIG_NAME).read_text())
+        cfg = config.get("pretrained_cfg") or config
+        size = cfg["input_size"][-1]
+        pp = Preprocess(int(size), float(cfg.get("crop_pct", 0.875)), str(cfg.get("interpolation", "bicubic")),
+                        tuple(cfg.get("mean", (0.485, 0.456, 0.406))), tuple(cfg.get("std", (0.229, 0.224, 0.225))))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{folder / CONFIG_NAME}: no such file (a model folder holds config.json and "
+                                f"{WEIGHTS_NAME})") from None
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"{folder / CONFIG_NAME}: not a model config ({type(e).__name__}: {e})") from None
+    weights = folder / WEIGHTS_NAME
+    if not weights.is_file():
+        raise FileNotFoundError(f"{folder}: no {WEIGHTS_NAME} beside {CONFIG_NAME}")
+    labels = list(config.get("label_names") or []) or None
+    own = config.get("vitflow") or {}
+    if own.get("model_args") is None:
+        name = config["architecture"]
+        classes = config.get("num_classes", 0)
+        labels = labels if labels and len(labels) == classes else None
+        model = create_model(name, pretrained=str(weights), num_classes=classes if labels else 0,
+                             **vitflow_model_args(name, config.get("model_args") or {}))
+        return HubModel(model.eval(), pp, labels, name)
+    from safetensors.torch import load_file
+
+    args = dict(own["model_args"])
+    name = args.pop("name")
+    model = create_model(name, **args)
+    try:
+        model.load_state_dict(load_file(str(weights)))
+    except RuntimeError as e:
+        raise ValueError(f"{weights} does not fit {CONFIG_NAME}'s model: {str(e).splitlines()[0]}") from None
+    return HubModel(model.eval(), pp, labels, name, own.get("task", "multiclass"), own.get("threshold"))

@@ -1,0 +1,113 @@
+"""vitflow export --format hub: a timm-layout folder (config.json, model.safetensors, README.md) that
+timm 1.0.31 (`local-dir:`) and vitflow load with the same logits."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import snapshot
+from vitflow.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+from vitflow.cli import main
+from vitflow.data import decode_image, model_input
+from vitflow.data.transforms import Preprocess, eval_transform
+from vitflow.infer.hub_folder import read_hub_folder, save_hub_folder
+from vitflow.models import create_model
+
+timm = pytest.importorskip("timm")
+
+
+def timm_logits(folder: Path, x: torch.Tensor) -> torch.Tensor:
+    model = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+    with torch.no_grad():
+        return model(x)
+
+
+def test_export_hub_loads_in_timm_and_vitflow(tiny_run, tmp_path, capsys):
+    run, summary = tiny_run
+    out = tmp_path / "digits-vit"
+    assert main(["export", str(run), "--format", "hub", "-o", str(out), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip())
+    assert r["files"] == ["README.md", "config.json", "model.safetensors"] and r["max_abs_diff"] == 0.0
+    state = load_checkpoint(run)
+    pp = Preprocess.from_dict(state["preprocess"])
+    images = [decode_image(p.read_bytes(), str(p)) for p in sorted(Path(summary["samples"]).glob("*.png"))]
+    x = model_input(torch.stack([eval_transform(pp)(im) for im in images]), pp.mean, pp.std, torch.device("cpu"))
+    with torch.no_grad():
+        want = model_from_checkpoint(state)(x)
+    assert (timm_logits(out, x) - want).abs().max() <= 1e-5
+    hub = read_hub_folder(out)
+    with torch.no_grad():
+        assert torch.equal(hub.model(x), want)
+    assert hub.preprocess == pp and hub.classes == state["classes"] and hub.name == "vit_digits_patch2_8"
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["pretrained_cfg"]["input_size"] == [3, pp.image_size, pp.image_size]
+    assert (config["pretrained_cfg"]["mean"], config["pretrained_cfg"]["std"]) == (list(pp.mean), list(pp.std))
+    assert (config["pretrained_cfg"]["crop_pct"], config["pretrained_cfg"]["interpolation"]) == (pp.crop_pct, "bicubic")
+    assert config["label_names"] == state["classes"] and config["num_features"] == 64
+    card = (out / "README.md").read_text()
+    assert f"{summary['test_top1']:.2%}" in card and "local-dir:digits-vit" in card and "center-crop 8 x 8" in card
+
+    # vitflow predict reads the folder: the same probabilities as from the run
+    samples = [str(p) for p in sorted(Path(summary["samples"]).glob("*.png"))]
+    rows = []
+    for model_path in (out, run):
+        assert main(["predict", str(model_path), *samples, "--json"]) == 0
+        rows.append([json.loads(line) for line in capsys.readouterr().out.strip().splitlines()])
+    assert rows[0] == rows[1] and len(rows[0]) == 10
+
+    # a timm folder (no `vitflow` key) is read from its architecture and model_args, head and classes too
+    timm_only = tmp_path / "timm-only"
+    timm_only.mkdir()
+    (timm_only / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+    (timm_only / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "vitflow"}))
+    plain = read_hub_folder(timm_only)
+    with torch.no_grad():
+        assert (plain.model(x) - want).abs().max() <= 1e-6 and plain.classes == state["classes"]
+
+    before = snapshot(out)  # a folder that is not empty is never written into
+    assert main(["export", str(run), "--format", "hub", "-o", str(out)]) == 2
+    assert "never overwritten" in capsys.readouterr().err and snapshot(out) == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert save_hub_folder(run, empty)["max_abs_diff"] == 0.0  # an empty folder is fine
+    assert not list(tmp_path.glob(".*.partial"))
+
+
+def fake_checkpoint(tmp_path: Path, name: str, **model_args) -> Path:
+    torch.manual_seed(0)
+    args = {"name": name, "num_classes": 3, "img_size": 32, "depth": 2, **model_args}  # 2 blocks: fast
+    kw = {k: v for k, v in args.items() if k != "name"}
+    model = create_model(name, **kw)
+    pp = Preprocess(32, 0.9, "bilinear", (0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
+    return save_checkpoint({"step": 7, "model": model.state_dict(), "model_args": args, "classes": ["x", "y", "z"],
+                            "preprocess": pp.to_dict(), "config": {}, "metrics": {"top1": 0.5, "loss": 1.0}},
+                           tmp_path / "ckpt.pt")
+
+
+@pytest.mark.parametrize("name,extra", [("vit_tiny_patch16_224", {}), ("deit_tiny_distilled_patch16_224", {}),
+                                        ("vit_tiny_patch16_224", {"layer_scale_init": 0.1, "global_pool": "avg"})])
+def test_timm_named_variants(tmp_path, name, extra):
+    """Class token, class + distillation tokens, and LayerScale with average pooling."""
+    ckpt = fake_checkpoint(tmp_path, name, **extra)
+    r = save_hub_folder(ckpt, tmp_path / "hub")
+    assert r["architecture"] == name  # timm knows the name
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        want = model_from_checkpoint(load_checkpoint(ckpt))(x)
+    assert (timm_logits(tmp_path / "hub", x) - want).abs().max() <= 1e-5
+    config = json.loads((tmp_path / "hub" / "config.json").read_text())
+    cfg = config["pretrained_cfg"]
+    assert (cfg["crop_pct"], cfg["interpolation"], cfg["mean"]) == (0.9, "bilinear", [0.5, 0.4, 0.3])
+    del config["vitflow"]  # as timm would have written it: vitflow reads architecture + model_args
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        assert (read_hub_folder(tmp_path / "hub").model(x) - want).abs().max() <= 1e-6
+
+
+def test_models_timm_cannot_rebuild_are_refused(tmp_path, capsys):
+    ckpt = fake_checkpoint(tmp_path, "vit_tiny_patch16_224", pos_embed="sincos2d")
+    assert main(["export", str(ckpt), "--format", "hub", "-o", str(tmp_path / "hub")]) == 2
+    assert "model.pos_embed='sincos2d'" in capsys.readouterr().err and not (tmp_path / "hub").exists()
