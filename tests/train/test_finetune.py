@@ -160,3 +160,20 @@ def test_finetune_keys_are_checked():
     with pytest.raises(ConfigError, match="finetune.lora_rank=0 is invalid"):
         build_config(overrides=["finetune.lora_rank=0"])
     assert build_config(overrides=["finetune.mode=lp_ft", "train.total_steps=10"]).finetune.probe_end(10) == 2
+
+
+def test_finetune_preset_runs_lp_ft_on_a_photo_folder_from_pretrained_weights(tmp_path, capsys):
+    from helpers import make_folder
+    from vitflow.cli import main
+
+    data = make_folder(tmp_path / "photos", per_class=6, size=16, split="train")
+    make_folder(tmp_path / "photos", per_class=2, size=16, split="val", seed=1)
+    torch.save(create_model("vit_digits_patch2_8", num_classes=5).state_dict(), tmp_path / "w.pt")
+    run = tmp_path / "run"
+    assert main(["train", "-q", "--preset", "finetune", f"data.path={data}", f"model.pretrained={tmp_path / 'w.pt'}",
+                 "model.name=vit_digits_patch2_8", "model.img_size=8", "train.batch_size=6", "train.total_steps=4",
+                 "optim.warmup_steps=1", "finetune.mode=lp_ft", f"train.run_dir={run}"]) == 0
+    summary = [r for r in read_metrics(run) if r["kind"] == "summary"][-1]
+    assert summary["finetune"] == "lp_ft" and summary["probe_end_step"] == 1 and "val_top1" in summary
+    state = ckpt.load_checkpoint(run)
+    assert state["config"]["optim"]["layer_decay"] == 0.75 and state["model_args"]["num_classes"] == 3
