@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 
 from vitflow import create_model
-from vitflow.models.lora import LoRALinear, apply_lora, has_lora_weights, merge_lora, split_lora_args
+from vitflow.models.lora import (LoRALinear, apply_lora, has_lora_weights, merge_lora, merge_lora_state_dict,
+                                 split_lora_args)
 from vitflow.models.matmul import Linear
 
 
@@ -68,8 +69,11 @@ def test_apply_lora_matches_modules_by_name_and_merge_gives_the_same_outputs():
     assert (adapted - before).abs().max() > 1e-3  # the adapters now change the outputs
     state = model.state_dict()
     assert has_lora_weights(state) and "blocks.2.attn.proj.lora_A" in state and "blocks.2.attn.proj.weight" in state
+    folded = merge_lora_state_dict(state, alpha=8.0)  # what a weights loader does with such a checkpoint
     merge_lora(model)
     assert not any(isinstance(m, LoRALinear) for m in model.modules())
+    assert folded.keys() == model.state_dict().keys()
+    assert all(torch.allclose(folded[k], v, atol=1e-7) for k, v in model.state_dict().items())
     torch.testing.assert_close(model(x), adapted, atol=1e-5, rtol=1e-5)
     plain = create_model("vit_digits_patch2_8", num_classes=10).eval()
     plain.load_state_dict(model.state_dict())  # strict: the merged model is an ordinary one of its family

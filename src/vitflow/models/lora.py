@@ -135,6 +135,27 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
+def merge_lora_state_dict(state_dict: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+    """A state dict with its unmerged adapters folded into the base weights (``W + (alpha / r) B A``,
+    ``r`` read from ``A``'s shape) and the ``lora_A`` / ``lora_B`` entries dropped: what a
+    weights loader reads from a LoRA-trained vitflow checkpoint (its ``model_args["lora"]["alpha"]``).
+
+    Raises:
+        ValueError: an adapter without its pair or its base ``.weight``.
+    """
+    out = {k: v for k, v in state_dict.items() if not is_lora_parameter(k)}
+    for key, a in state_dict.items():
+        if not key.endswith("lora_A"):
+            continue
+        prefix = key[: -len("lora_A")]
+        b, w = state_dict.get(prefix + "lora_B"), out.get(prefix + "weight")
+        if b is None or w is None:
+            raise ValueError(f"LoRA adapter {key} has no {prefix + 'lora_B' if b is None else prefix + 'weight'}")
+        dt = torch.float64 if w.dtype == torch.float64 else torch.float32
+        out[prefix + "weight"] = (w.to(dt) + (alpha / a.shape[0]) * (b.to(dt) @ a.to(dt))).to(w.dtype)
+    return out
+
+
 def is_lora_parameter(name: str) -> bool:
     """Whether state-dict / parameter name ``name`` is a LoRA adapter (``*.lora_A`` / ``*.lora_B``)."""
     return name.endswith((".lora_A", ".lora_B")) or name in ("lora_A", "lora_B")

@@ -21,9 +21,9 @@ A schedule is a multiplier ``f(s)`` of the peak learning rate ``optim.lr`` at op
 
 Steps past ``total_steps`` keep the final value. With ``restart = R > 0`` (LP-FT's switch,
 :mod:`vitflow.train.finetune`) the schedule runs twice: over steps ``[0, R)`` as if
-``total_steps`` were ``R``, then again from ``R`` (warmup included) over ``[R, total_steps)``. Every parameter is a function of
-``total_steps`` (fractional milestones, the restart cycle lengths), so a schedule fitted to a
-time budget (``train.time_budget``) keeps its shape. :class:`Schedule` is a picklable
+``total_steps`` were ``R``, then again from ``R`` (warmup included) over ``[R, total_steps)``.
+Every parameter is a function of ``total_steps`` (fractional milestones, the restart cycle
+lengths), so a schedule fitted to a time budget (``train.time_budget``) keeps its shape. :class:`Schedule` is a picklable
 dataclass: the scheduler's state, and therefore checkpoints, carry it.
 """
 
