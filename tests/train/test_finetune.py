@@ -131,7 +131,9 @@ def test_lora_trains_only_adapters_and_head_and_its_checkpoint_serves_a_plain_mo
     from vitflow.infer.onnx_model import ModelInfo, OnnxModel
 
     assert evaluate_checkpoint(r["checkpoint"])["test_top1"] == pytest.approx(r["test_top1"], abs=1e-9)
-    export_onnx(served, tmp_path / "model.onnx", ModelInfo.from_checkpoint(state))  # as `vitflow export` does
+    info = ModelInfo.from_checkpoint(state)
+    assert "lora" not in info.model_args  # the exported model is a plain one
+    export_onnx(served, tmp_path / "model.onnx", info)  # as `vitflow export` does
     torch.testing.assert_close(OnnxModel(tmp_path / "model.onnx")(x), expected, atol=1e-4, rtol=1e-4)
 
 

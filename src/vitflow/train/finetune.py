@@ -15,7 +15,8 @@ Modes (``finetune.mode``):
 ``lora``          LoRA adapters (Hu et al. 2021; :mod:`vitflow.models.lora`) on the layers
                   ``finetune.lora_targets`` names, plus the head, train; every other weight is frozen.
 
-Frozen parameters have ``requires_grad = False``: they get no gradient and no optimizer state
+Frozen parameters have ``requires_grad = False`` (parameters a model freezes itself, e.g. a fixed
+sin-cos position embedding, stay frozen in every mode): they get no gradient and no optimizer state
 (AdamW / SGD skip parameters without a gradient, weight decay included), and the backward pass
 stops at the first trainable layer. The models have no BatchNorm, so nothing runs in eval mode
 differently: dropout and stochastic depth stay active in frozen blocks.
@@ -77,6 +78,7 @@ class FineTuning:
             raise ValueError("finetune.mode=lp_ft is not supported with several ranks (DDP / FSDP fix the trained "
                              "parameters when they wrap the model); run it on one device or use full / linear_probe")
         self.probing: bool | None = None  # the phase last set (None: not yet)
+        self.fixed: set[str] = set()  # parameters the model itself keeps frozen (never unfrozen here)
         self.counts = (0, 0)  # (trainable, all) parameters
 
     # -- the model -----------------------------------------------------------------------------
@@ -122,7 +124,7 @@ class FineTuning:
         depth = len(getattr(model, "blocks", ()))
         trained = total = 0
         for name, p in model.named_parameters():
-            p.requires_grad_(self.trains(name, depth, probing))
+            p.requires_grad_(name not in self.fixed and self.trains(name, depth, probing))
             total += p.numel()
             trained += p.numel() if p.requires_grad else 0
         return trained, total
@@ -140,6 +142,7 @@ class FineTuning:
         first, self.probing = self.probing is None, probing
         if first:
             self._check(model)
+            self.fixed = {n for n, p in model.named_parameters() if not p.requires_grad}
         self.counts = self._apply(model, probing)
         trained, total = self.counts
         share = f"{trained:,} of {total:,} parameters train ({trained / max(total, 1):.2%})"
