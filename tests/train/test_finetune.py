@@ -179,3 +179,19 @@ def test_finetune_preset_runs_lp_ft_on_a_photo_folder_from_pretrained_weights(tm
     assert summary["finetune"] == "lp_ft" and summary["probe_end_step"] == 1 and "val_top1" in summary
     state = ckpt.load_checkpoint(run)
     assert state["config"]["optim"]["layer_decay"] == 0.75 and state["model_args"]["num_classes"] == 3
+
+
+def test_schedule_restart_runs_the_schedule_over_the_probe_then_again_to_the_end(tmp_path, capsys):
+    from vitflow.cli import main
+    from vitflow.train.schedules import Schedule
+
+    f = Schedule(20, warmup_steps=3, kind="cosine", min_ratio=0.1, restart=8)
+    probe, rest = Schedule(8, 3, "cosine", 0.1), Schedule(12, 3, "cosine", 0.1)
+    assert [f(s) for s in range(8)] == [probe(s) for s in range(8)]
+    assert [f(s) for s in range(8, 25)] == [rest(s) for s in range(17)]
+    assert f(8) == pytest.approx(1 / 3) and f(7) < 0.3 and f(24) == pytest.approx(0.1)
+    f.total_steps = 30  # a time budget / a resumed run stretching the length: only the second run changes
+    assert f(5) == probe(5) and f(30) == pytest.approx(0.1) and f(19) > 0.2
+    assert main(["lr-schedule", "--preset", "finetune", "finetune.mode=lp_ft", "-o", str(tmp_path / "lr.png")]) == 0
+    out = capsys.readouterr().out
+    assert "step     125  lr 8.000e-06" in out  # the warmup again, from the switch and (tmp_path / "lr.png").stat().st_size > 1000

@@ -156,13 +156,17 @@ class LrCurve:
         return [(s, self.lrs[s]) for s in marks]
 
 
-def lr_curve(cfg: OptimConfig, total_steps: int, depth: int, time_budget: str | None = None) -> LrCurve:
+def lr_curve(cfg: OptimConfig, total_steps: int, depth: int, time_budget: str | None = None,
+             restart: int = 0) -> LrCurve:
     """The :class:`LrCurve` of ``cfg`` over ``total_steps`` for a model of ``depth`` blocks. A
-    ``time_budget`` refits the length at run time: the title says so."""
-    fn = schedule_from_config(cfg, total_steps)
+    ``time_budget`` refits the length at run time: the title says so. ``restart``: LP-FT's switch
+    (see :class:`Schedule`), named in the title."""
+    fn = schedule_from_config(cfg, total_steps, restart)
     shape = {"step": f"step x{cfg.gamma:g} at {list(fn.milestone_steps())}",
              "restarts": f"restarts: {cfg.cycles} cycles, mult {cfg.cycle_mult:g}, decay {cfg.cycle_decay:g}"}
     title = f"{cfg.name}, peak lr {cfg.lr:g}, warmup {cfg.warmup_steps}, {shape.get(cfg.schedule, cfg.schedule)}"
+    if restart:
+        title += f", again from step {restart} (LP-FT)"
     if time_budget:
         title += f"\n(train.time_budget={time_budget}: length fitted at run time)"
     lowest = cfg.layer_decay ** (depth + 1) if cfg.layer_decay else None
