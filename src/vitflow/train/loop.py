@@ -6,8 +6,9 @@ Steps are optimizer steps. Each consumes ``train.accum_steps`` micro-batches on 
 data-parallel training both equal one large batch (each micro-batch loss is divided by
 ``accum_steps``; DDP averages over ranks). Optional features are small objects the loop calls:
 the criterion (label loss or distillation), the EMA, the non-finite guard, the stop signals,
-the parallel wrapper, the progressive-resizing and time-budget plans, the evaluator and the
-metrics log.
+the parallel wrapper, the progressive-resizing and time-budget plans, the evaluator, the
+metrics log and the fine-tuning decisions (what is frozen, LoRA, LP-FT's switch:
+:mod:`vitflow.train.finetune`).
 """
 
 from __future__ import annotations
