@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from vitflow.models import create_model
+from vitflow.models.lora import apply_lora, has_lora_weights, merge_lora, split_lora_args
 from vitflow.models.matmul import as_plain_linear
 from vitflow.models.weights import load_error_reason
 
@@ -209,7 +210,10 @@ def model_from_checkpoint(state: dict[str, Any], weights: str = "auto") -> torch
     """Rebuild the model a checkpoint was trained with and load its weights (eval mode, CPU).
 
     ``model_args`` may carry per-block head counts / MLP sizes (pruned models); a
-    ``quantization`` key (see :func:`apply_quantization`) rebuilds the quantised form.
+    ``quantization`` key (see :func:`apply_quantization`) rebuilds the quantised form. A model
+    trained with LoRA (``model_args["lora"]`` and unmerged ``lora_A`` / ``lora_B`` weights) is
+    rebuilt with its adapters, loaded, then merged (:func:`vitflow.models.lora.merge_lora`): what
+    is returned is always a plain model of its family.
 
     Args:
         weights: ``auto``: the EMA weights when the checkpoint has them, else the trained ones;
@@ -223,12 +227,15 @@ def model_from_checkpoint(state: dict[str, Any], weights: str = "auto") -> torch
     ema = state.get("ema")
     if weights == "ema" and not ema:
         raise ValueError(f"checkpoint {state.get('path')} has no EMA weights (trained without train.ema_decay)")
-    args = dict(state["model_args"])
+    args, lora = split_lora_args(state["model_args"])
     model = create_model(args.pop("name"), **args)
+    chosen = ema["module"] if ema and weights != "raw" else state["model"]
+    if lora and has_lora_weights(chosen):  # a training checkpoint keeps the adapters unmerged
+        apply_lora(model, **lora)
     if state.get("quantization"):
         model = apply_quantization(model.eval(), state["quantization"])
     try:
-        model.load_state_dict(ema["module"] if ema and weights != "raw" else state["model"])
+        model.load_state_dict(chosen)
     except RuntimeError as e:
         raise ValueError(f"checkpoint {state.get('path')} does not fit its saved model arguments: {e}") from None
-    return model.eval()
+    return merge_lora(model).eval()

@@ -20,6 +20,7 @@ from vitflow.config.schema import (
                                   ConfigError,
                                   DataConfig,
                                   DistillConfig,
+                                  FinetuneConfig,
                                   ModelConfig,
                                   OptimConfig,
                                   TrainConfig,
@@ -27,5 +28,5 @@ from vitflow.config.schema import (
 )
 
 __all__ = ["DEFAULT_PRESET", "IMAGENET_MEAN", "IMAGENET_STD", "RENAMED", "Config", "ConfigError", "DataConfig",
-           "DistillConfig", "ModelConfig", "OptimConfig", "TrainConfig", "all_keys", "build_config", "flatten",
+           "DistillConfig", "FinetuneConfig", "ModelConfig", "OptimConfig", "TrainConfig", "all_keys", "build_config", "flatten",
            "list_presets", "parse_duration", "parse_override", "preset_tree", "set_key", "to_yaml"]

@@ -279,6 +279,43 @@ class DistillConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    """What trains when fine-tuning a pretrained backbone (``model.pretrained``): every weight
+    (``full``, the default, optionally with the patch embedding and the first blocks frozen and
+    ``optim.layer_decay``), the head alone (``linear_probe``), the head then everything (``lp_ft``,
+    Kumar et al. 2022), or low-rank adapters plus the head (``lora``, Hu et al. 2021). Frozen
+    weights get no gradient and no optimizer state. See :mod:`vitflow.train.finetune`."""
+
+    # full | linear_probe (frozen backbone, the head trains) | lp_ft (head first, then all) | lora (adapters + head)
+    mode: Literal["full", "linear_probe", "lp_ft", "lora"] = "full"
+    freeze_patch_embed: bool = False  # full / lp_ft: freeze the patch embedding, position embedding and tokens
+    freeze_blocks: int = 0  # full / lp_ft: freeze the first K transformer blocks
+    probe_steps: float = 0.25  # lp_ft: head-only steps (>= 1), or a fraction of train.total_steps (< 1)
+    lora_rank: int = 8  # lora: rank r of the adapters B (out x r) A (r x in)
+    lora_alpha: float = 16.0  # lora: the update is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # lora: dropout on the adapters' input
+    # lora: linear layers adapted, by module name or suffix (add mlp.fc1, mlp.fc2 for the MLP projections)
+    lora_targets: tuple[str, ...] = ("attn.qkv", "attn.proj")
+
+    def validate(self) -> None:
+        _check(self.freeze_blocks >= 0, "finetune.freeze_blocks", self.freeze_blocks, ">= 0")
+        partial = self.freeze_patch_embed or self.freeze_blocks > 0
+        _check(not partial or self.mode in ("full", "lp_ft"), "finetune.mode", self.mode,
+               "full or lp_ft with finetune.freeze_patch_embed / finetune.freeze_blocks")
+        _check(self.probe_steps > 0 and (self.probe_steps < 1 or float(self.probe_steps).is_integer()),
+               "finetune.probe_steps", self.probe_steps, "a whole number of steps >= 1 or a fraction in (0, 1)")
+        _check(self.lora_rank >= 1, "finetune.lora_rank", self.lora_rank, ">= 1")
+        _check(self.lora_alpha > 0, "finetune.lora_alpha", self.lora_alpha, "> 0")
+        _check(0 <= self.lora_dropout < 1, "finetune.lora_dropout", self.lora_dropout, "in [0, 1)")
+        _check(len(self.lora_targets) > 0, "finetune.lora_targets", self.lora_targets, "at least one module name")
+
+    def probe_end(self, total_steps: int) -> int:
+        """lp_ft: the step at which the backbone is unfrozen (``probe_steps`` resolved against
+        ``total_steps``)."""
+        return int(self.probe_steps) if self.probe_steps >= 1 else max(1, round(self.probe_steps * total_steps))
+
+
+@dataclass
 class Config:
     """The whole configuration of a run: the sections below (see the configuration reference for
     every key) plus the preset it was built from."""
@@ -290,10 +327,15 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     def validate(self) -> "Config":
-        for section in (self.model, self.data, self.optim, self.train, self.distill):
+        for section in (self.model, self.data, self.optim, self.train, self.distill, self.finetune):
             section.validate()
+        ft = self.finetune
+        _check(ft.mode != "lp_ft" or ft.probe_end(self.train.total_steps) < self.train.total_steps,
+               "finetune.probe_steps", ft.probe_steps, f"below train.total_steps={self.train.total_steps} with "
+               "finetune.mode=lp_ft (the backbone must be unfrozen before the end)")
         multilabel = self.data.task == "multilabel"
         _check(self.train.loss in ("auto", "bce", "asl") if multilabel else self.train.loss in ("auto", "cross_entropy"),
                "train.loss", self.train.loss,

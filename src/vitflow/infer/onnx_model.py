@@ -85,7 +85,8 @@ class ModelInfo:
 
     @classmethod
     def from_checkpoint(cls, state: dict) -> "ModelInfo":
-        return cls(list(state["classes"]), Preprocess.from_dict(state["preprocess"]), dict(state["model_args"]),
+        args = {k: v for k, v in state["model_args"].items() if k != "lora"}  # exports are merged: plain models
+        return cls(list(state["classes"]), Preprocess.from_dict(state["preprocess"]), args,
                    state.get("task", "multiclass"), state.get("threshold"))
 
 

@@ -6,8 +6,9 @@ Steps are optimizer steps. Each consumes ``train.accum_steps`` micro-batches on 
 data-parallel training both equal one large batch (each micro-batch loss is divided by
 ``accum_steps``; DDP averages over ranks). Optional features are small objects the loop calls:
 the criterion (label loss or distillation), the EMA, the non-finite guard, the stop signals,
-the parallel wrapper, the progressive-resizing and time-budget plans, the evaluator and the
-metrics log.
+the parallel wrapper, the progressive-resizing and time-budget plans, the evaluator, the
+metrics log and the fine-tuning decisions (what is frozen, LoRA, LP-FT's switch:
+:mod:`vitflow.train.finetune`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from vitflow.data import open_datasets, train_loader
 from vitflow.data.sources import FileSource, ImageSource, export_samples
 from vitflow.evaluation import scalar_metrics
 from vitflow.models import check_config as check_model_config
+from vitflow.models import model_args, model_kwargs
 from vitflow.models.pretrained_config import apply_pretrained
-from vitflow.models import create_model, model_args, model_kwargs
 from vitflow.runtime import (
     Precision,
     configure_allocator,
@@ -45,6 +46,7 @@ from vitflow.train.distill import build_criterion
 from vitflow.train.distributed import DistEnv, Parallel, init_distributed, micro_batch, rank_device, shutdown
 from vitflow.train.ema import ModelEMA
 from vitflow.train.evaluator import RunEvaluator, summary_figures
+from vitflow.train.finetune import FineTuning
 from vitflow.train.guards import NonFiniteGuard, StopSignals
 from vitflow.train.logging import EpochTracker, Meter, MetricsLog, StallHint, memory_mb
 from vitflow.train.optim import build_optimizer
@@ -113,12 +115,13 @@ class Trainer:
         if cfg.model.num_classes not in (None, num_classes):
             raise ValueError(f"model.num_classes={cfg.model.num_classes} but the data has {num_classes} classes")
         torch.manual_seed(cfg.train.seed)
-        self.model_args = model_args(cfg.model, num_classes)
+        t, self.tuning = cfg.train, FineTuning(cfg.finetune, cfg.train.total_steps, self.dist.world_size)
+        self.model_args = self.tuning.model_args(model_args(cfg.model, num_classes))  # + LoRA's configuration
         pretrained = cfg.model.pretrained if not self.state else None
-        self.model = create_model(**self.model_args, pretrained=pretrained).to(self.device)
+        self.model = self.tuning.build(self.model_args, pretrained).to(self.device)
         step, position = (0, (0, 0)) if not self.state else restore_model(self.model, self.state, self.data.classes,
                                                                           cfg.model.name)
-        t = cfg.train
+        self.tuning.set_phase(self.model, step)  # frozen weights: before the parallel wrapper and the EMA
         self.ema = ModelEMA(self.model, t.ema_decay, t.ema_warmup) if t.ema_decay else None
         self.criterion = build_criterion(cfg.distill, t.label_smoothing, self.model, self.data.classes,
                                          self.data.preprocess, self.device, t.loss, cfg.data.task)
@@ -134,8 +137,9 @@ class Trainer:
         self.net = self.parallel.wrap(self.model)
         if t.compile:
             self.net = torch.compile(self.net)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.total_steps)
+        with self.tuning.optimizing(self.model):  # LP-FT: the backbone's groups exist from step 0
+            self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.total_steps, self.tuning.switch or 0)
         if self.dist.is_main:
             warn_long_warmup(cfg.optim, t.total_steps, "train.total_steps")
         self.guard = NonFiniteGuard(t.max_nonfinite_steps, self.precision.name, cfg.optim.lr, cfg.optim.warmup_steps)
@@ -221,7 +225,7 @@ class Trainer:
         self.metrics.write("start", step=self.step, device=str(self.device), precision=self.precision.name,
                            micro_batch=self.micro_batch, accum_steps=t.accum_steps, world_size=self.dist.world_size,
                            train_images=len(self.data.train), val_images=len(self.data.val or ()),
-                           test_images=len(self.data.test or ()),
+                           test_images=len(self.data.test or ()), **self.tuning.summary(),
                            resumed_from=self.state["path"] if self.state else None)
         try:
             with self.stop, logging_redirect_tqdm():  # log lines above the progress bar, not inside it
@@ -250,7 +254,7 @@ class Trainer:
         summary = {"step": self.step, "run_dir": str(self.run_dir), "checkpoint": str(path),
                    "train_images_per_s": images_seen * self.dist.world_size / train_time if train_time else 0.0,
                    "skipped_images": self.epochs.skips.total, "skipped_steps": self.guard.skipped,
-                   "elapsed_s": time.perf_counter() - started, **summary_figures(results)}
+                   "elapsed_s": time.perf_counter() - started, **self.tuning.summary(), **summary_figures(results)}
         shown = self.evaluator.splits[self.evaluator.monitored][1]
         if self.dist.is_main and (samples := _write_samples(shown, self.run_dir)):
             summary["samples"] = samples
@@ -266,6 +270,7 @@ class Trainer:
         self.meter = Meter(**(self.state or {}).get("meter", {}))  # a resumed interval's sums: the same mean loss
         self.net.train()
         while self.step < self.total_steps:
+            self.tuning.set_phase(self.model, self.step)  # LP-FT: the backbone joins at the switch
             t0 = time.perf_counter()
             batches = [self.fetch(it) for _ in range(t.accum_steps)]
             wait, cost = time.perf_counter() - t0, self.resizing.step_cost(self.step, self.total_steps)

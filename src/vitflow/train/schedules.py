@@ -19,15 +19,18 @@ A schedule is a multiplier ``f(s)`` of the peak learning rate ``optim.lr`` at op
    ``constant``   ``1``
    ============== =================================================================================
 
-Steps past ``total_steps`` keep the final value. Every parameter is a function of
-``total_steps`` (fractional milestones, the restart cycle lengths), so a schedule fitted to a
-time budget (``train.time_budget``) keeps its shape. :class:`Schedule` is a picklable
+Steps past ``total_steps`` keep the final value. With ``restart = R > 0`` (LP-FT's switch,
+:mod:`vitflow.train.finetune`) the schedule runs twice: over steps ``[0, R)`` as if
+``total_steps`` were ``R``, then again from ``R`` (warmup included) over ``[R, total_steps)``.
+Every parameter is a function of ``total_steps`` (fractional milestones, the restart cycle
+lengths), so a schedule fitted to a time budget (``train.time_budget``) keeps its shape. :class:`Schedule` is a picklable
 dataclass: the scheduler's state, and therefore checkpoints, carry it.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -58,6 +61,7 @@ class Schedule:
     cycles: int = 1
     cycle_mult: float = 1.0
     cycle_decay: float = 1.0
+    restart: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -67,6 +71,9 @@ class Schedule:
         self.milestones = tuple(self.milestones)
 
     def __call__(self, s: int) -> float:
+        if self.restart > 0:  # two runs of the schedule: [0, restart) and [restart, total_steps)
+            start, end = (0, self.restart) if s < self.restart else (self.restart, self.total_steps)
+            return dataclasses.replace(self, total_steps=max(1, end - start), restart=0)(s - start)
         if s < self.warmup_steps:
             return (s + 1) / self.warmup_steps
         if self.kind == "constant":
@@ -99,18 +106,19 @@ class Schedule:
         return start, length, i
 
 
-def schedule_from_config(cfg: OptimConfig, total_steps: int) -> Schedule:
-    """The :class:`Schedule` of an :class:`OptimConfig` for a run of ``total_steps`` steps."""
+def schedule_from_config(cfg: OptimConfig, total_steps: int, restart: int = 0) -> Schedule:
+    """The :class:`Schedule` of an :class:`OptimConfig` for a run of ``total_steps`` steps
+    (``restart``: see :class:`Schedule`)."""
     return Schedule(total_steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr / cfg.lr, tuple(cfg.milestones),
-                    cfg.gamma, cfg.cycles, cfg.cycle_mult, cfg.cycle_decay)
+                    cfg.gamma, cfg.cycles, cfg.cycle_mult, cfg.cycle_decay, restart)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig,
-                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int,
+                    restart: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
     """A per-step :class:`torch.optim.lr_scheduler.LambdaLR` driven by one :class:`Schedule`
     shared by every parameter group (each group's own base lr, e.g. from layer-wise decay, is
-    multiplied by it)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_from_config(cfg, total_steps))
+    multiplied by it); ``restart > 0`` runs the schedule again from that step (LP-FT)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_from_config(cfg, total_steps, restart))
 
 
 def schedule_of(scheduler: torch.optim.lr_scheduler.LambdaLR) -> Schedule:
@@ -148,13 +156,17 @@ class LrCurve:
         return [(s, self.lrs[s]) for s in marks]
 
 
-def lr_curve(cfg: OptimConfig, total_steps: int, depth: int, time_budget: str | None = None) -> LrCurve:
+def lr_curve(cfg: OptimConfig, total_steps: int, depth: int, time_budget: str | None = None,
+             restart: int = 0) -> LrCurve:
     """The :class:`LrCurve` of ``cfg`` over ``total_steps`` for a model of ``depth`` blocks. A
-    ``time_budget`` refits the length at run time: the title says so."""
-    fn = schedule_from_config(cfg, total_steps)
+    ``time_budget`` refits the length at run time: the title says so. ``restart``: LP-FT's switch
+    (see :class:`Schedule`), named in the title."""
+    fn = schedule_from_config(cfg, total_steps, restart)
     shape = {"step": f"step x{cfg.gamma:g} at {list(fn.milestone_steps())}",
              "restarts": f"restarts: {cfg.cycles} cycles, mult {cfg.cycle_mult:g}, decay {cfg.cycle_decay:g}"}
     title = f"{cfg.name}, peak lr {cfg.lr:g}, warmup {cfg.warmup_steps}, {shape.get(cfg.schedule, cfg.schedule)}"
+    if restart:
+        title += f", again from step {restart} (LP-FT)"
     if time_budget:
         title += f"\n(train.time_budget={time_budget}: length fitted at run time)"
     lowest = cfg.layer_decay ** (depth + 1) if cfg.layer_decay else None
