@@ -1,0 +1,160 @@
+"""BEiT, EVA-02 and DINOv3 against timm's models of the same names (random weights, strict load),
+at the native size and another one; backends, gradient checkpointing, attention maps and the
+model-config keys. Depth is cut to 2 blocks to keep each test a few seconds on a CPU (the
+block configuration is the named model's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vitflow
+from vitflow.config import ModelConfig
+from vitflow.models.registry import family_of, model_args
+
+timm = pytest.importorskip("timm")
+
+DEPTH = 2
+NUM_CLASSES = 7
+
+
+def _perturbed_timm(name: str, **kwargs) -> torch.nn.Module:
+    """timm's model with random weights where nothing is trivial: LayerScale gammas in [0.3, 1],
+    every bias, norm, token, position and bias-table entry moved off its initial value."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=NUM_CLASSES, depth=DEPTH, **kwargs).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.split(".")[-1].startswith("gamma"):
+                p.uniform_(0.3, 1.0)
+            else:
+                p.add_(torch.randn_like(p) * (0.1 if p.ndim <= 1 or "table" in n else 0.02))
+    return model
+
+
+def _ours_from(timm_model: torch.nn.Module, name: str, **overrides) -> torch.nn.Module:
+    model = vitflow.create_model(name, num_classes=NUM_CLASSES, depth=DEPTH, **overrides).eval()
+    model.load_state_dict(timm_model.state_dict(), strict=True)
+    return model
+
+
+def _assert_same(ours: torch.nn.Module, ref: torch.nn.Module, size: int) -> None:
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, size, size)
+    with torch.no_grad():
+        fo, fr = ours.forward_features(x), ref.forward_features(x)
+        torch.testing.assert_close(fo, fr, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.forward_head(fo, pre_logits=True), ref.forward_head(fr, pre_logits=True),
+                                   atol=1e-5, rtol=1e-5)
+        logits = ours(x)
+        torch.testing.assert_close(logits, ref(x), atol=1e-5, rtol=1e-5)
+    assert logits.shape == (2, NUM_CLASSES) and logits.std() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["eva02_tiny_patch14_224", "eva02_small_patch14_224", "vit_small_patch16_dinov3",
+                                  "vit_small_plus_patch16_dinov3_qkvb"])
+def test_rope_models_match_timm_native_and_other_size(name):
+    ref = _perturbed_timm(name, dynamic_img_size=True)
+    ours = _ours_from(ref, name)
+    native = ours.img_size
+    _assert_same(ours, ref, native)
+    _assert_same(ours, ref, native - 2 * ours.patch_size)  # resampled pos_embed (EVA-02), RoPE for the grid
+
+
+def test_beit_matches_timm_native_and_other_size():
+    name = "beit_base_patch16_224"
+    _assert_same(_ours_from(ref := _perturbed_timm(name), name), ref, 224)
+    ref = _perturbed_timm(name, img_size=160)  # tables of a 10x10 grid
+    _assert_same(_ours_from(ref, name, img_size=160), ref, 160)
+
+
+def test_eva02_split_qkv_sub_ln_matches_timm():
+    """Base / large layout: separate q/k/v projections, SwiGLU with sub-LN (one block of base)."""
+    name = "eva02_base_patch14_224"
+    torch.manual_seed(0)
+    ref = _perturbed_timm(name)
+    _assert_same(_ours_from(ref, name), ref, 224)
+
+
+def test_beit_other_input_size_resamples_tables():
+    """The native model on a 160-px input equals the 160-px model given the resampled tables."""
+    from vitflow.models.position import resample_relative_table
+
+    ours = _ours_from(_perturbed_timm("beit_base_patch16_224"), "beit_base_patch16_224")
+    small = vitflow.create_model("beit_base_patch16_224", num_classes=NUM_CLASSES, depth=DEPTH, img_size=160).eval()
+    sd = {k: resample_relative_table(v, (14, 14), (10, 10)) if k.endswith("table") else v
+          for k, v in ours.state_dict().items()}
+    small.load_state_dict(sd, strict=True)
+    x = torch.randn(1, 3, 160, 160)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), small(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["beit_base_patch16_224", "eva02_tiny_patch14_224", "vit_small_patch16_dinov3_qkvb"])
+def test_backends_agree_and_others_refused(name):
+    ours = _ours_from(_perturbed_timm(name), name)
+    x = torch.randn(1, 3, 112, 112)
+    with torch.no_grad():
+        ref = ours(x)
+        for backend in ("math", "blockwise", "auto"):
+            ours.set_attention_backend(backend, block_size=16)
+            torch.testing.assert_close(ours(x), ref, atol=1e-5, rtol=1e-5)
+    for backend in ("local", "linformer"):
+        with pytest.raises(ValueError, match=f"attention={backend} is not available"):
+            ours.set_attention_backend(backend)
+
+
+def test_grad_checkpointing_same_gradients():
+    ours = _ours_from(_perturbed_timm("eva02_tiny_patch14_224"), "eva02_tiny_patch14_224").train()
+    x = torch.randn(2, 3, 112, 112)
+
+    def grads() -> dict[str, torch.Tensor]:
+        ours.zero_grad()
+        ours(x).square().sum().backward()
+        return {n: p.grad.clone() for n, p in ours.named_parameters()}
+
+    plain = grads()
+    ours.set_grad_checkpointing(True)
+    assert all(blk.grad_checkpointing for blk in ours.blocks)
+    for n, g in grads().items():
+        torch.testing.assert_close(g, plain[n], atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_attention_maps_shapes_and_rows():
+    ours = vitflow.create_model("vit_small_patch16_dinov3", depth=3).eval()
+    with torch.no_grad():
+        maps = ours.attention_maps(torch.randn(2, 3, 64, 64), layers=[0, -1])
+    assert [m.shape for m in maps] == [(2, 6, 5 + 16, 5 + 16)] * 2  # class + 4 registers + 4x4 patches
+    torch.testing.assert_close(maps[1].sum(-1), torch.ones(2, 6, 21))
+    beit = vitflow.create_model("beit_base_patch16_224", depth=1).eval()
+    with torch.no_grad():
+        (m,) = beit.attention_maps(torch.randn(1, 3, 224, 224), layers=0)
+    assert m.shape == (1, 12, 197, 197)
+
+
+@pytest.mark.parametrize("name", ["beit_base_patch16_224", "eva02_tiny_patch14_224", "vit_small_patch16_dinov3"])
+def test_every_model_config_key_reaches_build(name):
+    args = model_args(ModelConfig(name=name, depth=1, grad_checkpointing="all", drop_path_rate=0.1), NUM_CLASSES)
+    model = vitflow.create_model(**args)
+    assert model.num_classes == NUM_CLASSES and model.grad_checkpointing and len(model.blocks) == 1
+    assert family_of(name).load_pretrained is not None
+
+
+@pytest.mark.parametrize("key, value", [("pos_embed", "sincos2d"), ("weight_init", "jax"), ("patch_drop_rate", 0.1),
+                                        ("distilled", True), ("attention", "performer")])
+def test_unsupported_config_values_refused(key, value):
+    with pytest.raises(ValueError, match=f"{key}={value!r}" if key != "attention" else "attention=performer"):
+        vitflow.create_model("eva02_tiny_patch14_224", depth=1, **{key: value})
+
+
+def test_weight_decay_names_and_layer_ids():
+    from vitflow.train.optim import layer_id
+
+    beit = vitflow.create_model("beit_base_patch16_224", depth=2)
+    assert "blocks.1.attn.relative_position_bias_table" in beit.no_weight_decay()
+    dino = vitflow.create_model("vit_small_patch16_dinov3", depth=2)
+    assert {"reg_token", "cls_token"} <= dino.no_weight_decay()
+    ids = {n: layer_id(n, 2) for n, _ in dino.named_parameters()}
+    assert ids["reg_token"] == ids["cls_token"] == ids["patch_embed.proj.weight"] == 0
+    assert ids["blocks.1.gamma_2"] == 2 and ids["norm.weight"] == ids["head.weight"] == 3 if "head.weight" in ids \
+        else ids["norm.weight"] == 3
