@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from vitflow.models.attention import EXACT_BACKENDS, AttentionContext, attention_probs, make_kernel, split_heads
 from vitflow.models.layers import DropPath
@@ -96,11 +97,17 @@ class EvaAttention(nn.Module):
                                   head_dim=self.head_dim, **options)
 
     def packed(self, x: torch.Tensor) -> torch.Tensor:
-        """The projection ``(B, N, D) -> (B, N, 3D)`` (q, k, v heads-major) with its biases."""
-        qkv = self.qkv(x)
-        if self.q_bias is not None:
-            qkv = qkv + torch.cat((self.q_bias, self.k_bias, self.v_bias))
-        return qkv
+        """The projection ``(B, N, D) -> (B, N, 3D)`` (q, k, v heads-major) with its biases: one GEMM
+        with the bias, as timm's, unless ``qkv`` was replaced or wrapped (LoRA, quantization), is
+        hooked, or runs under CPU autocast (where :class:`~vitflow.models.matmul.Linear` picks its
+        GEMM): then ``qkv(x) + bias``."""
+        if self.q_bias is None:
+            return self.qkv(x)
+        bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+        plain = type(self.qkv) is Linear and not self.qkv._forward_hooks and not self.qkv._forward_pre_hooks
+        if plain and not (x.device.type == "cpu" and torch.is_autocast_enabled("cpu")):
+            return F.linear(x, self.qkv.weight, bias)
+        return self.qkv(x) + bias
 
     def rel_bias(self, grid: tuple[int, int]) -> torch.Tensor | None:
         """The relative position bias ``(H, N, N)`` for ``grid`` (the table resampled bicubically
