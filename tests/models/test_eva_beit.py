@@ -177,3 +177,64 @@ def test_weight_decay_names_and_layer_ids():
     assert ids["reg_token"] == ids["cls_token"] == ids["patch_embed.proj.weight"] == 0
     assert ids["blocks.1.gamma_2"] == 2 and ids["norm.weight"] == ids["head.weight"] == 3 if "head.weight" in ids \
         else ids["norm.weight"] == 3
+
+
+def test_timm_weights_file_loads_with_head_reset_and_resampling(tmp_path):
+    """A timm-named .safetensors through create_model(pretrained=...) at another size and class
+    count: EVA-02's pos_embed resampled, the head reset; the rest is timm's weights."""
+    from vitflow.models.weights import save_safetensors
+
+    ref = _pair("eva02_tiny_patch14_224")[0]
+    save_safetensors(ref, tmp_path / "eva.safetensors")
+    model = vitflow.create_model("eva02_tiny_patch14_224", pretrained=tmp_path / "eva.safetensors", depth=DEPTH,
+                                 num_classes=3, img_size=112)
+    assert model.pos_embed.shape == (1, 65, 192) and model.head.out_features == 3
+    torch.testing.assert_close(model.blocks[1].attn.q_bias, ref.blocks[1].attn.q_bias)
+
+
+def test_eva02_onnx_export_matches(tmp_path):
+    """ONNX export of an EVA-02 model (RoPE, SwiGLU, q/v bias; the math backend in the export
+    copy), ONE export with a dynamic batch run at batch 1 and 3."""
+    pytest.importorskip("onnxscript")
+    pytest.importorskip("onnxruntime")
+    from vitflow.data.transforms import Preprocess
+    from vitflow.infer.export import export_onnx, verify
+    from vitflow.infer.onnx_model import ModelInfo, OnnxModel
+
+    model = copy.deepcopy(_pair("eva02_tiny_patch14_224", 112)[1])
+    info = ModelInfo([f"c{i}" for i in range(NUM_CLASSES)], Preprocess(112, 1.0),
+                     {"name": "eva02_tiny_patch14_224", "num_classes": NUM_CLASSES, "depth": DEPTH, "img_size": 112})
+    path = export_onnx(model, tmp_path / "eva02.onnx", info)
+    x = torch.randn(3, 3, 112, 112)
+    check = verify(model, OnnxModel(path), x, batch_sizes=(1, 3), tolerance=1e-4)
+    assert check.ok, check.summary()
+    with torch.no_grad():
+        assert model(x).abs().max() > 0.05  # a real comparison, not of near-zero logits
+
+
+def test_dynamic_int8_runs_close_to_float():
+    from vitflow.infer.quantize import quantize_torch
+
+    torch.manual_seed(3)
+    model = vitflow.create_model("beit_base_patch16_224", num_classes=NUM_CLASSES, depth=DEPTH, img_size=112).eval()
+    with torch.no_grad():  # moderate random weights (the parity tests' peaked attention amplifies int8 noise)
+        for n, p in model.named_parameters():
+            p.uniform_(0.3, 1.0) if n.split(".")[-1].startswith("gamma") else p.add_(torch.randn_like(p) * 0.02)
+    x = torch.randn(1, 3, 112, 112)
+    with torch.no_grad():
+        ref, q = model(x), quantize_torch(model)(x)
+    assert (q - ref).abs().max() < 0.1 * ref.abs().max()
+    assert torch.corrcoef(torch.stack([q.flatten(), ref.flatten()]))[0, 1] > 0.99
+
+
+def test_pruning_refused():
+    from vitflow.infer.prune import _calibrate_and_prune
+
+    model = vitflow.create_model("eva02_tiny_patch14_224", depth=1)
+    state = {"path": "run/best.pt", "model_args": {"name": "eva02_tiny_patch14_224"}}
+    with pytest.raises(ValueError, match="run/best.pt: eva02_tiny_patch14_224 cannot be pruned"):
+        _calibrate_and_prune(model, state, None, None, None, 8, 0.25, 0.0, print)
+    with pytest.raises(ValueError, match="block_heads: eva02 models cannot be head- or MLP-pruned"):
+        vitflow.create_model("eva02_tiny_patch14_224", depth=1, block_heads=[1])
+    with pytest.raises(ValueError, match="unknown argument.*foo"):
+        vitflow.create_model("beit_base_patch16_224", depth=1, foo=1)

@@ -67,6 +67,8 @@ class Eva(nn.Module):
         ValueError: inconsistent arguments (each names the argument).
     """
 
+    supports_pruning = False  # vitflow prune slices the ViT family's fused qkv / fc1 only (infer.prune refuses)
+
     def __init__(self, img_size: int = 224, patch_size: int = 16, in_chans: int = 3, num_classes: int = 1000,
                  embed_dim: int = 768, depth: int = 12, num_heads: int = 12, mlp_ratio: float = 4.0,
                  mlp: str = "gelu", sub_ln: bool = False, swiglu_align_to: int = 0, attn_inner_norm: bool = False,

@@ -19,6 +19,7 @@ Default image sizes and class counts are those of timm's default pretrained conf
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable
 
 import torch.nn as nn
@@ -34,6 +35,7 @@ _DIRECT = ("img_size", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ra
 # options of attention backends these models refuse (the refusal names model.attention)
 _BACKEND_OPTIONS = ("attn_window", "linformer_k", "performer_features")
 _CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+_EVA_ARGS = set(inspect.signature(Eva).parameters)
 
 
 def _refuse_unsupported(family: str, own_pos_embed: tuple[str, ...], kwargs: dict[str, Any]) -> None:
@@ -51,6 +53,13 @@ def _refuse_unsupported(family: str, own_pos_embed: tuple[str, ...], kwargs: dic
             raise ValueError(f"model.{key}={value!r} is not available for {family} models: {why}")
     for key in _BACKEND_OPTIONS:
         kwargs.pop(key, None)
+    for key in ("block_heads", "block_mlp_hidden"):
+        if kwargs.pop(key, None) is not None:
+            raise ValueError(f"{key}: {family} models cannot be head- or MLP-pruned (vitflow prune handles the ViT "
+                             "family only)")
+    unknown = sorted(k for k in kwargs if k not in _CONFIG_DEFAULTS and k not in _EVA_ARGS)
+    if unknown:
+        raise ValueError(f"unknown argument(s) for {family} models: {', '.join(unknown)}")
     for key in list(kwargs):
         if key in _CONFIG_DEFAULTS and key not in _DIRECT:
             value = kwargs.pop(key)
