@@ -88,9 +88,10 @@ def test_beit_matches_timm_native_and_other_size():
     _assert_same(ours, ref, 112)
 
 
-def test_eva02_split_qkv_sub_ln_matches_timm():
-    """Base / large layout: separate q/k/v projections, SwiGLU with sub-LN (one block of base)."""
-    name = "eva02_base_patch14_224"
+@pytest.mark.parametrize("name", ["eva02_base_patch14_224", "eva02_base_patch16_clip_224"])
+def test_eva02_split_qkv_sub_ln_matches_timm(name):
+    """Base / large layout: separate q/k/v projections, SwiGLU with sub-LN; the CLIP tower adds
+    the attention's inner norm and class-token pooling into its projection head."""
     ref, ours = _pair(name)
     _assert_same(ours, ref, 224)
 

@@ -89,10 +89,13 @@ def make_build(family: str, own_pos_embed: tuple[str, ...] = ()) -> Callable[...
 
 def summary(args: dict[str, Any]) -> str:
     """A short ``vitflow models`` column for a variant."""
-    extras = [k for k in ("rope", "rel_pos_bias") if args.get(k)] + (["reg"] if args.get("num_reg_tokens") else [])
+    extras = [args.get("mlp", "gelu") + (" sub-LN" if args.get("sub_ln") else "")]
+    extras += [f"RoPE {args['rope']}"] if args.get("rope") else []
+    extras += ["rel-pos bias"] if args.get("rel_pos_bias") else []
+    extras += [f"{args['num_reg_tokens']} reg"] if args.get("num_reg_tokens") else []
+    extras += ["qkv bias"] if args.get("qkv_bias", True) else []
     return (f"img {args['img_size']:>3}  patch {args['patch_size']:>2}  dim {args['embed_dim']:>4}  "
-            f"depth {args['depth']:>2}  heads {args['num_heads']:>2}  {args.get('mlp', 'gelu')}"
-            + (f"  {'+'.join(str(args[k]) if k == 'rope' else k for k in extras)}" if extras else ""))
+            f"depth {args['depth']:>2}  heads {args['num_heads']:>2}  " + ", ".join(extras))
 
 
 _EVA02_SIZES = {"tiny": (192, 12, 3), "small": (384, 12, 6), "base": (768, 12, 12), "large": (1024, 24, 16)}
