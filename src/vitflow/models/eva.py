@@ -86,6 +86,7 @@ class Eva(nn.Module):
         self.num_features = embed_dim
         self.grid_size = img_size // patch_size
         self.num_prefix_tokens = int(class_token) + num_reg_tokens
+        self.pos_embed_type = "learned" if abs_pos_embed else "relative" if rel_pos_bias else "rope"
         self.attention_options = dict(block_size=attn_block_size)
         self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
