@@ -125,9 +125,11 @@ def test_backends_agree_and_others_refused(name):
             ours.set_attention_backend(backend)
 
 
-def test_grad_checkpointing_same_gradients():
-    ours = _ours("eva02_tiny_patch14_224").train()
-    x = torch.randn(2, 3, 56, 56)
+@pytest.mark.parametrize("name", ["eva02_tiny_patch14_224", "beit_base_patch16_224", "vit_small_patch16_dinov3"])
+def test_grad_checkpointing_same_gradients(name):
+    ours = _ours(name).train()
+    side = 4 * ours.patch_size
+    x = torch.randn(2, 3, side, side)
 
     def grads() -> dict[str, torch.Tensor]:
         ours.zero_grad()
