@@ -294,7 +294,10 @@ def _float_checkpoint(path) -> dict:
 def _calibrate_and_prune(model: nn.Module, state: dict, cfg, pp: Preprocess, data: str | None, calib_images: int,
                          heads: float, mlp: float, log) -> tuple[nn.Module, dict, Importance]:
     """Importance scores on the first ``calib_images`` of the training split, then the pruned copy
-    (:func:`prune_model`)."""
+    (:func:`prune_model`). Raises ValueError for a model that declares ``supports_pruning = False``."""
+    if not getattr(model, "supports_pruning", True):
+        raise ValueError(f"{state['path']}: {state['model_args'].get('name', type(model).__name__)} cannot be pruned: "
+                         "structured pruning handles the plain ViT layout (fused qkv, GELU MLP) only")
     calib = checkpoint_split(state, data, f"{parse_split(cfg.data.train_split).name}[:{calib_images}]")
     t0 = time.perf_counter()
     scores = importance_scores(model, eval_loader(calib, pp, 64, cfg.data.num_workers), pp, calib_images)

@@ -17,11 +17,13 @@ import torch.nn as nn
 
 from vitflow.config import ConfigError, ModelConfig
 from vitflow.models.attention import EXACT_BACKENDS
+from vitflow.models.beit import BEIT
+from vitflow.models.eva_variants import DINOV3, EVA02
 from vitflow.models.family import ModelFamily
 from vitflow.models.grad_checkpointing import CheckpointPlan
 from vitflow.models.vit_variants import VIT
 
-FAMILIES: tuple[ModelFamily, ...] = (VIT,)
+FAMILIES: tuple[ModelFamily, ...] = (VIT, BEIT, EVA02, DINOV3)
 MODELS: dict[str, dict[str, Any]] = {name: args for f in FAMILIES for name, args in f.variants.items()}
 
 
