@@ -40,8 +40,8 @@ METHODS = {  # name: (pretrained?, overrides)
     "scratch": (False, ["optim.lr=1e-3"]),
     "linear_probe": (True, ["finetune.mode=linear_probe", "optim.lr=3e-3", "optim.weight_decay=0"]),
     "full_ft": (True, ["optim.lr=5e-4", "optim.layer_decay=0.75"]),
-    "lp_ft": (True, ["finetune.mode=lp_ft", "finetune.lp_steps=0.3", "optim.lr=5e-4", "optim.layer_decay=0.75"]),
-    "lora": (True, ["finetune.lora_rank=8", "optim.lr=2e-3"]),
+    "lp_ft": (True, ["finetune.mode=lp_ft", "finetune.probe_steps=0.3", "optim.lr=5e-4", "optim.layer_decay=0.75"]),
+    "lora": (True, ["finetune.mode=lora", "finetune.lora_rank=8", "optim.lr=2e-3"]),
 }
 
 
