@@ -25,11 +25,21 @@ def _print_json(args: argparse.Namespace, obj) -> None:
     print(json.dumps(obj), file=getattr(args, "json_stdout", None) or sys.stdout)
 
 
+def _default_preset(args: argparse.Namespace) -> str | None:
+    """``--preset``, or ``finetune`` for pretrained weights given without a recipe or config file."""
+    if args.preset or args.config or not any(o.startswith("model.pretrained=") for o in args.overrides):
+        return args.preset
+    logging.getLogger("vitflow").info("model.pretrained without --preset: using the finetune preset")
+    return "finetune"
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from vitflow.train.plan import is_planned, planned_config
     from vitflow.train.resume import resume_config
 
     cfg = resume_config(args.preset, args.overrides, CONFIG_CHECKS)  # a resume: the run's own config
+    if cfg is None:
+        args.preset = _default_preset(args)
     if cfg is not None and (args.preset or args.config):
         logging.getLogger("vitflow").warning("--preset / --config ignored: a resumed run keeps its saved config "
                                              "(change keys with key=value)")

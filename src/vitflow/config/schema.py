@@ -294,8 +294,9 @@ class FinetuneConfig:
     lora_rank: int = 8  # lora: rank r of the adapters B (out x r) A (r x in)
     lora_alpha: float = 16.0  # lora: the update is scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0  # lora: dropout on the adapters' input
-    # lora: linear layers adapted, by module name or suffix (add mlp.fc1, mlp.fc2 for the MLP projections)
-    lora_targets: tuple[str, ...] = ("attn.qkv", "attn.proj")
+    # lora: linear layers adapted, by module name or suffix (add mlp.fc1, mlp.fc2 for the MLP projections);
+    # the q_proj / k_proj / v_proj names are EVA-02's separate projections (names a model lacks are skipped)
+    lora_targets: tuple[str, ...] = ("attn.qkv", "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.proj")
 
     def validate(self) -> None:
         _check(self.freeze_blocks >= 0, "finetune.freeze_blocks", self.freeze_blocks, ">= 0")

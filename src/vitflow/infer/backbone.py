@@ -9,6 +9,7 @@ resolution of foreign snapshot folders and ``hf-hub:`` names belongs to the mode
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.data.transforms import Preprocess
 from vitflow.infer.hub_folder import CONFIG_NAME, is_hub_folder, read_hub_folder
 from vitflow.models import create_model
+from vitflow.models.hub import resolve_pretrained
+from vitflow.models.pretrained_config import create_pretrained_model
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,8 @@ def load_backbone(spec: str | Path, model_name: str | None = None, weights: str 
     p = Path(spec)
     if model_name is not None or str(spec).startswith("hf-hub:"):
         return load_plain_weights(spec, model_name)
+    if p.is_dir() and _foreign_snapshot(p):
+        return load_plain_weights(spec, None)
     if is_hub_folder(p):
         hub = read_hub_folder(p)
         return Backbone(hub.model, hub.preprocess, hub.classes, str(p), hub.name)
@@ -81,20 +86,46 @@ def load_backbone(spec: str | Path, model_name: str | None = None, weights: str 
                     state["model_args"]["name"], state["config"])
 
 
-def load_plain_weights(spec: str | Path, model_name: str | None) -> Backbone:
-    """A headless backbone from weights: ``create_model(model_name, pretrained=spec, num_classes=0)``
-    with :func:`default_preprocess`.
+def _foreign_snapshot(folder: Path) -> bool:
+    """A snapshot folder that is not a hub-style folder vitflow or timm wrote with its full model
+    arguments (a transformers or OpenCLIP config, or a timm config naming only the architecture):
+    the model layer's resolver reads it."""
+    try:
+        config = json.loads((folder / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return (folder / "open_clip_config.json").is_file()
+    return not isinstance(config, dict) or not ("vitflow" in config or "model_args" in config)
 
-    This is where the model layer's weight resolution plugs in (snapshot folders, ``hf-hub:``
-    names, ``model.name=auto``, the preprocessing saved with the weights): today ``spec`` is a
-    weights file the model family reads, and ``model_name`` is required.
+
+def load_plain_weights(spec: str | Path, model_name: str | None) -> Backbone:
+    """A headless backbone from weights (:func:`vitflow.models.hub.resolve_pretrained`): a weights
+    file, a snapshot folder (timm, transformers or OpenCLIP config) or an ``hf-hub:`` name. The
+    architecture is ``model_name`` or, without it, the one the snapshot's config names; the
+    preprocessing is the one saved with the weights (mean, std, size, crop, interpolation), else
+    :func:`default_preprocess`.
 
     Raises:
-        ValueError: no ``model_name``; weights that do not fit. FileNotFoundError: no such file.
+        ValueError: no ``model_name`` and no config naming an architecture; weights that do not
+        fit. FileNotFoundError: no such file.
     """
     if model_name is None:
-        raise ValueError(f"{spec}: name the architecture of these weights with --model NAME (see `vitflow models`)")
-    model = create_model(model_name, pretrained=str(spec), num_classes=0).eval()
+        try:
+            model, pre = create_pretrained_model(str(spec), num_classes=0)
+        except ValueError as e:
+            raise ValueError(f"{e}; or name the architecture of these weights with --model NAME "
+                             "(see `vitflow models`)") from None
+        model_name = pre.model_name
+    else:
+        pre = resolve_pretrained(str(spec))
+        model = create_model(model_name, pretrained=str(spec), num_classes=0)
+    model.eval()
     pp = default_preprocess(model)
-    log.info("%s: no preprocessing saved with the weights; using %s", spec, pp)
-    return Backbone(model, pp, None, str(spec), model_name)
+    if pre.preprocess:
+        w = pre.preprocess
+        pp = Preprocess(int(getattr(model, "img_size", pp.image_size)), float(w.get("crop_pct", pp.crop_pct)),
+                        w.get("interpolation") if w.get("interpolation") in ("bilinear", "bicubic") else pp.interpolation,
+                        tuple(w.get("mean", pp.mean)), tuple(w.get("std", pp.std)))
+        log.info("%s: preprocessing saved with the weights: %s", spec, pp)
+    else:
+        log.info("%s: no preprocessing saved with the weights; using %s", spec, pp)
+    return Backbone(model, pp, pre.label_names, str(spec), model_name)

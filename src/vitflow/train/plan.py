@@ -119,7 +119,10 @@ def resolve_plan(plan: list[tuple[str, object, str]], cfg_batch: int, images: in
 def size_warnings(cfg: Config, profile: DataProfile) -> list[str]:
     """Warnings when the input is far above what the images hold: over 256 tokens per image on a
     CPU, or an input size over twice the images' median short side (upsampled pixels carry no
-    detail, and cost ``(size / patch)^2`` tokens)."""
+    detail, and cost ``(size / patch)^2`` tokens). None for ``model.name=auto`` (the weights'
+    architecture is known only once they are read)."""
+    if cfg.model.name == "auto":
+        return []
     out, defaults = [], model_kwargs(cfg.model.name)
     image, patch_size = cfg.model.img_size or defaults["img_size"], cfg.model.patch_size or defaults["patch_size"]
     tokens = (image // patch_size) ** 2
