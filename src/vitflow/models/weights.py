@@ -20,6 +20,7 @@ from vitflow.models.convert import convert_hf_vit, convert_jax_npz, is_hf_vit, r
 from vitflow.models.convert_hf import CONVERTERS, detect_hf_layout
 from vitflow.models.convert_openclip import convert_openclip, is_openclip
 from vitflow.models.hub import resolve_pretrained
+from vitflow.models.lora import has_lora_weights, merge_lora_state_dict
 from vitflow.models.position import resample_pos_embed, resample_relative_table
 
 log = logging.getLogger(__name__)
@@ -127,11 +128,15 @@ def read_state_dict(path: str | Path, known_layout: bool = False) -> dict[str, t
             return convert_jax_npz(arrays)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+    args = sd.get("model_args") if isinstance(sd, dict) else None
+    lora = args.get("lora") if isinstance(args, dict) else None  # a LoRA-trained vitflow checkpoint
     for key in _WRAPPER_KEYS:
         if isinstance(sd, dict) and isinstance(sd.get(key), dict):
             sd = sd[key]
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise ValueError(f"{path} does not hold a state_dict of tensors")
+    if lora and has_lora_weights(sd):
+        sd = merge_lora_state_dict(sd, lora["alpha"])  # adapters folded into the base weights
     return convert_layout({k.removeprefix("module."): v for k, v in sd.items()}, path, known_layout)
 
 
