@@ -19,9 +19,10 @@ from vitflow.config import ConfigError, ModelConfig
 from vitflow.models.attention import EXACT_BACKENDS
 from vitflow.models.family import ModelFamily
 from vitflow.models.grad_checkpointing import CheckpointPlan
+from vitflow.models.pretrained_variants import PRETRAINED_FAMILIES
 from vitflow.models.vit_variants import VIT
 
-FAMILIES: tuple[ModelFamily, ...] = (VIT,)
+FAMILIES: tuple[ModelFamily, ...] = (VIT, *PRETRAINED_FAMILIES)
 MODELS: dict[str, dict[str, Any]] = {name: args for f in FAMILIES for name, args in f.variants.items()}
 
 
@@ -96,7 +97,7 @@ def check_config(m: ModelConfig) -> None:
                           "model.name")
     size = m.img_size or MODELS[m.name].get("img_size", 224)
     patch = m.patch_size or MODELS[m.name].get("patch_size", 16)
-    if size % patch:
+    if size % patch and not MODELS[m.name].get("truncate_patches"):
         raise ConfigError(f"model.img_size={size!r} is invalid: must be a multiple of the patch size {patch}",
                           "model.img_size")
     try:

