@@ -142,3 +142,112 @@ def test_refused_combinations_name_the_argument():
         vitflow.create_model("deit3_small_patch16_224", distilled=True, depth=1)
     with pytest.raises(ValueError, match="act_layer must be one of"):
         vitflow.create_model("vit_base_patch32_clip_224", act_layer="relu", depth=1)
+
+
+def small_pair(name: str, size: int, depth: int = 2, num_classes: int = 5) -> tuple[nn.Module, nn.Module]:
+    ref = perturbed_timm(name, img_size=size, depth=depth, num_classes=num_classes)
+    return ref, ours_from(ref, name, img_size=size, depth=depth, num_classes=num_classes)
+
+
+@pytest.mark.parametrize("name,size", [("vit_small_patch14_reg4_dinov2", 56), ("vit_base_patch16_siglip_224", 64)])
+def test_grad_checkpointing_recomputes_and_keeps_gradients(name, size):
+    """Registers / MAP head with every block checkpointed: the block's attention runs twice
+    (forward and recomputation), the loss and the gradients equal the plain run's."""
+    _, model = small_pair(name, size)
+    model.train()
+    x = torch.randn(2, 3, size, size)
+    calls = []
+    model.blocks[0].attn.register_forward_hook(lambda *_: calls.append(1))
+
+    def run() -> tuple[torch.Tensor, dict]:
+        model.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss, grads = run()
+    assert len(calls) == 1
+    model.set_grad_checkpointing(True)
+    loss_ckpt, grads_ckpt = run()
+    assert len(calls) == 3  # forward + recomputation in the backward
+    torch.testing.assert_close(loss_ckpt, loss, atol=1e-6, rtol=1e-6)
+    for n in ("reg_token", "cls_token", "attn_pool.latent", "blocks.0.attn.qkv.weight", "patch_embed.proj.weight"):
+        if n in grads:
+            assert grads[n].abs().sum() > 0
+            torch.testing.assert_close(grads_ckpt[n], grads[n], atol=1e-6, rtol=1e-5)
+
+
+def test_attention_maps_with_registers_match_timm_probabilities():
+    """attention_maps of vit_small_patch14_reg4_dinov2 = timm's softmax probabilities: rows and
+    columns ordered [cls, 4 registers, patches]; the registers take part of every row's mass."""
+    ref, ours = small_pair("vit_small_patch14_reg4_dinov2", 56)
+    captured = []
+    for blk in ref.blocks:
+        blk.attn.fused_attn = False
+        blk.attn.attn_drop.register_forward_hook(lambda m, i, out: captured.append(out))
+    x = torch.randn(2, 3, 56, 56)
+    with torch.no_grad():
+        ref(x)
+        maps = ours.attention_maps(x)
+    assert len(maps) == 2 and maps[0].shape == (2, 6, 1 + 4 + 16, 1 + 4 + 16)
+    for got, want in zip(maps, captured):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    register_mass = maps[-1][..., 1:5].sum(-1)
+    assert torch.allclose(maps[-1].sum(-1), torch.ones(()), atol=1e-5) and register_mass.min() > 0.01
+
+
+def test_map_head_probabilities_rebuild_the_pooled_feature():
+    """AttentionPoolLatent.probs is the weighting the MAP head pools with: the probabilities times
+    the values, through proj and the residual MLP, give forward_head's pooled feature."""
+    _, ours = small_pair("vit_base_patch16_siglip_224", 64)
+    pool = ours.attn_pool
+    with torch.no_grad():
+        tokens = ours.forward_features(torch.randn(2, 3, 64, 64))
+        probs = pool.probs(tokens)
+        b, n, d = tokens.shape
+        v = pool.kv(tokens)[..., d:].reshape(b, n, pool.num_heads, pool.head_dim)
+        y = pool.proj(torch.einsum("bhn,bnhd->bhd", probs, v).reshape(b, 1, d))
+        y = (y + pool.mlp(pool.norm(y)))[:, 0]
+        torch.testing.assert_close(y, ours.forward_head(tokens, pre_logits=True), atol=1e-5, rtol=1e-5)
+    assert probs.shape == (2, 12, 16) and torch.allclose(probs.sum(-1), torch.ones(()), atol=1e-5)
+
+
+@pytest.mark.parametrize("name,size", [("vit_small_patch14_reg4_dinov2", 56), ("vit_base_patch16_siglip_224", 64)])
+def test_onnx_export_with_registers_and_map_head(name, size, tmp_path):
+    """ONE ONNX export with a dynamic batch; ONNX Runtime agrees with PyTorch at batch 1 and 3."""
+    pytest.importorskip("onnxruntime")
+    from vitflow.data.transforms import Preprocess
+    from vitflow.infer.export import export_onnx, verify
+    from vitflow.infer.onnx_model import ModelInfo, OnnxModel
+
+    _, model = small_pair(name, size)
+    pp = Preprocess(size, 1.0)
+    info = ModelInfo([f"c{i}" for i in range(5)], pp, {"name": name, "num_classes": 5, "img_size": size, "depth": 2})
+    path = export_onnx(model, tmp_path / "m.onnx", info)
+    check = verify(model, OnnxModel(path), torch.randn(3, 3, size, size), batch_sizes=(1, 3), tolerance=1e-4)
+    assert check.ok and check.worst <= 1e-4, check.summary()
+
+
+def test_pretrained_file_at_518_loads_into_a_224_model(tmp_path):
+    """A DINOv2-reg file of timm's native 518 px, loaded with create_model(img_size=224,
+    pretrained=...): the patch-only position embedding is resampled (no prefix rows) and the
+    model equals timm's at 224 (run-time resampling of the same table)."""
+    from vitflow.models.weights import save_safetensors
+
+    ref = perturbed_timm("vit_small_patch14_reg4_dinov2", depth=1, num_classes=4, dynamic_img_size=True)
+    save_safetensors(ref, tmp_path / "reg4.safetensors")
+    ours = vitflow.create_model("vit_small_patch14_reg4_dinov2", img_size=224, depth=1, num_classes=4,
+                                pretrained=tmp_path / "reg4.safetensors").eval()
+    assert ours.pos_embed.shape == (1, 16 * 16, 384)
+    assert_same_outputs(ref, ours, torch.randn(2, 3, 224, 224))
+
+
+def test_optimizer_groups_know_the_new_tokens():
+    """reg_token and CLIP's norm_pre sit with the embeddings (layer 0) for layer-wise lr decay,
+    the MAP head with the head; reg_token gets no weight decay."""
+    from vitflow.train.optim import layer_id
+
+    model = vitflow.create_model("vit_small_patch14_reg4_dinov2", img_size=56, depth=2)
+    assert "reg_token" in model.no_weight_decay()
+    assert layer_id("reg_token", 2) == layer_id("norm_pre.weight", 2) == 0
+    assert layer_id("attn_pool.latent", 2) == layer_id("attn_pool.mlp.fc1.weight", 2) == 3

@@ -63,7 +63,7 @@ class AttentionPoolLatent(nn.Module):
         k, v = self.kv(x).reshape(b, n, 2, h, hd).permute(2, 0, 3, 1, 4).unbind(0)
         y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, 1, d)
         y = self.proj(y)
-        y = self.mlp(self.norm(y), residual=y)
+        y = y + self.mlp(self.norm(y))
         return y[:, 0]
 
     def probs(self, x: torch.Tensor) -> torch.Tensor:

@@ -106,7 +106,7 @@ def adapt_state_dict(sd: dict[str, torch.Tensor], model: VisionTransformer) -> d
         sd.pop("pos_embed")
     elif pos is not None and pos.shape != model.pos_embed.shape:
         log.info("resampling pos_embed %s -> %s", tuple(pos.shape), tuple(model.pos_embed.shape))
-        sd["pos_embed"] = resample_pos_embed(pos, grid, model.num_prefix_tokens)
+        sd["pos_embed"] = resample_pos_embed(pos, grid, model.pos_embed_prefix_tokens)  # 0 with no_embed_class
     own = model.state_dict()
     for key in [k for k in sd if k.endswith("relative_position_bias_table")]:
         if key in own and sd[key].shape != own[key].shape:
