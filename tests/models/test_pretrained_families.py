@@ -251,3 +251,21 @@ def test_optimizer_groups_know_the_new_tokens():
     assert "reg_token" in model.no_weight_decay()
     assert layer_id("reg_token", 2) == layer_id("norm_pre.weight", 2) == 0
     assert layer_id("attn_pool.latent", 2) == layer_id("attn_pool.mlp.fc1.weight", 2) == 3
+
+
+def test_sparse_backend_and_patch_dropout_count_the_registers():
+    """With registers the prefix is 5 tokens: a local window covering the whole 4x4 grid equals
+    dense attention (registers attend and are attended to like the class token), and
+    PatchDropout keeps all 5 prefix tokens while dropping patches."""
+    ref, dense = small_pair("vit_small_patch14_reg4_dinov2", 56)
+    local = ours_from(ref, "vit_small_patch14_reg4_dinov2", img_size=56, depth=2, num_classes=5,
+                      attention="local", attn_window=3)
+    x = torch.randn(2, 3, 56, 56)
+    with torch.no_grad():
+        torch.testing.assert_close(local(x), dense(x), atol=1e-5, rtol=1e-5)
+    dropping = ours_from(ref, "vit_small_patch14_reg4_dinov2", img_size=56, depth=2, num_classes=5,
+                         patch_drop_rate=0.5).train()
+    tokens = dropping.forward_features(x)
+    assert tokens.shape == (2, 5 + 8, 384)
+    x_tok, _ = dropping._embed(x)  # the prefix tokens survive unchanged through the embedding
+    torch.testing.assert_close(dropping.patch_drop(x_tok, 5)[:, :5], x_tok[:, :5])
