@@ -214,18 +214,23 @@ def test_map_head_probabilities_rebuild_the_pooled_feature():
 
 @pytest.mark.parametrize("name,size", [("vit_small_patch14_reg4_dinov2", 56), ("vit_base_patch16_siglip_224", 64)])
 def test_onnx_export_with_registers_and_map_head(name, size, tmp_path):
-    """ONE ONNX export with a dynamic batch; ONNX Runtime agrees with PyTorch at batch 1 and 3."""
+    """ONE ONNX export with a dynamic batch (ONNX Runtime) and one TorchScript trace agree with
+    PyTorch at batch 1 and 3."""
     pytest.importorskip("onnxruntime")
     from vitflow.data.transforms import Preprocess
-    from vitflow.infer.export import export_onnx, verify
+    from vitflow.infer.export import export_onnx, export_torchscript, load_exported, verify
     from vitflow.infer.onnx_model import ModelInfo, OnnxModel
 
     _, model = small_pair(name, size)
     pp = Preprocess(size, 1.0)
     info = ModelInfo([f"c{i}" for i in range(5)], pp, {"name": name, "num_classes": 5, "img_size": size, "depth": 2})
+    x = torch.randn(3, 3, size, size)
     path = export_onnx(model, tmp_path / "m.onnx", info)
-    check = verify(model, OnnxModel(path), torch.randn(3, 3, size, size), batch_sizes=(1, 3), tolerance=1e-4)
+    check = verify(model, OnnxModel(path), x, batch_sizes=(1, 3), tolerance=1e-4)
     assert check.ok and check.worst <= 1e-4, check.summary()
+    export_torchscript(model, tmp_path / "m.ts", info)  # traced: the batch size stays free
+    check = verify(model, load_exported(tmp_path / "m.ts", "torchscript")[0], x, batch_sizes=(1, 3), tolerance=1e-4)
+    assert check.ok, check.summary()
 
 
 def test_pretrained_file_at_518_loads_into_a_224_model(tmp_path):
@@ -269,3 +274,21 @@ def test_sparse_backend_and_patch_dropout_count_the_registers():
     assert tokens.shape == (2, 5 + 8, 384)
     x_tok, _ = dropping._embed(x)  # the prefix tokens survive unchanged through the embedding
     torch.testing.assert_close(dropping.patch_drop(x_tok, 5)[:, :5], x_tok[:, :5])
+
+
+@pytest.mark.parametrize("name,size", [("vit_small_patch14_reg4_dinov2", 56), ("vit_base_patch16_siglip_224", 64)])
+def test_dynamic_int8_quantizes_blocks_and_map_head(name, size):
+    """quantize_torch (dynamic INT8 of every linear) runs on registers / LayerScale and on the MAP
+    head (its q, kv, proj, MLP quantised too); logits stay within 10% of their range."""
+    from vitflow.infer.quantize import quantize_torch
+
+    _, model = small_pair(name, size)
+    q = quantize_torch(model)
+    quantised = {n for n, m in q.named_modules() if "quantized" in type(m).__module__}
+    assert "blocks.0.attn.qkv" in quantised and "head" in quantised
+    if model.attn_pool is not None:
+        assert {"attn_pool.q", "attn_pool.kv", "attn_pool.proj", "attn_pool.mlp.fc2"} <= quantised
+    x = torch.randn(2, 3, size, size)
+    with torch.no_grad():
+        ref, got = model(x), q(x)
+    assert (got - ref).abs().max() <= 0.1 * (ref.max() - ref.min())
