@@ -65,8 +65,8 @@ class Mlp(nn.Module):
     """Two-layer MLP: ``fc1 -> act -> dropout -> fc2 -> dropout``; ``(B, N, D) -> (B, N, D)``;
     ``act_layer`` one of :data:`ACT_LAYERS` (default exact GELU).
 
-    Without autograd (inference) a GELU runs in place on fc1's output, which saves the
-    largest activation allocation of the block. With ``residual`` (``(B, N, D)``) it returns
+    Without autograd (inference) a GELU (or QuickGELU) runs in place on fc1's output, which saves
+    the largest activation allocation of the block. With ``residual`` (``(B, N, D)``) it returns
     ``residual + mlp(x)``, the add inside fc2's GEMM (:class:`~vitflow.models.matmul.Linear`)
     while dropout is inactive."""
 
@@ -82,6 +82,8 @@ class Mlp(nn.Module):
         h = self.fc1(x)
         if not torch.is_grad_enabled() and type(self.act) is nn.GELU:
             h = torch.ops.aten.gelu_(h, approximate=self.act.approximate)
+        elif not torch.is_grad_enabled() and type(self.act) is QuickGELU:
+            h = h.mul_(torch.sigmoid_(h * 1.702))
         else:
             h = self.act(h)
         h = self.drop1(h)
