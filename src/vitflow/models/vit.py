@@ -104,7 +104,7 @@ class VisionTransformer(nn.Module):
 
     def __init__(self, img_size: int = 224, patch_size: int = 16, in_chans: int = 3, num_classes: int = 1000,
                  embed_dim: int = 768, depth: int = 12, num_heads: int = 12, mlp_ratio: float = 4.0,
-                 qkv_bias: bool = True, global_pool: Literal["token", "avg"] = "token", drop_rate: float = 0.0,
+                 qkv_bias: bool = True, global_pool: Literal["token", "avg", "map"] = "token", drop_rate: float = 0.0,
                  attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0, attention: str = "sdpa",
                  pos_embed: str = "learned", layer_scale_init: float | None = None, attn_block_size: int = 128,
                  attn_window: int = 3, linformer_k: int | None = None, performer_features: int | None = None,
@@ -135,8 +135,8 @@ class VisionTransformer(nn.Module):
             Block(embed_dim, block_heads[i] if block_heads else num_heads, mlp_ratio, qkv_bias, drop_rate,
                   attn_drop_rate, dpr[i], attention, layer_scale_init,
                   block_mlp_hidden[i] if block_mlp_hidden else None, act_layer, norm_eps, mlp_layer,
-                  head_dim=head_dim, grid=grid, num_prefix_tokens=self.num_prefix_tokens, rel_pos=pos_embed == "relative",
-                  backend_options=self.attention_options)
+                  head_dim=head_dim, grid=grid, num_prefix_tokens=self.num_prefix_tokens,
+                  rel_pos=pos_embed == "relative", backend_options=self.attention_options)
             for i in range(depth)
         ])
         self._build_head(num_heads, mlp_ratio, global_pool == "avg" if fc_norm is None else fc_norm, norm_eps,
