@@ -63,6 +63,7 @@ def test_registry_has_paper_sizes():
     assert (MODELS["vit_huge_patch32_224"]["embed_dim"], MODELS["vit_huge_patch32_224"]["depth"]) == (1280, 32)
     assert vitflow.list_models("vit_small_*", family="vit") == ["vit_small_patch16_224", "vit_small_patch32_224",
                                                                 "vit_small_patch4_32"]
+    assert "vit_small_patch14_reg4_dinov2" in vitflow.list_models("vit_small_*")  # the dinov2 family's
     with pytest.raises(ValueError, match="vit_tiny_patch16_224"):
         vitflow.create_model("vit_tiny_patch16_244")
 

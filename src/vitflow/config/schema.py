@@ -47,7 +47,7 @@ class ModelConfig:
     num_heads: int | None = None  # attention heads; None = the variant's
     mlp_ratio: float | None = None  # MLP hidden width / embed_dim; None = the variant's
     patch_size: int | None = None  # patch side in pixels; None = the variant's
-    global_pool: Literal["token", "avg"] | None = None  # None = the variant's (class token for most)
+    global_pool: Literal["token", "avg", "map"] | None = None  # None = the variant's; map: attention pooling
     # sdpa | math | blockwise | local | axial | linformer | performer | auto (times the exact ones)
     attention: Literal["sdpa", "math", "blockwise", "local", "axial", "linformer", "performer", "auto"] = "sdpa"
     attn_block_size: int = 128  # blockwise: keys per block (memory ~ N * block)

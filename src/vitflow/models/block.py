@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vitflow.models.attention import AttentionContext, attention_probs, make_kernel, split_heads
 from vitflow.models.grad_checkpointing import CheckpointPlan
-from vitflow.models.layers import LN_EPS, DropPath, LayerScale, Mlp, active
+from vitflow.models.layers import LN_EPS, DropPath, LayerScale, Mlp, SwiGLUPacked, active, make_mlp
 from vitflow.models.matmul import Linear
 from vitflow.models.position import RelativePositionBias
 
@@ -89,7 +89,10 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer encoder block: ``x + ls1(attn(norm1(x)))`` then ``x + ls2(mlp(norm2(x)))``
     (each branch through stochastic depth). ``mlp_hidden`` overrides ``int(dim * mlp_ratio)`` and
-    ``attn_kwargs`` may carry ``head_dim`` (pruned blocks, :mod:`vitflow.infer.prune`).
+    ``attn_kwargs`` may carry ``head_dim`` (pruned blocks, :mod:`vitflow.infer.prune`);
+    ``act_layer`` is the MLP activation (:data:`~vitflow.models.layers.ACT_LAYERS`), ``norm_eps``
+    the LayerNorm epsilon (1e-6 as in ViT; CLIP 1e-5), ``mlp_layer`` ``"mlp"`` or
+    ``"swiglu_packed"`` (:func:`~vitflow.models.layers.make_mlp`).
 
     ``(B, N, D) -> (B, N, D)``. Where a branch adds its output unscaled (no LayerScale, stochastic
     depth and dropout inactive) the residual add runs inside the branch's last GEMM
@@ -100,14 +103,15 @@ class Block(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
                  drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0, attention: str = "sdpa",
-                 layer_scale_init: float | None = None, mlp_hidden: int | None = None, **attn_kwargs):
+                 layer_scale_init: float | None = None, mlp_hidden: int | None = None, act_layer: str = "gelu",
+                 norm_eps: float = LN_EPS, mlp_layer: str = "mlp", **attn_kwargs):
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=LN_EPS)
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
         self.attn = Attention(dim, num_heads, qkv_bias, attn_drop, drop, attention, **attn_kwargs)
         self.ls1 = LayerScale(dim, layer_scale_init) if layer_scale_init is not None else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.norm2 = nn.LayerNorm(dim, eps=LN_EPS)
-        self.mlp = Mlp(dim, mlp_hidden or int(dim * mlp_ratio), drop)
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
+        self.mlp = make_mlp(mlp_layer, dim, mlp_hidden or int(dim * mlp_ratio), drop, act_layer)
         self.ls2 = LayerScale(dim, layer_scale_init) if layer_scale_init is not None else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
@@ -115,14 +119,23 @@ class Block(nn.Module):
         if self.residual_in_gemm():
             x = self.attn(self.norm1(x), grid, residual=x)
             return self.mlp(self.norm2(x), residual=x)
+        if self.residual_in_layer_scale():
+            x = self.ls1(self.attn(self.norm1(x), grid), residual=x)
+            return self.ls2(self.mlp(self.norm2(x)), residual=x)
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), grid)))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+    def residual_in_layer_scale(self) -> bool:
+        """Both branches end in a :class:`~vitflow.models.layers.LayerScale` (DeiT III, DINOv2) and
+        stochastic depth is inactive: ``x + gamma * branch`` runs as one ``addcmul`` pass."""
+        return (type(self.ls1) is LayerScale and type(self.ls2) is LayerScale
+                and not (active(self.drop_path1) or active(self.drop_path2)))
 
     def residual_in_gemm(self) -> bool:
         """Both branches are vitflow's own modules (export and quantization swap in others), end in
         a :class:`~vitflow.models.matmul.Linear` whose output no forward hook inspects, and add
         their output unscaled: no LayerScale, stochastic depth inactive."""
-        return (isinstance(self.attn, Attention) and isinstance(self.mlp, Mlp)
+        return (isinstance(self.attn, Attention) and isinstance(self.mlp, (Mlp, SwiGLUPacked))
                 and type(self.ls1) is nn.Identity and type(self.ls2) is nn.Identity
                 and not (active(self.drop_path1) or active(self.drop_path2))
                 and all(type(m) is Linear and not m._forward_hooks for m in (self.attn.proj, self.mlp.fc2)))

@@ -1,6 +1,6 @@
-"""The small layers of a transformer encoder: patch embedding, MLP, stochastic depth,
-PatchDropout and LayerScale. Parameter names follow timm's (``patch_embed.proj``, ``mlp.fc1``,
-``mlp.fc2``, ``ls1.gamma``)."""
+"""The small layers of a transformer encoder: patch embedding, MLP and its activations, stochastic
+depth, PatchDropout and LayerScale. Parameter names follow timm's (``patch_embed.proj``,
+``mlp.fc1``, ``mlp.fc2``, ``ls1.gamma``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,32 @@ import torch.nn as nn
 
 from vitflow.models.matmul import Linear
 
-LN_EPS = 1e-6  # the ViT / timm LayerNorm epsilon
+LN_EPS = 1e-6  # the ViT / timm LayerNorm epsilon (CLIP towers use 1e-5)
+ACT_LAYERS = ("gelu", "gelu_tanh", "quick_gelu")  # timm's act_layer names of the MLP activation
+
+
+class QuickGELU(nn.Module):
+    """``x * sigmoid(1.702 x)``: the GELU approximation of OpenAI's CLIP (Radford et al. 2021;
+    timm's ``quick_gelu``). Any shape, elementwise."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+def make_act(name: str) -> nn.Module:
+    """The MLP activation ``name`` of :data:`ACT_LAYERS`: ``gelu`` (exact, erf; Hendrycks & Gimpel
+    2016), ``gelu_tanh`` (the tanh approximation, big_vision / SigLIP) or ``quick_gelu`` (CLIP).
+
+    Raises:
+        ValueError: another name.
+    """
+    if name == "gelu":
+        return nn.GELU()
+    if name == "gelu_tanh":
+        return nn.GELU(approximate="tanh")
+    if name == "quick_gelu":
+        return QuickGELU()
+    raise ValueError(f"act_layer must be one of {', '.join(ACT_LAYERS)}, got {name!r}")
 
 
 class PatchEmbed(nn.Module):
@@ -17,46 +42,97 @@ class PatchEmbed(nn.Module):
 
     Input ``(B, C, H, W)`` float -> output ``(B, N, D)`` with ``N = (H / p) * (W / p)``.
 
+    With ``truncate`` a side that is not a multiple of the patch loses its last pixels (what
+    timm's strided convolution does for SigLIP so400m/14 at 384 px: 27 patches cover 378 px).
+
     Raises:
-        ValueError: H or W is not a multiple of the patch size.
+        ValueError: H or W is not a multiple of the patch size (without ``truncate``).
     """
 
-    def __init__(self, patch_size: int, in_chans: int, embed_dim: int):
+    def __init__(self, patch_size: int, in_chans: int, embed_dim: int, bias: bool = True, truncate: bool = False):
         super().__init__()
-        self.patch_size = patch_size
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+        self.patch_size, self.truncate = patch_size, truncate
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, w = x.shape[-2:]
-        if h % self.patch_size or w % self.patch_size:
+        if (h % self.patch_size or w % self.patch_size) and not self.truncate:
             raise ValueError(f"input size {h}x{w} is not a multiple of patch size {self.patch_size}")
         return self.proj(x).flatten(2).transpose(1, 2)
 
 
 class Mlp(nn.Module):
-    """Two-layer GELU MLP: ``fc1 -> GELU -> dropout -> fc2 -> dropout``; ``(B, N, D) -> (B, N, D)``.
+    """Two-layer MLP: ``fc1 -> act -> dropout -> fc2 -> dropout``; ``(B, N, D) -> (B, N, D)``;
+    ``act_layer`` one of :data:`ACT_LAYERS` (default exact GELU).
 
-    Without autograd (inference) the GELU runs in place on fc1's output, which saves the
-    largest activation allocation of the block. With ``residual`` (``(B, N, D)``) it returns
+    Without autograd (inference) a GELU (or QuickGELU) runs in place on fc1's output, which saves
+    the largest activation allocation of the block. With ``residual`` (``(B, N, D)``) it returns
     ``residual + mlp(x)``, the add inside fc2's GEMM (:class:`~vitflow.models.matmul.Linear`)
     while dropout is inactive."""
 
-    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0):
+    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0, act_layer: str = "gelu"):
         super().__init__()
         self.fc1 = Linear(dim, hidden_dim)
-        self.act = nn.GELU()
+        self.act = make_act(act_layer)
         self.drop1 = nn.Dropout(drop)
         self.fc2 = Linear(hidden_dim, dim)
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         h = self.fc1(x)
-        h = torch.ops.aten.gelu_(h) if not torch.is_grad_enabled() else self.act(h)
+        if not torch.is_grad_enabled() and type(self.act) is nn.GELU:
+            h = torch.ops.aten.gelu_(h, approximate=self.act.approximate)
+        elif not torch.is_grad_enabled() and type(self.act) is QuickGELU:
+            h = h.mul_(torch.sigmoid_(h * 1.702))
+        else:
+            h = self.act(h)
         h = self.drop1(h)
         if residual is not None and not active(self.drop2):
             return self.fc2(h, residual=residual)
         out = self.drop2(self.fc2(h))
         return out if residual is None else residual + out
+
+
+class SwiGLUPacked(nn.Module):
+    """SwiGLU MLP with the value and gate in one ``fc1`` (Shazeer 2020, "GLU Variants Improve
+    Transformer"; timm's ``SwiGLUPacked``, DINOv2-giant): ``fc2(silu(a) * b)`` with ``a, b`` the
+    first and second half of ``fc1(x)``. ``hidden_dim`` is fc1's width (twice the gated width).
+    ``(B, N, D) -> (B, N, D)``; ``residual`` as :class:`Mlp`.
+
+    Raises:
+        ValueError: odd ``hidden_dim``.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0):
+        super().__init__()
+        if hidden_dim % 2:
+            raise ValueError(f"SwiGLU needs an even fc1 width, got {hidden_dim}")
+        self.fc1 = Linear(dim, hidden_dim)
+        self.act = nn.SiLU()
+        self.drop1 = nn.Dropout(drop)
+        self.fc2 = Linear(hidden_dim // 2, dim)
+        self.drop2 = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        a, b = self.fc1(x).chunk(2, dim=-1)
+        h = self.drop1(self.act(a) * b)
+        if residual is not None and not active(self.drop2):
+            return self.fc2(h, residual=residual)
+        out = self.drop2(self.fc2(h))
+        return out if residual is None else residual + out
+
+
+MLP_LAYERS = ("mlp", "swiglu_packed")
+
+
+def make_mlp(kind: str, dim: int, hidden_dim: int, drop: float = 0.0, act_layer: str = "gelu") -> nn.Module:
+    """:class:`Mlp` (``kind="mlp"``, with ``act_layer``) or :class:`SwiGLUPacked` (its SiLU gate is
+    fixed). Raises ValueError for another kind."""
+    if kind == "mlp":
+        return Mlp(dim, hidden_dim, drop, act_layer)
+    if kind == "swiglu_packed":
+        return SwiGLUPacked(dim, hidden_dim, drop)
+    raise ValueError(f"mlp_layer must be one of {', '.join(MLP_LAYERS)}, got {kind!r}")
 
 
 def active(drop: nn.Module) -> bool:
@@ -114,5 +190,6 @@ class LayerScale(nn.Module):
         super().__init__()
         self.gamma = nn.Parameter(torch.full((dim,), float(init_values)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.gamma
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``gamma * x``, or with ``residual`` ``residual + gamma * x`` in one pass (``addcmul``)."""
+        return x * self.gamma if residual is None else torch.addcmul(residual, x, self.gamma)

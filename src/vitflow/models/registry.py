@@ -21,9 +21,10 @@ from vitflow.models.beit import BEIT
 from vitflow.models.eva_variants import DINOV3, EVA02
 from vitflow.models.family import ModelFamily
 from vitflow.models.grad_checkpointing import CheckpointPlan
+from vitflow.models.pretrained_variants import PRETRAINED_FAMILIES
 from vitflow.models.vit_variants import VIT
 
-FAMILIES: tuple[ModelFamily, ...] = (VIT, BEIT, EVA02, DINOV3)
+FAMILIES: tuple[ModelFamily, ...] = (VIT, *PRETRAINED_FAMILIES, BEIT, EVA02, DINOV3)
 MODELS: dict[str, dict[str, Any]] = {name: args for f in FAMILIES for name, args in f.variants.items()}
 
 
@@ -104,7 +105,7 @@ def check_config(m: ModelConfig) -> None:
                           "model.name")
     size = m.img_size or MODELS[m.name].get("img_size", 224)
     patch = m.patch_size or MODELS[m.name].get("patch_size", 16)
-    if size % patch:
+    if size % patch and not MODELS[m.name].get("truncate_patches"):
         raise ConfigError(f"model.img_size={size!r} is invalid: must be a multiple of the patch size {patch}",
                           "model.img_size")
     try:

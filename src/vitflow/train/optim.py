@@ -10,9 +10,10 @@ from vitflow.config import OptimConfig
 
 def layer_id(name: str, depth: int) -> int:
     """Depth of parameter ``name`` for layer-wise lr decay (BEiT, Bao et al. 2022): 0 for the
-    patch embedding, position embedding and class / distillation tokens, ``i + 1`` for
-    ``blocks.i.*``, ``depth + 1`` for everything after the blocks (final norm, heads)."""
-    if name.startswith(("patch_embed", "pos_embed", "cls_token", "dist_token", "reg_token")):
+    patch embedding, position embedding, class / distillation / register tokens and the
+    pre-block norm (CLIP's ``norm_pre``), ``i + 1`` for ``blocks.i.*``, ``depth + 1`` for
+    everything after the blocks (final norm, attention pool, heads)."""
+    if name.startswith(("patch_embed", "pos_embed", "cls_token", "dist_token", "reg_token", "norm_pre")):
         return 0
     if name.startswith("blocks."):
         return int(name.split(".")[1]) + 1
