@@ -160,8 +160,9 @@ def knn_evaluate(spec: str | Path, k: int = 20, data: str | None = None, overrid
     dcfg = _knn_data_config(bb, data, overrides)
     dev = resolve_device(device)
     model, pp = bb.model.to(dev).eval(), bb.preprocess
-    bank_src = open_split(dcfg.path, dcfg.train_split, dcfg.source, classes=bb.classes if bb.config else None,
-                          cfg=dcfg)
+    own_data = bb.config is not None and not data and not any(o.startswith("data.path=") for o in overrides)
+    bank_src = open_split(dcfg.path, dcfg.train_split, dcfg.source, classes=bb.classes if own_data else None,
+                          cfg=dcfg)  # other data: its own classes (k-NN reads no head)
     role, split = scored_split(dcfg)
     query_src = open_split(dcfg.path, split, dcfg.source, classes=list(bank_src.classes), cfg=dcfg)
     bs = batch_size or dcfg.eval_batch_size or 256
