@@ -164,6 +164,9 @@ def test_pretrained_families(tmp_path, capsys, name, lora):
         base.load_state_dict({k: v for k, v in saved.items() if "lora_" not in k})
         with torch.no_grad():
             assert (base.eval()(x) - want).abs().max() > 0.1
+        as_pretrained = create_model(name, pretrained=str(ckpt), num_classes=3, img_size=28, depth=2).eval()
+        with torch.no_grad():  # the LoRA checkpoint itself as model.pretrained: merged on load (models.weights)
+            assert (as_pretrained(x) - want).abs().max() <= 1e-5
 
     model, pre = create_pretrained_model(str(out))  # model.pretrained=DIR: models.hub + weights
     assert pre.model_kwargs["depth"] == 2 and pre.preprocess["input_size"] == 28 and pre.label_names == ["x", "y", "z"]

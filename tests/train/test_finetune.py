@@ -136,6 +136,16 @@ def test_lora_trains_only_adapters_and_head_and_its_checkpoint_serves_a_plain_mo
     export_onnx(served, tmp_path / "model.onnx", info)  # as `vitflow export` does
     torch.testing.assert_close(OnnxModel(tmp_path / "model.onnx")(x), expected, atol=1e-4, rtol=1e-4)
 
+    # the LoRA checkpoint as model.pretrained: adapters merged on load (models/weights.py read_state_dict)
+    merged = served.state_dict()
+    assert not torch.allclose(merged["blocks.0.attn.qkv.weight"], pretrained.state_dict()["blocks.0.attn.qkv.weight"])
+    loaded = create_model("vit_digits_patch2_8", pretrained=r["checkpoint"], num_classes=10).eval()
+    assert set(loaded.state_dict()) == set(merged)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), expected, atol=1e-5, rtol=1e-5)
+    again = Trainer(digits_config(tmp_path / "run2", *FAST, f"model.pretrained={r['checkpoint']}"))
+    assert all(torch.allclose(again.model.state_dict()[k], v, atol=1e-6) for k, v in merged.items())
+
 
 def test_lora_checkpoint_quantises_to_a_plain_int8_model(tmp_path):
     from vitflow.infer.quantize import quantize_file
