@@ -180,6 +180,11 @@ def test_pretrained_families(tmp_path, capsys, name, lora):
         rows.append([json.loads(line) for line in capsys.readouterr().out.strip().splitlines()])
     assert rows[0] == rows[1] and len(rows[0]) == 3
 
+    del config["vitflow"]  # as timm would have written it: vitflow reads architecture + model_args (depth)
+    (out / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        assert (read_hub_folder(out).model(x) - want).abs().max() <= 1e-6
+
 
 def test_pretrained_family_options_timm_lacks_are_refused(tmp_path, capsys):
     ckpt = fake_checkpoint(tmp_path, "vit_small_patch14_dinov2", img_size=28, norm_eps=1e-3)
