@@ -131,7 +131,7 @@ def test_hf_hub_name_from_offline_cache(tmp_path, offline_hub):
 def test_pos_embed_resampled_without_class_position():
     """``no_embed_class`` (DINOv2 +reg4): every row of pos_embed is a grid position; resampled as
     timm resamples it."""
-    timm = pytest.importorskip("timm")
+    pytest.importorskip("timm")
     from timm.layers import resample_abs_pos_embed
     from timm.models.vision_transformer import VisionTransformer as TimmViT
 

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -161,6 +163,32 @@ class Blocks(nn.Sequential):
         for blk in self:
             x = checkpoint(blk, x, grid, use_reentrant=False) if recompute and blk.grad_checkpointing else blk(x, grid)
         return x
+
+    def attention_maps(self, x: torch.Tensor, grid: tuple[int, int],
+                       layers: int | Sequence[int] | None = None) -> list[torch.Tensor]:
+        """Attention probabilities of the blocks ``layers`` (indices, negative from the end;
+        ``None`` = all) for tokens ``x`` ``(B, N, D)`` entering the first block: one float32
+        ``(B, H, N, N)`` per requested block, in the order given, from each block's
+        ``attn.probs(norm1(x), grid)`` (explicit, whatever the backend). Runs the blocks up to the
+        deepest requested one, under the caller's grad mode.
+
+        Raises:
+            IndexError: a layer index out of range.
+        """
+        depth = len(self)
+        wanted = list(range(depth)) if layers is None else [layers] if isinstance(layers, int) else list(layers)
+        for i in wanted:
+            if not -depth <= i < depth:
+                raise IndexError(f"layer {i} out of range for a {depth}-block model")
+        wanted = [i % depth for i in wanted]
+        maps: dict[int, torch.Tensor] = {}
+        for i, blk in enumerate(self):
+            if i > max(wanted):
+                break
+            if i in wanted:
+                maps[i] = blk.attn.probs(blk.norm1(x), grid)
+            x = blk(x, grid)
+        return [maps[i] for i in wanted]
 
     def set_checkpointed(self, indices: frozenset[int]) -> None:
         """Checkpoint exactly the blocks ``indices``."""

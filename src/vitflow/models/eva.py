@@ -27,7 +27,7 @@ from vitflow.models.block import Blocks
 from vitflow.models.eva_block import EvaAttention, EvaBlock, EvaSplitAttention
 from vitflow.models.glu import PackedSwiGLU, SwiGLU
 from vitflow.models.grad_checkpointing import CheckpointPlan
-from vitflow.models.layers import Mlp, PatchEmbed
+from vitflow.models.layers import Mlp, PatchEmbed, classifier_head
 from vitflow.models.matmul import Linear, check_mode
 from vitflow.models.position import resample_pos_embed
 from vitflow.models.rope import Rope2d
@@ -227,27 +227,13 @@ class Eva(nn.Module):
         """Per-layer attention probabilities, one float32 ``(B, H, N, N)`` per requested block
         (negative indices count from the end; ``None`` = all), computed explicitly whatever the
         backend; token order: class, registers, patches. Raises IndexError for a bad index."""
-        depth = len(self.blocks)
-        wanted = list(range(depth)) if layers is None else [layers] if isinstance(layers, int) else list(layers)
-        for i in wanted:
-            if not -depth <= i < depth:
-                raise IndexError(f"layer {i} out of range for a {depth}-block model")
-        wanted = [i % depth for i in wanted]
-        maps: dict[int, torch.Tensor] = {}
         x, grid = self._embed(x)
-        for i, blk in enumerate(self.blocks[:max(wanted) + 1]):
-            if i in wanted:
-                maps[i] = blk.attn.probs(blk.norm1(x), grid)
-            x = blk(x, grid)
-        return [maps[i] for i in wanted]
+        return self.blocks.attention_maps(x, grid, layers)
 
     def reset_classifier(self, num_classes: int) -> None:
         """Replace the head with a freshly initialised ``Linear(embed_dim, num_classes)``."""
         self.num_classes = num_classes
-        self.head = Linear(self.embed_dim, num_classes, gemm=self.cpu_bf16_matmul) if num_classes > 0 else nn.Identity()
-        if num_classes > 0:
-            nn.init.trunc_normal_(self.head.weight, std=0.02)
-            nn.init.zeros_(self.head.bias)
+        self.head = classifier_head(self.embed_dim, num_classes, self.cpu_bf16_matmul)
 
 
 def _check_args(img_size: int, patch_size: int, mlp: str, sub_ln: bool, global_pool: str, class_token: bool,

@@ -37,6 +37,18 @@ def make_act(name: str) -> nn.Module:
     raise ValueError(f"act_layer must be one of {', '.join(ACT_LAYERS)}, got {name!r}")
 
 
+def classifier_head(embed_dim: int, num_classes: int, gemm: str = "auto") -> nn.Module:
+    """A freshly initialised classifier ``Linear(embed_dim, num_classes)`` (weights truncated
+    normal, std 0.02; zero bias, as timm's ``reset_classifier``) with the model's bf16 GEMM
+    choice; ``nn.Identity()`` for ``num_classes == 0`` (features only)."""
+    if num_classes <= 0:
+        return nn.Identity()
+    head = Linear(embed_dim, num_classes, gemm=gemm)
+    nn.init.trunc_normal_(head.weight, std=0.02)
+    nn.init.zeros_(head.bias)
+    return head
+
+
 class PatchEmbed(nn.Module):
     """Non-overlapping patch embedding by a strided convolution.
 

@@ -27,7 +27,7 @@ import torch.nn as nn
 from vitflow.models.autotune import per_shape_choices
 from vitflow.models.block import Attention, Block, Blocks
 from vitflow.models.grad_checkpointing import CheckpointPlan
-from vitflow.models.layers import LN_EPS, PatchDropout, PatchEmbed
+from vitflow.models.layers import LN_EPS, PatchDropout, PatchEmbed, classifier_head
 from vitflow.models.matmul import Linear, check_mode
 from vitflow.models.pool import AttentionPoolLatent, pool_tokens
 from vitflow.models.position import resample_pos_embed, sincos_2d
@@ -338,26 +338,11 @@ class VisionTransformer(nn.Module):
         Raises:
             IndexError: a layer index out of range.
         """
-        depth = len(self.blocks)
-        wanted = list(range(depth)) if layers is None else [layers] if isinstance(layers, int) else list(layers)
-        for i in wanted:
-            if not -depth <= i < depth:
-                raise IndexError(f"layer {i} out of range for a {depth}-block model")
-        wanted = [i % depth for i in wanted]
-        maps: dict[int, torch.Tensor] = {}
         x, grid = self._embed(x)
-        x = self.norm_pre(x)
-        for i, blk in enumerate(self.blocks[:max(wanted) + 1]):
-            if i in wanted:
-                maps[i] = blk.attn.probs(blk.norm1(x), grid)
-            x = blk(x, grid)
-        return [maps[i] for i in wanted]
+        return self.blocks.attention_maps(self.norm_pre(x), grid, layers)
 
     def reset_classifier(self, num_classes: int) -> None:
         """Replace the head with a freshly initialised ``Linear(embed_dim, num_classes)``."""
         self.num_classes = num_classes
-        self.head = Linear(self.embed_dim, num_classes, gemm=self.cpu_bf16_matmul) if num_classes > 0 else nn.Identity()
-        if num_classes > 0:
-            nn.init.trunc_normal_(self.head.weight, std=0.02)
-            nn.init.zeros_(self.head.bias)
+        self.head = classifier_head(self.embed_dim, num_classes, self.cpu_bf16_matmul)
 

@@ -167,7 +167,7 @@ def adapt_state_dict(sd: dict[str, torch.Tensor], model: torch.nn.Module) -> dic
         log.info("dropping the file's learned pos_embed: the model has none (pos_embed=%s)",
                  getattr(model, "pos_embed_type", "rope or fixed"))
         sd.pop("pos_embed")
-    elif pos is not None and pos.shape != own_pos.shape:
+    elif pos is not None and pos.shape != own_pos.shape and pos.shape[-1] == own_pos.shape[-1]:  # another grid
         prefix = 0 if getattr(model, "no_embed_class", False) else int(getattr(model, "num_prefix_tokens", 1))
         log.info("resampling pos_embed %s -> %s", tuple(pos.shape), tuple(own_pos.shape))
         sd["pos_embed"] = resample_pos_embed(pos, grid, prefix)
