@@ -2,8 +2,16 @@
 
 import json
 
+import pytest
+import torch
+
 from vitflow.cli import main
-from vitflow.infer.bench import PATHS, Timing
+from vitflow.data.transforms import Preprocess
+from vitflow.infer.bench import PATHS, Timing, build_paths
+from vitflow.infer.onnx_model import ModelInfo
+from vitflow.models import create_model
+
+pytest.importorskip("timm")
 
 
 def test_timing_summary_percentiles():
@@ -27,3 +35,26 @@ def test_bench_infer_json_format(digits_run, capsys):
         assert 0 < v["latency_ms_p50"] <= v["latency_ms_p90"] and v["throughput_ips"] > 0
     table = captured.err
     assert "best vitflow path" in table and "timm's best path" in table
+
+
+@pytest.mark.parametrize("name,sizes", [("vit_small_patch16_dinov3_qkvb", dict(img_size=32, embed_dim=64, num_heads=2)),
+                                        ("vit_base_patch16_siglip_224", dict(img_size=32, embed_dim=64, num_heads=2,
+                                                                             mlp_ratio=2.0))])
+def test_timm_reference_is_the_same_name_model(name, sizes, tmp_path):
+    """For the pretrained families the timm path is timm's model of the same name, told the same
+    sizes, with vitflow's weights: both compute the same function (1e-5)."""
+    torch.manual_seed(0)
+    args = {"name": name, "num_classes": 3, "depth": 2, **sizes}
+    model = create_model(**args)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # off the initial values (near-zero head, LayerScale)
+    info = ModelInfo(["a", "b", "c"], Preprocess(32), args)
+    runners, notes = build_paths(model.eval(), info, tmp_path, ("timm_eager_fp32", "eager_fp32"))
+    timm_ref = runners["timm_eager_fp32"]
+    assert type(timm_ref).__module__.startswith("timm.") and timm_ref.default_cfg["architecture"] == name
+    assert notes["timm_eager_fp32"] == f"timm {type(timm_ref).__name__}, fp32"
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        want = runners["eager_fp32"](x)
+        assert want.abs().max() > 0.1 and torch.allclose(timm_ref(x), want, atol=1e-5, rtol=1e-5)

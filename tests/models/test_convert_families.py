@@ -1,6 +1,8 @@
 """Foreign layouts -> timm names, one test per layout: a random-initialised transformers model
 (small config) is converted and loaded with strict=True into the timm model of the matching
-configuration, which must give the same features and pooled output (1e-5, fp32).
+configuration, which must give the same features and pooled output (1e-5, fp32). Each test runs
+twice (``side``): against timm's model, and against vitflow's own model of the same family
+(``vitflow.create_model(<variant>, <the same small sizes>)``), since vitflow uses timm's names.
 
 Where the libraries' defaults differ the timm side is configured to match, as stated per test
 (LayerNorm eps: transformers' BEiT 1e-12, CLIP 1e-5, DINOv3 1e-5, timm's default 1e-6;
@@ -11,6 +13,7 @@ from functools import partial
 import pytest
 import torch
 
+import vitflow
 from vitflow.models.convert_openclip import convert_openclip
 from vitflow.models.weights import convert_layout, detect_layout
 
@@ -23,7 +26,20 @@ from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, image_size=28,
              patch_size=14)
 VIT = dict(img_size=28, patch_size=14, embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0)
+VITFLOW = dict(img_size=28, patch_size=14, embed_dim=64, depth=2, num_heads=2)  # VIT's sizes for create_model
 TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(params=["timm", "vitflow"])
+def side(request):
+    """Which implementation the converted state dict is loaded into."""
+    return request.param
+
+
+def target(side, timm_model, name, **sizes):
+    """The model under test: ``timm_model()`` (timm's class, configured as the source), or
+    vitflow's registered variant ``name`` with the same ``sizes`` (create_model overrides), in eval mode."""
+    return (timm_model() if side == "timm" else vitflow.create_model(name, **sizes)).eval()
 
 
 def randomised(model):
@@ -45,9 +61,10 @@ def image(size=28, batch=2):
     return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0))
 
 
-def test_dinov2():
+def test_dinov2(side):
     ref = randomised(transformers.Dinov2Model(transformers.Dinov2Config(**{**SMALL, "intermediate_size": 256})))
-    ours = VisionTransformer(**{**VIT, "mlp_ratio": 4.0}, init_values=1.0, num_classes=0).eval()
+    ours = target(side, lambda: VisionTransformer(**{**VIT, "mlp_ratio": 4.0}, init_values=1.0, num_classes=0),
+                  "vit_small_patch14_dinov2", **VITFLOW, mlp_ratio=4.0)
     ours.load_state_dict(converted(ref.state_dict(), "hf_dinov2"), strict=True)
     x = image()
     out = ref(pixel_values=x)
@@ -55,12 +72,13 @@ def test_dinov2():
     assert torch.allclose(ours(x), out.pooler_output, **TOL)
 
 
-def test_dinov2_with_registers():
+def test_dinov2_with_registers(side):
     """The class token's position is folded into ``cls_token``; timm's ``no_embed_class``."""
     cfg = transformers.Dinov2WithRegistersConfig(**{**SMALL, "intermediate_size": 256}, num_register_tokens=4)
     ref = randomised(transformers.Dinov2WithRegistersModel(cfg))
-    ours = VisionTransformer(**{**VIT, "mlp_ratio": 4.0}, init_values=1.0, reg_tokens=4, no_embed_class=True,
-                             num_classes=0).eval()
+    ours = target(side, lambda: VisionTransformer(**{**VIT, "mlp_ratio": 4.0}, init_values=1.0, reg_tokens=4,
+                                                  no_embed_class=True, num_classes=0),
+                  "vit_small_patch14_reg4_dinov2", **VITFLOW, mlp_ratio=4.0)
     ours.load_state_dict(converted(ref.state_dict(), "hf_dinov2"), strict=True)
     x = image()
     out = ref(pixel_values=x)
@@ -68,14 +86,18 @@ def test_dinov2_with_registers():
     assert torch.allclose(ours(x), out.pooler_output, **TOL)
 
 
-def test_dinov3():
-    """timm's DINOv3 (``Eva`` with DINOv3 RoPE, q/v biases apart, LayerNorm eps 1e-5)."""
+def test_dinov3(side):
+    """timm's DINOv3 (``Eva`` with DINOv3 RoPE, q/v biases apart, LayerNorm eps 1e-5); vitflow's
+    ``_qkvb`` variant, class-token pooling as transformers' ``pooler_output``."""
     cfg = transformers.DINOv3ViTConfig(**{**SMALL, "image_size": 32, "patch_size": 16}, num_register_tokens=4)
     ref = randomised(transformers.DINOv3ViTModel(cfg))
-    ours = Eva(img_size=32, patch_size=16, embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0, qkv_bias=True,
-               init_values=1.0, rope_type="dinov3", rope_temperature=100, rope_rotate_half=True, use_rot_pos_emb=True,
-               use_abs_pos_emb=False, num_reg_tokens=4, use_fc_norm=False, global_pool="token", num_classes=0,
-               norm_layer=partial(torch.nn.LayerNorm, eps=1e-5)).eval()
+    ours = target(side, lambda: Eva(
+        img_size=32, patch_size=16, embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0, qkv_bias=True, init_values=1.0,
+        rope_type="dinov3", rope_temperature=100, rope_rotate_half=True, use_rot_pos_emb=True, use_abs_pos_emb=False,
+        num_reg_tokens=4, use_fc_norm=False, global_pool="token", num_classes=0,
+        norm_layer=partial(torch.nn.LayerNorm, eps=1e-5)),
+        "vit_small_patch16_dinov3_qkvb", **{**VITFLOW, "img_size": 32, "patch_size": 16}, mlp_ratio=2.0,
+        global_pool="token")
     ours.load_state_dict(converted(ref.state_dict(), "hf_dinov3"), strict=True)
     x = image(32)
     out = ref(pixel_values=x)
@@ -89,9 +111,15 @@ def clip_timm(num_classes=0):
                              norm_layer=partial(torch.nn.LayerNorm, eps=1e-5), num_classes=num_classes).eval()
 
 
-def test_clip_vision_model():
+def clip_target(side, num_classes=0):
+    """:func:`clip_timm`, or vitflow's OpenAI-style CLIP tower (``_quickgelu``) of the same sizes."""
+    return target(side, lambda: clip_timm(num_classes), "vit_base_patch16_clip_quickgelu_224", **VITFLOW,
+                  mlp_ratio=2.0, num_classes=num_classes)
+
+
+def test_clip_vision_model(side):
     ref = randomised(transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**SMALL)))
-    ours = clip_timm()
+    ours = clip_target(side)
     ours.load_state_dict(converted(ref.state_dict(), "hf_clip"), strict=True)
     x = image()
     out = ref(pixel_values=x)
@@ -99,12 +127,12 @@ def test_clip_vision_model():
     assert torch.allclose(ours(x), out.pooler_output, **TOL)
 
 
-def test_clip_model_full():
+def test_clip_model_full(side):
     """A full ``CLIPModel``: the vision tower plus ``visual_projection`` as the head (zero bias)."""
     text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=99)
     cfg = transformers.CLIPConfig(text_config=text, vision_config=SMALL, projection_dim=24)
     ref = randomised(transformers.CLIPModel(cfg))
-    ours = clip_timm(num_classes=24)
+    ours = clip_target(side, num_classes=24)
     ours.load_state_dict(converted(ref.state_dict(), "hf_clip"), strict=True)
     x = image()
     expected = ref.get_image_features(pixel_values=x)
@@ -112,14 +140,17 @@ def test_clip_model_full():
     assert torch.allclose(ours(x), expected, **TOL)
 
 
-def siglip_timm():
-    """timm's SigLIP tower: no class token, MAP head, tanh-GELU (transformers' gelu_pytorch_tanh)."""
-    return VisionTransformer(**VIT, class_token=False, global_pool="map", act_layer="gelu_tanh", num_classes=0).eval()
+def siglip_target(side):
+    """timm's SigLIP tower: no class token, MAP head, tanh-GELU (transformers' gelu_pytorch_tanh); or
+    vitflow's SigLIP tower with tanh-GELU (``vit_base_patch32_siglip_256``) of the same sizes."""
+    return target(side, lambda: VisionTransformer(**VIT, class_token=False, global_pool="map", act_layer="gelu_tanh",
+                                                  num_classes=0),
+                  "vit_base_patch32_siglip_256", **VITFLOW, mlp_ratio=2.0)
 
 
-def test_siglip_vision_model():
+def test_siglip_vision_model(side):
     ref = randomised(transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**SMALL)))
-    ours = siglip_timm()
+    ours = siglip_target(side)
     ours.load_state_dict(converted(ref.state_dict(), "hf_siglip"), strict=True)
     x = image()
     out = ref(pixel_values=x)
@@ -127,10 +158,10 @@ def test_siglip_vision_model():
     assert torch.allclose(ours(x), out.pooler_output, **TOL)
 
 
-def test_siglip_model_full():
+def test_siglip_model_full(side):
     text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=99)
     ref = randomised(transformers.SiglipModel(transformers.SiglipConfig(text_config=text, vision_config=SMALL)))
-    ours = siglip_timm()
+    ours = siglip_target(side)
     ours.load_state_dict(converted(ref.state_dict(), "hf_siglip"), strict=True)
     x = image()
     expected = ref.get_image_features(pixel_values=x)
@@ -138,13 +169,15 @@ def test_siglip_model_full():
     assert torch.allclose(ours(x), expected, **TOL)
 
 
-def test_beit_for_image_classification():
-    """timm's ``Beit`` with transformers' LayerNorm eps 1e-12 and mean pooling (``fc_norm``)."""
+def test_beit_for_image_classification(side):
+    """timm's ``Beit`` (vitflow's ``beit_base_patch16_224``) with transformers' LayerNorm eps 1e-12 and
+    mean pooling (``fc_norm``)."""
     cfg = transformers.BeitConfig(**SMALL, use_relative_position_bias=True, use_mean_pooling=True, num_labels=5,
                                   layer_scale_init_value=0.1)
     ref = randomised(transformers.BeitForImageClassification(cfg))
-    ours = Beit(**VIT, use_abs_pos_emb=False, use_rel_pos_bias=True, init_values=0.1, global_pool="avg",
-                num_classes=5, norm_layer=partial(torch.nn.LayerNorm, eps=1e-12)).eval()
+    ours = target(side, lambda: Beit(**VIT, use_abs_pos_emb=False, use_rel_pos_bias=True, init_values=0.1,
+                                     global_pool="avg", num_classes=5, norm_layer=partial(torch.nn.LayerNorm, eps=1e-12)),
+                  "beit_base_patch16_224", **VITFLOW, mlp_ratio=2.0, num_classes=5, norm_eps=1e-12)
     ours.load_state_dict(converted(ref.state_dict(), "hf_beit"), strict=True)
     x = image()
     out = ref(pixel_values=x, output_hidden_states=True)
@@ -175,22 +208,23 @@ def to_openclip(sd):
     return out
 
 
-def test_openclip_full_checkpoint():
+def test_openclip_full_checkpoint(side):
     """OpenCLIP names -> timm: equal to timm's own converter (``checkpoint_filter_fn``), loads
-    strict, same embedding as the source model; the text tower is dropped."""
+    strict (timm's and vitflow's tower), same embedding as the source model; the text tower is dropped."""
     from timm.models.vision_transformer import checkpoint_filter_fn
 
     src = randomised(clip_timm(num_classes=24))
     torch.nn.init.zeros_(src.head.bias)  # OpenCLIP's projection has no bias
     sd = to_openclip(src.state_dict())
     ours = converted(sd, "openclip")
-    target = clip_timm(num_classes=24)
-    reference = checkpoint_filter_fn(dict(sd), target)
+    timm_clip = clip_timm(num_classes=24)
+    reference = checkpoint_filter_fn(dict(sd), timm_clip)
     assert ours.keys() == reference.keys()
     assert all(torch.equal(ours[k], reference[k]) for k in ours)
-    target.load_state_dict(ours, strict=True)
+    model = clip_target(side, num_classes=24)
+    model.load_state_dict(ours, strict=True)
     x = image()
-    assert torch.allclose(target(x), src(x), **TOL)
+    assert torch.allclose(model(x), src(x), **TOL)
     assert convert_openclip({"module." + k: v for k, v in sd.items()}).keys() == ours.keys()
 
 

@@ -136,6 +136,16 @@ def test_lora_trains_only_adapters_and_head_and_its_checkpoint_serves_a_plain_mo
     export_onnx(served, tmp_path / "model.onnx", info)  # as `vitflow export` does
     torch.testing.assert_close(OnnxModel(tmp_path / "model.onnx")(x), expected, atol=1e-4, rtol=1e-4)
 
+    # the LoRA checkpoint as model.pretrained: adapters merged on load (models/weights.py read_state_dict)
+    merged = served.state_dict()
+    assert not torch.allclose(merged["blocks.0.attn.qkv.weight"], pretrained.state_dict()["blocks.0.attn.qkv.weight"])
+    loaded = create_model("vit_digits_patch2_8", pretrained=r["checkpoint"], num_classes=10).eval()
+    assert set(loaded.state_dict()) == set(merged)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), expected, atol=1e-5, rtol=1e-5)
+    again = Trainer(digits_config(tmp_path / "run2", *FAST, f"model.pretrained={r['checkpoint']}"))
+    assert all(torch.allclose(again.model.state_dict()[k], v, atol=1e-6) for k, v in merged.items())
+
 
 def test_lora_checkpoint_quantises_to_a_plain_int8_model(tmp_path):
     from vitflow.infer.quantize import quantize_file
@@ -192,6 +202,8 @@ def test_schedule_restart_runs_the_schedule_over_the_probe_then_again_to_the_end
     assert f(8) == pytest.approx(1 / 3) and f(7) < 0.3 and f(24) == pytest.approx(0.1)
     f.total_steps = 30  # a time budget / a resumed run stretching the length: only the second run changes
     assert f(5) == probe(5) and f(30) == pytest.approx(0.1) and f(19) > 0.2
-    assert main(["lr-schedule", "--preset", "finetune", "finetune.mode=lp_ft", "-o", str(tmp_path / "lr.png")]) == 0
+    # the preset's model.name=auto needs weights; the schedule does not depend on the model
+    assert main(["lr-schedule", "--preset", "finetune", "finetune.mode=lp_ft", "model.name=vit_digits_patch2_8",
+                 "-o", str(tmp_path / "lr.png")]) == 0
     out = capsys.readouterr().out
     assert "step     125  lr 8.000e-06" in out  # the warmup again, from the switch and (tmp_path / "lr.png").stat().st_size > 1000

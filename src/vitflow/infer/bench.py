@@ -1,10 +1,11 @@
 """``vitflow bench infer``: inference speed of one checkpoint along every deployment path, side
-by side with timm's ``VisionTransformer`` of the same configuration, in one process.
+by side with timm's model of the same configuration and weights (:func:`timm_model`: the
+same-name model for the pretrained families, ``VisionTransformer`` for the ViT family), in one process.
 
 Paths (the keys of the JSON result):
 
 =====================  ==========================================================================
-``timm_eager_fp32``    timm ``VisionTransformer`` (SDPA attention), fp32, eager: the baseline
+``timm_eager_fp32``    timm's model (SDPA attention), fp32, eager: the baseline
 ``timm_eager_bf16``    the same with its weights cast to bf16 (``model.bfloat16()``; faster than
                        autocast for timm inference on the reference CPU)
 ``eager_fp32``         the vitflow model as trained (its attention backend), fp32
@@ -40,7 +41,8 @@ from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.infer.export import export_onnx, optimize_onnx
 from vitflow.infer.onnx_model import ModelInfo, OnnxModel
 from vitflow.infer.quantize import quantize_onnx
-from vitflow.models import model_kwargs
+from vitflow.infer.hub_folder import timm_model_args
+from vitflow.models import family_of, model_kwargs
 from vitflow.runtime import cpu_bf16_supported
 from vitflow.timing import busy_warning
 
@@ -67,18 +69,29 @@ class Timing:
 
 
 def timm_model(model_args: dict) -> torch.nn.Module:
-    """timm's ``VisionTransformer`` with the configuration of a vitflow ``model_args`` (pruning
-    ignored: the unpruned configuration).
+    """timm's model of the same configuration as a vitflow ``model_args`` (eval mode, timm's
+    initialisation): for the families registered under timm's names (DeiT III, DINOv2, CLIP,
+    SigLIP, BEiT, EVA-02, DINOv3) ``timm.create_model(name, pretrained=False, img_size=...,
+    num_classes=..., <sizes that differ>)`` (:func:`vitflow.infer.hub_folder.timm_model_args`); for
+    the ViT family timm's ``VisionTransformer`` from the basic arguments (pruning ignored: the
+    unpruned configuration).
 
     Raises:
-        ValueError: timm is not installed.
+        ValueError: timm is not installed or has no model of that name; an option timm's model
+            lacks (named).
     """
     try:
+        import timm
         from timm.models.vision_transformer import VisionTransformer as TimmViT
     except ImportError:
         raise ValueError("vitflow bench infer compares against timm: pip install timm") from None
 
-    args = {k: v for k, v in model_args.items() if k not in ("block_heads", "block_mlp_hidden")}
+    if family_of(model_args["name"]).name != "vit":
+        name, targs = timm_model_args(model_args)
+        if not timm.is_model(name):
+            raise ValueError(f"timm {timm.__version__} has no model {name!r} to compare with: upgrade timm")
+        return timm.create_model(name, pretrained=False, **targs).eval()
+    args = {k: v for k, v in model_args.items() if k not in ("block_heads", "block_mlp_hidden", "lora")}
     kw = model_kwargs(args.pop("name"), **args)
     avg = kw.get("global_pool", "token") == "avg"
     return TimmViT(img_size=kw["img_size"], patch_size=kw["patch_size"], num_classes=kw.get("num_classes", 1000),
@@ -108,7 +121,10 @@ def build_paths(model: torch.nn.Module, info: ModelInfo, workdir: str | Path,
         state = model.state_dict()
         if {k: v.shape for k, v in timm.state_dict().items()} == {k: v.shape for k, v in state.items()}:
             timm.load_state_dict(state)  # same layout (not pruned, timm options): same numbers, fair timing
-        runners["timm_eager_fp32"], notes["timm_eager_fp32"] = timm, "timm VisionTransformer, fp32"
+        elif family_of(info.model_args["name"]).name != "vit":
+            raise ValueError(f"timm's {info.model_args['name']} does not take the checkpoint's weights (other names "
+                             "or shapes): no fair comparison")
+        runners["timm_eager_fp32"], notes["timm_eager_fp32"] = timm, f"timm {type(timm).__name__}, fp32"
         runners["timm_eager_bf16"], notes["timm_eager_bf16"] = _bf16(timm), "timm, bf16 weights"
     runners["eager_fp32"], notes["eager_fp32"] = model, f"vitflow, fp32, attention={backend}"
     runners["eager_bf16"], notes["eager_bf16"] = _bf16(model), f"vitflow, bf16 weights, attention={backend}"

@@ -32,6 +32,8 @@ from vitflow.data.transforms import Preprocess
 from vitflow.infer.model_card import model_card
 from vitflow.models import create_model, family_of, model_kwargs
 from vitflow.models.attention import EXACT_BACKENDS
+from vitflow.models.lora import split_lora_args
+from vitflow.models.timm_args import timm_overrides, vitflow_kwargs
 
 
 CONFIG_NAME, WEIGHTS_NAME, CARD_NAME = "config.json", "model.safetensors", "README.md"
@@ -43,24 +45,31 @@ def is_hub_folder(path: str | Path) -> bool:
 
 
 def timm_model_args(model_args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """``(architecture, model_args)`` that make timm build the model a vitflow ``model_args`` names.
+    """``(architecture, model_args)`` that make timm build the model a vitflow ``model_args`` names
+    (``timm.create_model(architecture, **model_args)``); LoRA arguments are dropped (the weights
+    are merged: :func:`vitflow.checkpoint.model_from_checkpoint`).
 
     ViT family: the full structure (``img_size``, ``patch_size``, ``embed_dim``, ``depth``,
     ``num_heads``, ``mlp_ratio``, ``qkv_bias``, ``class_token``, ``global_pool``, ``init_values``),
     so that variants timm has no name for (``vit_digits_patch2_8``) build too; the architecture is
-    the vitflow name when timm knows it (checked when timm is installed). Other families use
-    timm's names and arguments: the name with ``num_classes`` and ``img_size``.
+    the vitflow name when timm knows it (checked when timm is installed). The other families
+    (DeiT III, DINOv2, CLIP, SigLIP, BEiT, EVA-02, DINOv3) are registered under timm's names with
+    timm's configurations: the name, ``img_size``, ``num_classes`` and every size that differs
+    from the variant (e.g. ``depth``), in timm's argument names
+    (:func:`vitflow.models.timm_args.timm_overrides`).
 
     Raises:
         ValueError: a model timm cannot build with these weights (naming the key): pruned blocks,
-            a position embedding other than ``learned``, an approximate attention kernel.
+            a position embedding other than ``learned`` (ViT) or the family's own, an approximate
+            attention kernel, an option timm's model has no argument for.
     """
-    args = {k: v for k, v in model_args.items() if k != "name"}
-    name = model_args["name"]
+    args, _ = split_lora_args(model_args)
+    name = args.pop("name")
     kw = model_kwargs(name, **args)
-    if family_of(name).name != "vit":
-        extra = {"img_size": kw["img_size"]} if kw.get("img_size") else {}
-        return name, {"num_classes": kw.get("num_classes", 1000), **extra}
+    family = family_of(name)
+    if family.name != "vit":
+        out = {"img_size": kw["img_size"], "num_classes": kw.get("num_classes", 1000)}
+        return name, {**out, **timm_overrides(name, family.variants[name], kw)}
     refusals = {"block_heads": kw.get("block_heads") is not None, "block_mlp_hidden": kw.get("block_mlp_hidden") is not None,
                 "pos_embed": kw.get("pos_embed", "learned") != "learned",
                 "attention": kw.get("attention", "sdpa") not in (*EXACT_BACKENDS, "auto")}
@@ -94,7 +103,7 @@ def hub_config(state: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
     """``config.json`` of a checkpoint ``state`` (see the module docstring)."""
     arch, targs = timm_model_args(state["model_args"])
     pp = Preprocess.from_dict(state["preprocess"])
-    pool = targs.get("global_pool", "token")
+    pool = targs.get("global_pool", getattr(model, "global_pool", "token"))
     cfg = {"input_size": [targs.get("in_chans", 3), pp.image_size, pp.image_size], "mean": list(pp.mean),
            "std": list(pp.std), "crop_pct": pp.crop_pct, "interpolation": pp.interpolation, "fixed_input_size": True,
            "first_conv": "patch_embed.proj", "num_classes": targs["num_classes"],
@@ -102,7 +111,7 @@ def hub_config(state: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
     return {"architecture": arch, "num_classes": targs["num_classes"], "num_features": int(model.embed_dim),
             "global_pool": pool, "model_args": targs, "label_names": list(state["classes"]),
             "pretrained_cfg": cfg,
-            "vitflow": {"model_args": state["model_args"], "task": state.get("task", "multiclass"),
+            "vitflow": {"model_args": split_lora_args(state["model_args"])[0], "task": state.get("task", "multiclass"),
                         "threshold": state.get("threshold"), "step": state.get("step")}}
 
 
@@ -178,29 +187,18 @@ class HubModel:
     threshold: float | None = None
 
 
-_SAME_NAMES = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "global_pool",
-               "in_chans")
-
-
 def vitflow_model_args(architecture: str, model_args: dict[str, Any]) -> dict[str, Any]:
-    """:func:`vitflow.create_model` arguments for a timm ``config.json``'s ``architecture`` and
-    ``model_args`` (the inverse of :func:`timm_model_args` for the ViT family: timm's
-    ``init_values`` is vitflow's ``layer_scale_init``; other families take timm's ``img_size``).
+    """:func:`vitflow.create_model` arguments (without ``num_classes``) for a timm ``config.json``'s
+    ``architecture`` and ``model_args`` (the inverse of :func:`timm_model_args`: timm's
+    ``init_values`` is vitflow's ``layer_scale_init``; :func:`vitflow.models.timm_args.vitflow_kwargs`).
 
     Raises:
-        ValueError: an unknown architecture, or a timm argument vitflow's ViT has no equivalent for
+        ValueError: an unknown architecture, or a timm argument vitflow has no equivalent for
             (named).
     """
-    if family_of(architecture).name != "vit":
-        return {k: model_args[k] for k in ("img_size",) if k in model_args}
-    args = {k: model_args[k] for k in _SAME_NAMES if k in model_args}
-    if model_args.get("init_values"):
-        args["layer_scale_init"] = model_args["init_values"]
-    pool = args.get("global_pool", "token")
-    unknown = sorted(set(model_args) - {*_SAME_NAMES, "init_values", "class_token", "num_classes"})
-    if unknown or model_args.get("class_token", pool == "token") != (pool == "token"):
-        raise ValueError(f"config.json model_args {unknown or ['class_token']}: vitflow's {architecture} has no "
-                         "such option (a class token goes with global_pool=token)")
+    family_of(architecture)  # an unknown name raises, naming the closest
+    args = vitflow_kwargs(model_args, f"config.json of {architecture}")
+    args.pop("num_classes", None)
     return args
 
 

@@ -10,7 +10,9 @@ Configs read from a snapshot folder (``huggingface_hub``'s cache layout
 ``models--ORG--NAME/snapshots/REV/`` or any folder):
 
 * timm's ``config.json``: ``architecture``, ``num_classes``, ``pretrained_cfg`` (``input_size``,
-  ``mean``, ``std``, ``crop_pct``, ``interpolation``), ``label_names``;
+  ``mean``, ``std``, ``crop_pct``, ``interpolation``), ``label_names``, and ``model_args`` (sizes
+  given to timm beside the name, :func:`vitflow.models.timm_args.vitflow_kwargs`; ``vitflow export
+  --format hub`` writes e.g. ``depth`` there);
 * transformers' ``config.json`` (``model_type``: vit, dinov2, dinov2_with_registers, dinov3_vit,
   clip, clip_vision_model, siglip, siglip_vision_model, beit) -> the timm name of that width
   and the sizes as constructor keys, plus ``preprocessor_config.json`` (``image_mean``,
@@ -26,6 +28,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from vitflow.models.timm_args import vitflow_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +146,7 @@ def _resolve_folder(folder: Path, source: str) -> Pretrained:
     config = _read_json(folder / "config.json")
     oc = _read_json(folder / "open_clip_config.json")
     if config and "architecture" in config:
-        _from_timm(config, out)
+        _from_timm(config, out, folder / "config.json")
     elif config and "model_type" in config:
         _from_transformers(config, out, folder / "config.json")
     elif oc:
@@ -153,9 +157,11 @@ def _resolve_folder(folder: Path, source: str) -> Pretrained:
     return out
 
 
-def _from_timm(config: dict[str, Any], out: Pretrained) -> None:
+def _from_timm(config: dict[str, Any], out: Pretrained, path: Path) -> None:
     out.model_name = str(config["architecture"])
     cfg = config.get("pretrained_cfg") or {}
+    if isinstance(config.get("model_args"), dict):  # sizes timm was told beside the name (e.g. depth)
+        out.model_kwargs.update(vitflow_kwargs(config["model_args"], str(path)))
     if "num_classes" in config:
         out.model_kwargs["num_classes"] = int(config["num_classes"])
     size = cfg.get("input_size") or (config.get("model_args") or {}).get("img_size")
