@@ -112,3 +112,15 @@ def test_eval_knn_bad_input(tiny_run, tmp_path, capsys):
     weights.write_bytes(b"")
     assert main(["eval", str(weights), "--knn", "5", "--model", "vit_digits_patch2_8"]) == 2
     assert "weights" in capsys.readouterr().err
+
+
+def test_eval_knn_of_a_run_on_other_classes(tiny_run, tmp_path, capsys):
+    """A backbone trained on the digits judged on data of other classes (the transfer use of k-NN):
+    the memory bank and queries take that data's classes, not the checkpoint's head."""
+    run, _ = tiny_run
+    data = make_folder(tmp_path / "other", classes=("ant", "bee"), per_class=6, split="train")
+    make_folder(data, classes=("ant", "bee"), per_class=4, split="test", seed=1)
+    assert main(["eval", str(run), "--knn", "3", "--data", str(data), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (r["train_images"], r["images"]) == (12, 8)
+    assert r["knn_top1"] == 1.0  # two classes of distinct mean colour: every neighbour vote is right
