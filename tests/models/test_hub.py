@@ -264,3 +264,17 @@ def test_transformers_snapshot_end_to_end_into_vitflow(tmp_path):
         ours = VisionTransformer(**sizes, layer_scale_init=1.0, global_pool="token", num_classes=0).eval()
         load_pretrained(ours, spec)
         assert torch.allclose(ours.forward_features(x), expected, atol=1e-5)
+
+
+def test_timm_model_args_that_change_no_weights_are_read_past(caplog):
+    """A timm config.json's run-time options (dynamic input size, dropout) change no weights: left
+    out with a log line; a structural option vitflow cannot build is refused naming it."""
+    from vitflow.models.timm_args import vitflow_kwargs
+
+    with caplog.at_level(logging.INFO, logger="vitflow.models.timm_args"):
+        got = vitflow_kwargs({"dynamic_img_size": True, "drop_path_rate": 0.1, "img_size": 224, "init_values": 1e-5},
+                             "snap/config.json")
+    assert got == {"img_size": 224, "layer_scale_init": 1e-5}
+    assert "['drop_path_rate', 'dynamic_img_size'] change no weights" in caplog.text
+    with pytest.raises(ValueError, match=r"snap/config.json: model_args \['qk_norm'\]: no vitflow equivalent"):
+        vitflow_kwargs({"qk_norm": True}, "snap/config.json")

@@ -19,6 +19,7 @@ from the registry (the weights loader reads configs through this module).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from vitflow.config import ModelConfig
@@ -32,8 +33,13 @@ SHARED = ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "dep
 NEUTRAL = ("drop_rate", "attn_drop_rate", "drop_path_rate", "patch_drop_rate", "weight_init", "grad_checkpointing",
            "grad_checkpointing_budget", "cpu_bf16_matmul", "attn_block_size", "attn_window", "linformer_k",
            "performer_features")
+# timm constructor options of a config.json's model_args that change no weights: vitflow's models take
+# any input size (a multiple of the patch) and train with the run's own dropout settings
+TIMM_RUNTIME = ("dynamic_img_size", "dynamic_img_pad", "drop_rate", "pos_drop_rate", "patch_drop_rate",
+                "proj_drop_rate", "attn_drop_rate", "drop_path_rate", "weight_init", "fix_init")
 _CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 _UNSET = object()
+log = logging.getLogger(__name__)
 
 
 def timm_overrides(name: str, variant: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -68,9 +74,17 @@ def vitflow_kwargs(timm_args: dict[str, Any], source: str) -> dict[str, Any]:
     """:func:`vitflow.create_model` arguments from timm's ``model_args`` (a ``config.json``'s):
     the shared keys, ``init_values`` read as ``layer_scale_init``.
 
+    timm's run-time options that change no weights (:data:`TIMM_RUNTIME`: dynamic input sizes,
+    dropout rates, initialisation) are left out with a log line.
+
     Raises:
         ValueError: a key vitflow has no equivalent for (naming ``source`` and the keys).
     """
+    ignored = sorted(k for k in timm_args if k in TIMM_RUNTIME)
+    if ignored:
+        log.info("%s: model_args %s change no weights; vitflow takes any input size and trains with its own "
+                 "dropout settings", source, ignored)
+    timm_args = {k: v for k, v in timm_args.items() if k not in TIMM_RUNTIME}
     unknown = sorted(k for k in timm_args if VITFLOW_NAMES.get(k, k) not in SHARED)
     if unknown:
         known = sorted(TIMM_NAMES.get(k, k) for k in SHARED)
