@@ -152,3 +152,10 @@ def test_key_value_overrides_are_taken_after_flags(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--print-config", "--bogus"])
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_presets_shows_the_finetune_preset_without_weights(capsys):
+    """`vitflow presets finetune` prints the recipe (model.name=auto needs weights only to train)."""
+    assert main(["presets", "finetune"]) == 0
+    out = capsys.readouterr().out
+    assert "name: auto" in out and "mode: full" in out

@@ -124,3 +124,19 @@ def test_eval_knn_of_a_run_on_other_classes(tiny_run, tmp_path, capsys):
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (r["train_images"], r["images"]) == (12, 8)
     assert r["knn_top1"] == 1.0  # two classes of distinct mean colour: every neighbour vote is right
+
+
+def test_plain_backbone_takes_the_input_size_of_its_preprocessing(tmp_path):
+    """A transformers snapshot whose config says 56 px but whose preprocessor crops 28 px: embed and
+    k-NN run at 28 px with that preprocessing, as fine-tuning does (model.img_size from the weights)."""
+    transformers = pytest.importorskip("transformers")
+    from vitflow.infer.backbone import load_backbone
+
+    cfg = transformers.Dinov2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=56,
+                                    patch_size=14)
+    transformers.Dinov2Model(cfg).save_pretrained(tmp_path / "snap")
+    (tmp_path / "snap" / "preprocessor_config.json").write_text(json.dumps({
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "size": {"shortest_edge": 32},
+        "crop_size": {"height": 28, "width": 28}, "do_center_crop": True, "resample": 3}))
+    bb = load_backbone(tmp_path / "snap")
+    assert (bb.preprocess.image_size, bb.model.img_size, bb.preprocess.mean) == (28, 28, (0.5, 0.5, 0.5))

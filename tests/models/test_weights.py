@@ -200,3 +200,12 @@ def test_unreadable_weights_files_give_one_short_line(tmp_path):
         assert name in msg and "\n" not in msg and "weights_only=False" not in msg
         assert len(msg.replace(str(tmp_path), "")) < 260, msg
     assert torch.equal(read_state_dict(tmp_path / "ok.pt")["w"], torch.zeros(2))
+
+
+def test_weights_of_another_depth_name_the_block_counts(tmp_path):
+    """A file of 2 blocks into a model of 3: the error says both counts and the key to set."""
+    from vitflow.models.weights import save_safetensors
+
+    save_safetensors(vitflow.create_model("vit_tiny_patch16_224", depth=2, num_classes=3), tmp_path / "d2.safetensors")
+    with pytest.raises(ValueError, match=r"the file has 2 blocks, the model 3: model\.depth=2\?"):
+        vitflow.create_model("vit_tiny_patch16_224", depth=3, num_classes=3, pretrained=tmp_path / "d2.safetensors")

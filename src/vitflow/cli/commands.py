@@ -346,7 +346,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_presets(args: argparse.Namespace) -> int:
     if args.name:
         preset_tree(args.name)  # fails with the nearest names if unknown
-        print(to_yaml(build_config(args.name, checks=CONFIG_CHECKS)), end="")
+        checks = {k: v for k, v in CONFIG_CHECKS.items() if k != "model"}  # model.name=auto needs the weights
+        print(to_yaml(build_config(args.name, checks=checks)), end="")
         return 0
     for name, desc in list_presets().items():
         print(f"{name:28s} {desc}")

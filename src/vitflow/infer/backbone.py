@@ -78,9 +78,9 @@ def load_backbone(spec: str | Path, model_name: str | None = None, weights: str 
         raise FileNotFoundError(f"no such run directory, checkpoint or model folder: {p}")
     try:
         state = load_checkpoint(p)
-    except (FileNotFoundError, ValueError) as e:
-        raise ValueError(f"{e}; for plain weights name the architecture: --model NAME "
-                         f"(a folder with {CONFIG_NAME} is read as a hub-style model folder)") from None
+    except (FileNotFoundError, ValueError):
+        raise ValueError(f"{p} is not a vitflow run directory or checkpoint; for plain weights name the "
+                         f"architecture: --model NAME (a folder with {CONFIG_NAME} is read as a model folder)") from None
     model = model_from_checkpoint(state, weights)
     return Backbone(model, Preprocess.from_dict(state["preprocess"]), list(state["classes"]), state["path"],
                     state["model_args"]["name"], state["config"])
@@ -109,8 +109,10 @@ def load_plain_weights(spec: str | Path, model_name: str | None) -> Backbone:
         fit. FileNotFoundError: no such file.
     """
     if model_name is None:
+        size = (resolve_pretrained(str(spec)).preprocess or {}).get("input_size")
+        size = size[-1] if isinstance(size, (list, tuple)) else size  # the weights' input size, as training takes it
         try:
-            model, pre = create_pretrained_model(str(spec), num_classes=0)
+            model, pre = create_pretrained_model(str(spec), num_classes=0, **({"img_size": int(size)} if size else {}))
         except ValueError as e:
             raise ValueError(f"{e}; or name the architecture of these weights with --model NAME "
                              "(see `vitflow models`)") from None

@@ -122,7 +122,9 @@ def read_state_dict(path: str | Path, known_layout: bool = False) -> dict[str, t
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt, truncated, or carrying pickled code
         torch_file = path.suffix not in (".safetensors", ".npz")
-        raise ValueError(f"cannot read weights from {path}: {load_error_reason(e, path if torch_file else None)}") from e
+        reason = load_error_reason(e, path if torch_file else None)
+        hint = "" if "refused" in reason else " (a truncated or corrupt file? download or copy it again)"
+        raise ValueError(f"cannot read weights from {path}: {reason}{hint}") from e
     if path.suffix == ".npz":
         try:
             return convert_jax_npz(arrays)
@@ -207,8 +209,6 @@ def load_pretrained(model: torch.nn.Module, spec: str | Path) -> None:
     own = model.state_dict()
     params = {n for n, _ in model.named_parameters()}
     new = [k for k in own if k not in sd and (k not in params or any(s in k for s in _NEW_OK))]
-    if new:
-        log.info("%d tensors not in %s keep their initialisation (e.g. %s)", len(new), pre.weights, new[0])
     missing = [k for k in own if k not in sd and k not in new]
     unexpected = [k for k in sd if k not in own]
     mismatched = [k for k in own if k in sd and sd[k].shape != own[k].shape]
@@ -219,9 +219,20 @@ def load_pretrained(model: torch.nn.Module, spec: str | Path) -> None:
                          f"in the model the config describes")
     if missing or unexpected or mismatched:
         shapes = [f"{k}: file {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}" for k in mismatched]
-        raise ValueError(f"weights in {pre.weights} do not fit this model: missing={missing[:5]} "
-                         f"unexpected={unexpected[:5]} mismatched={shapes[:5]}")
+        raise ValueError(f"weights in {pre.weights} do not fit this model{_depth_hint(sd, own)}: "
+                         f"missing={missing[:5]} unexpected={unexpected[:5]} mismatched={shapes[:5]}")
+    if new:
+        log.info("%d tensors not in %s keep their initialisation (e.g. %s)", len(new), pre.weights, new[0])
     model.load_state_dict({**{k: own[k] for k in new}, **sd}, strict=True)
+
+
+def _depth_hint(sd: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> str:
+    """`` (the file has K blocks, the model D: model.depth=K?)`` when the block counts differ."""
+    def blocks(keys) -> int:
+        return len({k.split(".")[1] for k in keys if k.startswith("blocks.")})
+
+    have, want = blocks(sd), blocks(own)
+    return f" (the file has {have} blocks, the model {want}: model.depth={have}?)" if have and have != want else ""
 
 
 def save_safetensors(model: torch.nn.Module, path: str | Path) -> None:
