@@ -190,6 +190,12 @@ class Blocks(nn.Sequential):
             x = blk(x, grid)
         return [maps[i] for i in wanted]
 
+    def set_plan(self, plan: CheckpointPlan) -> None:
+        """Checkpoint the blocks ``plan`` names (an ``auto`` plan is resolved per input shape by
+        :mod:`vitflow.models.autotune`) and keep the plan as :attr:`checkpoint_plan`."""
+        self.set_checkpointed(plan.blocks(len(self)) if plan.mode != "auto" else frozenset())
+        self.checkpoint_plan = plan
+
     def set_checkpointed(self, indices: frozenset[int]) -> None:
         """Checkpoint exactly the blocks ``indices``."""
         for i, blk in enumerate(self):

@@ -182,9 +182,7 @@ class Eva(nn.Module):
         """Recompute some blocks' activations in the backward pass; ``enable`` and
         ``memory_budget`` as :meth:`vitflow.models.vit.VisionTransformer.set_grad_checkpointing`.
         Raises ValueError for an unreadable spec or block indices outside the model."""
-        plan = CheckpointPlan.parse(enable, memory_budget)
-        self.blocks.set_checkpointed(plan.blocks(len(self.blocks)) if plan.mode != "auto" else frozenset())
-        self.blocks.checkpoint_plan = plan
+        self.blocks.set_plan(CheckpointPlan.parse(enable, memory_budget))
 
     @property
     def checkpoint_plan(self) -> CheckpointPlan:

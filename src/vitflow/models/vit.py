@@ -267,9 +267,7 @@ class VisionTransformer(nn.Module):
             ValueError: an unreadable spec, block indices outside the model, or ``auto`` without
             a budget (see :class:`~vitflow.models.grad_checkpointing.CheckpointPlan`).
         """
-        plan = CheckpointPlan.parse(enable, memory_budget)
-        self.blocks.set_checkpointed(plan.blocks(len(self.blocks)) if plan.mode != "auto" else frozenset())
-        self.blocks.checkpoint_plan = plan
+        self.blocks.set_plan(CheckpointPlan.parse(enable, memory_budget))
 
     @property
     def checkpoint_plan(self) -> CheckpointPlan:
