@@ -61,15 +61,21 @@ def image(size=28, batch=2):
     return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0))
 
 
+def assert_same_outputs(ours, ref, layout: str, x: torch.Tensor | None = None) -> None:
+    """``ref``'s state dict converted from ``layout`` loads strict into ``ours``; tokens equal
+    ``last_hidden_state`` and ``ours(x)`` equals ``pooler_output`` (``TOL``)."""
+    ours.load_state_dict(converted(ref.state_dict(), layout), strict=True)
+    x = image() if x is None else x
+    out = ref(pixel_values=x)
+    assert torch.allclose(ours.forward_features(x), out.last_hidden_state, **TOL)
+    assert torch.allclose(ours(x), out.pooler_output, **TOL)
+
+
 def test_dinov2(side):
     ref = randomised(transformers.Dinov2Model(transformers.Dinov2Config(**{**SMALL, "intermediate_size": 256})))
     ours = target(side, lambda: VisionTransformer(**{**VIT, "mlp_ratio": 4.0}, init_values=1.0, num_classes=0),
                   "vit_small_patch14_dinov2", **VITFLOW, mlp_ratio=4.0)
-    ours.load_state_dict(converted(ref.state_dict(), "hf_dinov2"), strict=True)
-    x = image()
-    out = ref(pixel_values=x)
-    assert torch.allclose(ours.forward_features(x), out.last_hidden_state, **TOL)
-    assert torch.allclose(ours(x), out.pooler_output, **TOL)
+    assert_same_outputs(ours, ref, "hf_dinov2")
 
 
 def test_dinov2_with_registers(side):
@@ -79,11 +85,7 @@ def test_dinov2_with_registers(side):
     ours = target(side, lambda: VisionTransformer(**{**VIT, "mlp_ratio": 4.0}, init_values=1.0, reg_tokens=4,
                                                   no_embed_class=True, num_classes=0),
                   "vit_small_patch14_reg4_dinov2", **VITFLOW, mlp_ratio=4.0)
-    ours.load_state_dict(converted(ref.state_dict(), "hf_dinov2"), strict=True)
-    x = image()
-    out = ref(pixel_values=x)
-    assert torch.allclose(ours.forward_features(x), out.last_hidden_state, **TOL)
-    assert torch.allclose(ours(x), out.pooler_output, **TOL)
+    assert_same_outputs(ours, ref, "hf_dinov2")
 
 
 def test_dinov3(side):
@@ -98,11 +100,7 @@ def test_dinov3(side):
         norm_layer=partial(torch.nn.LayerNorm, eps=1e-5)),
         "vit_small_patch16_dinov3_qkvb", **{**VITFLOW, "img_size": 32, "patch_size": 16}, mlp_ratio=2.0,
         global_pool="token")
-    ours.load_state_dict(converted(ref.state_dict(), "hf_dinov3"), strict=True)
-    x = image(32)
-    out = ref(pixel_values=x)
-    assert torch.allclose(ours.forward_features(x), out.last_hidden_state, **TOL)
-    assert torch.allclose(ours(x), out.pooler_output, **TOL)
+    assert_same_outputs(ours, ref, "hf_dinov3", image(32))
 
 
 def clip_timm(num_classes=0):
@@ -151,11 +149,7 @@ def siglip_target(side):
 def test_siglip_vision_model(side):
     ref = randomised(transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**SMALL)))
     ours = siglip_target(side)
-    ours.load_state_dict(converted(ref.state_dict(), "hf_siglip"), strict=True)
-    x = image()
-    out = ref(pixel_values=x)
-    assert torch.allclose(ours.forward_features(x), out.last_hidden_state, **TOL)
-    assert torch.allclose(ours(x), out.pooler_output, **TOL)
+    assert_same_outputs(ours, ref, "hf_siglip")
 
 
 def test_siglip_model_full(side):

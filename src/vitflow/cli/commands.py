@@ -117,11 +117,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result = split_results(r)[role]
     print(f"{role} {headline(result)}  ({result['images']} images of {r['split_expr']}, {r['weights']} weights, "
           f"{r['checkpoint']})")
-    if result["skipped"]:
-        print(f"skipped {result['skipped']} unreadable image(s); see the warnings above")
-    if args.json:
-        _print_json(args, r)
-    return 0
+    return _skipped_and_json(args, r, result["skipped"])
 
 
 def _eval_knn(args: argparse.Namespace) -> int:
@@ -132,8 +128,13 @@ def _eval_knn(args: argparse.Namespace) -> int:
     print(f"{r['split']} k-NN top-1 {r['knn_top1']:.2%}  (k={r['knn_k']}, T={r['knn_temperature']:g}, cosine on "
           f"{r['feature_dim']}-d features; {r['images']} images of {r['split_expr']} against {r['train_images']} "
           f"of {r['train_split']}; {r['model']})")
-    if r["skipped"]:
-        print(f"skipped {r['skipped']} unreadable image(s); see the warnings above")
+    return _skipped_and_json(args, r, r["skipped"])
+
+
+def _skipped_and_json(args: argparse.Namespace, r: dict, skipped: int) -> int:
+    """The end of an evaluation's output: the count of unreadable images, then the ``--json`` line."""
+    if skipped:
+        print(f"skipped {skipped} unreadable image(s); see the warnings above")
     if args.json:
         _print_json(args, r)
     return 0

@@ -24,18 +24,18 @@ import torch.nn as nn
 
 from vitflow.models.autotune import per_shape_choices
 from vitflow.models.block import Blocks
+from vitflow.models.encoder import EncoderControls
 from vitflow.models.eva_block import EvaAttention, EvaBlock, EvaSplitAttention
 from vitflow.models.glu import PackedSwiGLU, SwiGLU
-from vitflow.models.grad_checkpointing import CheckpointPlan
-from vitflow.models.layers import Mlp, PatchEmbed, classifier_head
-from vitflow.models.matmul import Linear, check_mode
+from vitflow.models.layers import Mlp, PatchEmbed
+from vitflow.models.matmul import Linear
 from vitflow.models.position import resample_pos_embed
 from vitflow.models.rope import Rope2d
 
 MLPS = ("gelu", "swiglu_packed", "swiglu")
 
 
-class Eva(nn.Module):
+class Eva(EncoderControls, nn.Module):
     """BEiT / EVA-02 / DINOv3 image classifier (see the module docstring).
 
     Args:
@@ -150,48 +150,6 @@ class Eva(nn.Module):
             if isinstance(self.head, nn.Linear):
                 self.head.weight.mul_(0.001)
 
-    @torch.jit.ignore
-    def no_weight_decay(self) -> set[str]:
-        """Names excluded from weight decay beside all 1-D parameters: position embedding, class
-        and register tokens, relative position bias tables."""
-        names = {"pos_embed", "cls_token", "reg_token"}
-        return names | {n for n, _ in self.named_parameters() if n.endswith("relative_position_bias_table")}
-
-    @property
-    def attention_backend(self) -> str:
-        return self.blocks[0].attn.backend if len(self.blocks) else "sdpa"
-
-    def set_attention_backend(self, backend: str, **options) -> None:
-        """Switch every block's attention backend (``sdpa``, ``math``, ``blockwise``, ``auto``;
-        ``block_size`` for blockwise). Raises ValueError for another backend."""
-        opts = {**self.attention_options, **options}
-        for blk in self.blocks:
-            blk.attn.set_backend(backend, **opts)
-        self.attention_options = opts
-
-    def set_cpu_bf16_matmul(self, mode: str) -> None:
-        """The GEMM of every linear layer under bf16 CPU autocast (:mod:`vitflow.models.matmul`).
-        Raises ValueError for a mode other than ``auto``, ``bf16``, ``fp32``."""
-        self.cpu_bf16_matmul = check_mode(mode)
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.gemm = mode
-
-    def set_grad_checkpointing(self, enable: bool | str | Sequence[int] = True,
-                               memory_budget: int | str | None = None) -> None:
-        """Recompute some blocks' activations in the backward pass; ``enable`` and
-        ``memory_budget`` as :meth:`vitflow.models.vit.VisionTransformer.set_grad_checkpointing`.
-        Raises ValueError for an unreadable spec or block indices outside the model."""
-        self.blocks.set_plan(CheckpointPlan.parse(enable, memory_budget))
-
-    @property
-    def checkpoint_plan(self) -> CheckpointPlan:
-        return self.blocks.checkpoint_plan
-
-    @property
-    def grad_checkpointing(self) -> bool:
-        return self.checkpoint_plan.enabled
-
     def _embed(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         """Images -> tokens ``(B, P + h*w, D)`` with prefix tokens and positions, and the grid."""
         grid = (x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size)
@@ -227,11 +185,6 @@ class Eva(nn.Module):
         backend; token order: class, registers, patches. Raises IndexError for a bad index."""
         x, grid = self._embed(x)
         return self.blocks.attention_maps(x, grid, layers)
-
-    def reset_classifier(self, num_classes: int) -> None:
-        """Replace the head with a freshly initialised ``Linear(embed_dim, num_classes)``."""
-        self.num_classes = num_classes
-        self.head = classifier_head(self.embed_dim, num_classes, self.cpu_bf16_matmul)
 
 
 def _check_args(img_size: int, patch_size: int, mlp: str, sub_ln: bool, global_pool: str, class_token: bool,

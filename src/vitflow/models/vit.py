@@ -26,9 +26,9 @@ import torch.nn as nn
 
 from vitflow.models.autotune import per_shape_choices
 from vitflow.models.block import Attention, Block, Blocks
-from vitflow.models.grad_checkpointing import CheckpointPlan
-from vitflow.models.layers import LN_EPS, PatchDropout, PatchEmbed, classifier_head
-from vitflow.models.matmul import Linear, check_mode
+from vitflow.models.encoder import EncoderControls
+from vitflow.models.layers import LN_EPS, PatchDropout, PatchEmbed
+from vitflow.models.matmul import Linear
 from vitflow.models.pool import AttentionPoolLatent, pool_tokens
 from vitflow.models.position import resample_pos_embed, sincos_2d
 from vitflow.models.vit_checks import check_options
@@ -36,7 +36,7 @@ from vitflow.models.vit_checks import check_options
 __all__ = ["Attention", "Block", "VisionTransformer", "resample_pos_embed"]
 
 
-class VisionTransformer(nn.Module):
+class VisionTransformer(EncoderControls, nn.Module):
     """ViT image classifier.
 
     Args:
@@ -221,62 +221,6 @@ class VisionTransformer(nn.Module):
         if self.attn_pool is not None:
             self.attn_pool.init_weights()
 
-    @torch.jit.ignore
-    def no_weight_decay(self) -> set[str]:
-        """Parameter names excluded from weight decay beside all 1-D parameters (norms, biases):
-        the position embedding, the class and register tokens and the relative position bias tables."""
-        names = {"pos_embed", "cls_token", "reg_token"}
-        return names | {n for n, _ in self.named_parameters() if n.endswith("relative_position_bias_table")}
-
-    @property
-    def attention_backend(self) -> str:
-        return self.blocks[0].attn.backend if len(self.blocks) else "sdpa"
-
-    def set_attention_backend(self, backend: str, **options) -> None:
-        """Switch every block's attention backend (weights unchanged). ``options`` override the
-        model's ``block_size``, ``window``, ``linformer_k``, ``performer_features``.
-
-        Raises:
-            ValueError: unknown backend, bad option, or a backend that cannot take the
-                relative position bias.
-        """
-        opts = {**self.attention_options, **options}
-        for blk in self.blocks:
-            blk.attn.set_backend(backend, **opts)
-        self.attention_options = opts
-
-    def set_cpu_bf16_matmul(self, mode: str) -> None:
-        """Choose the GEMM of every linear layer under bf16 CPU autocast: ``auto``, ``bf16`` or
-        ``fp32`` (:mod:`vitflow.models.matmul`). Raises ValueError for another mode."""
-        self.cpu_bf16_matmul = check_mode(mode)
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.gemm = mode
-
-    def set_grad_checkpointing(self, enable: bool | str | Sequence[int] = True,
-                               memory_budget: int | str | None = None) -> None:
-        """Recompute activations of some blocks in the backward pass (torch.utils.checkpoint,
-        non-reentrant), trading compute for activation memory.
-
-        Args:
-            enable: ``True`` / ``"all"`` (every block), ``False`` / ``"none"``, a list of block
-                indices (or ``"0,3,6"``), ``"every:K"`` (blocks 0, K, 2K, ...), or ``"auto"``:
-                the fewest blocks that keep the activations within ``memory_budget``.
-            memory_budget: bytes or a size like ``"2GiB"`` (``auto`` only).
-        Raises:
-            ValueError: an unreadable spec, block indices outside the model, or ``auto`` without
-            a budget (see :class:`~vitflow.models.grad_checkpointing.CheckpointPlan`).
-        """
-        self.blocks.set_plan(CheckpointPlan.parse(enable, memory_budget))
-
-    @property
-    def checkpoint_plan(self) -> CheckpointPlan:
-        return self.blocks.checkpoint_plan
-
-    @property
-    def grad_checkpointing(self) -> bool:
-        return self.checkpoint_plan.enabled
-
     def _positions(self, grid_hw: tuple[int, int], device: torch.device) -> torch.Tensor:
         """The absolute position embedding for ``grid_hw`` (resampled / recomputed off the native grid)."""
         if grid_hw == (self.grid_size, self.grid_size):
@@ -338,9 +282,3 @@ class VisionTransformer(nn.Module):
         """
         x, grid = self._embed(x)
         return self.blocks.attention_maps(self.norm_pre(x), grid, layers)
-
-    def reset_classifier(self, num_classes: int) -> None:
-        """Replace the head with a freshly initialised ``Linear(embed_dim, num_classes)``."""
-        self.num_classes = num_classes
-        self.head = classifier_head(self.embed_dim, num_classes, self.cpu_bf16_matmul)
-
