@@ -14,7 +14,8 @@ Configs read from a snapshot folder (``huggingface_hub``'s cache layout
   given to timm beside the name, :func:`vitflow.models.timm_args.vitflow_kwargs`; ``vitflow export
   --format hub`` writes e.g. ``depth`` there);
 * transformers' ``config.json`` (``model_type``: vit, dinov2, dinov2_with_registers, dinov3_vit,
-  clip, clip_vision_model, siglip, siglip_vision_model, beit) -> the timm name of that width
+  clip, clip_vision_model, siglip, siglip_vision_model, beit; swin, swinv2 through
+  :func:`vitflow.models.convert_hf_swin.hf_swin_model_args`) -> the timm name of that width
   and the sizes as constructor keys, plus ``preprocessor_config.json`` (``image_mean``,
   ``image_std``, ``size``, ``crop_size``, ``resample``);
 * OpenCLIP's ``open_clip_config.json`` (``model_cfg.vision_cfg``, ``preprocess_cfg``).
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vitflow.models.convert_hf_swin import HF_SWIN_TYPES, hf_swin_label_names, hf_swin_model_args
 from vitflow.models.timm_args import vitflow_kwargs
 
 log = logging.getLogger(__name__)
@@ -179,6 +181,11 @@ def _size(width: int) -> str:
 
 def _from_transformers(config: dict[str, Any], out: Pretrained, path: Path) -> None:
     kind = str(config["model_type"])
+    if kind in HF_SWIN_TYPES:  # stage depths, heads and window: their own mapping
+        out.model_name, kwargs = hf_swin_model_args(config, str(path))
+        out.model_kwargs.update(kwargs)
+        out.label_names = hf_swin_label_names(config)
+        return
     if kind in ("clip", "siglip") and isinstance(config.get("vision_config"), dict):
         vision = {**config["vision_config"]}
         if kind == "clip" and config.get("projection_dim"):

@@ -23,6 +23,7 @@ from typing import Any
 import torch.nn as nn
 
 from vitflow.config import Config, ConfigError, ModelConfig
+from vitflow.models.convert_hf_swin import swin_model_config_keys
 from vitflow.models.hub import Pretrained, resolve_pretrained
 from vitflow.models.registry import MODELS, create_model
 
@@ -84,6 +85,8 @@ def apply_pretrained(cfg: Config) -> Pretrained | None:
         m.name = pre.model_name
         _reset_preset_arch_keys(cfg)
         taken = {k: v for k, v in pre.model_kwargs.items() if k in SIZE_KEYS and f"model.{k}" not in explicit}
+        if m.name.startswith("swin"):  # stage depths / heads, window: convert_hf_swin
+            taken = swin_model_config_keys(pre.model_kwargs, m, explicit)
         for k, v in taken.items():
             setattr(m, k, v)
         log.info("architecture from the weights' config: %s%s", m.name,

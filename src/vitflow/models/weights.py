@@ -4,7 +4,8 @@
 ``torch.load(weights_only=True)``, which refuses pickled code; ``.npz`` (Google
 vision_transformer / big_vision) with ``numpy.load(allow_pickle=False)``. Foreign names are
 converted to timm's layout: Hugging Face ViT and Flax by :mod:`vitflow.models.convert`, Hugging
-Face DINOv2 / DINOv3 / CLIP / SigLIP / BEiT by :mod:`vitflow.models.convert_hf`, OpenCLIP by
+Face DINOv2 / DINOv3 / CLIP / SigLIP / BEiT by :mod:`vitflow.models.convert_hf`, Hugging Face
+Swin / Swin V2 by :mod:`vitflow.models.convert_hf_swin`, OpenCLIP by
 :mod:`vitflow.models.convert_openclip`. :func:`load_pretrained` is every family's loader.
 """
 
@@ -18,10 +19,12 @@ import torch
 
 from vitflow.models.convert import convert_hf_vit, convert_jax_npz, is_hf_vit, read_npz
 from vitflow.models.convert_hf import CONVERTERS, detect_hf_layout
+from vitflow.models.convert_hf_swin import detect_hf_swin, hf_swin_to_timm
 from vitflow.models.convert_openclip import convert_openclip, is_openclip
 from vitflow.models.hub import resolve_pretrained
 from vitflow.models.lora import has_lora_weights, merge_lora_state_dict
 from vitflow.models.position import resample_pos_embed, resample_relative_table
+from vitflow.models.swin_resample import adapt_swin_state_dict, is_swin_model
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +56,13 @@ def _first_sentence(text: str) -> str:
 
 def detect_layout(sd: dict[str, torch.Tensor]) -> str:
     """The naming layout of a state_dict: ``"openclip"``, a Hugging Face family (``"hf_vit"``,
-    ``"hf_dinov2"``, ``"hf_dinov3"``, ``"hf_clip"``, ``"hf_siglip"``, ``"hf_beit"``), ``"timm"``
+    ``"hf_dinov2"``, ``"hf_dinov3"``, ``"hf_clip"``, ``"hf_siglip"``, ``"hf_beit"``, ``"hf_swin"``,
+    ``"hf_swinv2"``), ``"timm"``
     (timm / vitflow names), or ``"unknown"``; from the key names alone."""
     keys = set(sd)
     if is_openclip(keys):
         return "openclip"
-    family = detect_hf_layout(keys)
+    family = detect_hf_swin(keys) or detect_hf_layout(keys)
     if family:
         return family
     if is_hf_vit(sd):
@@ -82,7 +86,8 @@ def convert_layout(sd: dict[str, torch.Tensor], where: str | Path, known: bool =
     if layout == "unknown":
         raise ValueError(f"{where}: weights of an unknown layout (neither timm, Hugging Face nor OpenCLIP names); "
                          f"unexpected names e.g. {', '.join(list(sd)[:4])}")
-    convert = {"openclip": convert_openclip, "hf_vit": convert_hf_vit, **CONVERTERS}.get(layout)
+    convert = {"openclip": convert_openclip, "hf_vit": convert_hf_vit, "hf_swin": hf_swin_to_timm,
+               "hf_swinv2": hf_swin_to_timm, **CONVERTERS}.get(layout)
     if convert is None:
         return sd
     try:
@@ -159,7 +164,10 @@ def adapt_state_dict(sd: dict[str, torch.Tensor], model: torch.nn.Module) -> dic
     (bicubic) to the model's grid, its prefix rows kept (``num_prefix_tokens``, none with
     ``no_embed_class``); resample relative position bias tables; drop a learned ``pos_embed``
     the model does not use (``sincos2d`` / ``relative`` / RoPE); reset a head of another class
-    count (dropped here, logged ``head reset: 1000 -> 5 classes``)."""
+    count (dropped here, logged ``head reset: 1000 -> 5 classes``). A Swin model's state_dict goes
+    to :func:`vitflow.models.swin_resample.adapt_swin_state_dict` (window tables, head) instead."""
+    if is_swin_model(model):
+        return adapt_swin_state_dict(sd, model)
     sd = dict(sd)
     own = model.state_dict()
     grid = model_grid(model)
