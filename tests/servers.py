@@ -1,9 +1,9 @@
 """Real storage servers on 127.0.0.1 for the tests (imported by ``conftest.py``):
 
-- ``http_server(root) -> base_url``: a threaded HTTP/1.0 static file server over ``root`` with
+- ``http_server(root) -> base_url``: a threaded HTTP/1.1 static file server over ``root`` with
   Range requests (``206`` / ``416``), which Python's ``http.server`` lacks. The URL is a ``str``
   whose ``.server`` (:class:`RangeServer`) can ``stop()`` and ``start()`` again on the same port
-  (a server dying mid-epoch), answer the next N requests with an error (``fail_next(2, 503)``),
+  (a server dying mid-epoch, also by itself after N more requests: ``die_after_requests``), answer the next N requests with an error (``fail_next(2, 503)``),
   refuse paths with 403 (``forbid("x.tar")``) and count requests (``.requests``).
 - ``s3_server -> (endpoint_url, bucket)``: moto in server mode (``ThreadedMotoServer``, one per
   session) with a fresh bucket per test, fake credentials and ``AWS_ENDPOINT_URL`` set in the
@@ -34,7 +34,11 @@ def free_port() -> int:
 
 
 class RangeHandler(SimpleHTTPRequestHandler):
-    """GET / HEAD of files under the served folder, with single-range ``Range: bytes=a-b``."""
+    """GET / HEAD of files under the served folder, with single-range ``Range: bytes=a-b``
+    (HTTP/1.1 keep-alive connections)."""
+
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body in separate writes: no 40 ms delayed-ACK stall per request
 
     def log_message(self, *args) -> None:  # quiet
         pass
@@ -45,11 +49,19 @@ class RangeHandler(SimpleHTTPRequestHandler):
         with ctl.lock:
             ctl.requests += 1
             status = None
-            if ctl.failures:
+            if ctl.die_after is not None and ctl.requests > ctl.die_after:
+                ctl.die_after, ctl.dead = None, True
+                threading.Thread(target=ctl.stop, daemon=True).start()
+            if ctl.dead:
+                status = -1
+            elif ctl.failures:
                 ctl.failures -= 1
                 status = ctl.failure_status
             elif self.path.split("?")[0].lstrip("/") in ctl.forbidden:
                 status = 403
+        if status == -1:  # the server dies: this connection closes unanswered, the next are refused
+            self.close_connection = True
+            return True
         if status is not None:
             self.send_error(status)
             return True
@@ -103,6 +115,8 @@ class RangeServer:
         self.lock = threading.Lock()
         self.failures, self.failure_status, self.requests = 0, 503, 0
         self.forbidden: set[str] = set()
+        self.die_after: int | None = None
+        self.dead = False
         self._httpd: ThreadingHTTPServer | None = None
 
     @property
@@ -111,6 +125,7 @@ class RangeServer:
 
     def start(self) -> "RangeServer":
         ThreadingHTTPServer.allow_reuse_address = True
+        self.dead = False
         self._httpd = ThreadingHTTPServer(("127.0.0.1", self.port), partial(RangeHandler, directory=str(self.root)))
         self._httpd.daemon_threads = True
         self._httpd.control = self  # type: ignore[attr-defined]
@@ -118,15 +133,19 @@ class RangeServer:
         return self
 
     def stop(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
+        httpd, self._httpd = self._httpd, None
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
 
     def fail_next(self, n: int, status: int = 503) -> None:
         """Answer the next ``n`` requests with ``status``."""
         with self.lock:
             self.failures, self.failure_status = n, status
+
+    def die_after_requests(self, n: int) -> None:
+        """Stop (as a killed server) at request ``n + 1``: that one is closed unanswered."""
+        self.die_after = self.requests + n
 
     def forbid(self, rel: str) -> None:
         """Answer 403 for the file ``rel`` (relative to the root)."""
