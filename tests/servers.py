@@ -3,7 +3,8 @@
 - ``http_server(root) -> base_url``: a threaded HTTP/1.1 static file server over ``root`` with
   Range requests (``206`` / ``416``), which Python's ``http.server`` lacks. The URL is a ``str``
   whose ``.server`` (:class:`RangeServer`) can ``stop()`` and ``start()`` again on the same port
-  (a server dying mid-epoch, also by itself after N more requests: ``die_after_requests``), answer the next N requests with an error (``fail_next(2, 503)``),
+  (a server dying mid-epoch; by itself after N more requests: ``die_after_requests``), answer the
+  next N requests with an error (``fail_next(2, 503)``),
   refuse paths with 403 (``forbid("x.tar")``) and count requests (``.requests``).
 - ``s3_server -> (endpoint_url, bucket)``: moto in server mode (``ThreadedMotoServer``, one per
   session) with a fresh bucket per test, fake credentials and ``AWS_ENDPOINT_URL`` set in the
@@ -133,6 +134,7 @@ class RangeServer:
         return self
 
     def stop(self) -> None:
+        self.dead = True  # open keep-alive connections too: their next request is closed unanswered
         httpd, self._httpd = self._httpd, None
         if httpd is not None:
             httpd.shutdown()

@@ -110,7 +110,8 @@ def test_403_and_404_fail_at_once_with_one_line_naming_the_url(store, http_serve
     base.server.forbid("photos.tar")
     with caplog.at_level(logging.WARNING, "vitflow.data"), pytest.raises(RemoteError) as e:
         open_split(f"{base}/photos.tar", "train")
-    assert str(e.value) == f"{base}/photos.tar: size request failed: HTTP 403 Forbidden" and e.value.status == 403
+    assert str(e.value) == f"{base}/photos.tar: size request failed: HTTP 403 Forbidden (not retried)"
+    assert e.value.status == 403
     with pytest.raises(RemoteError, match=r"/missing\.tar: size request failed: HTTP 404") as e:
         open_random(f"{base}/missing.tar")
     assert "\n" not in str(e.value) and not [r for r in caplog.records if "retry" in r.getMessage()]
@@ -137,7 +138,7 @@ def test_cli_names_a_forbidden_url_in_one_error_line(store, http_server, capsys)
     base.server.forbid("packed/meta.json")
     assert main(["train", f"data.path={base}/packed", "train.total_steps=1", "data.remote_retries=0"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"error: {base}/packed/meta.json: size request failed: HTTP 403 Forbidden")
+        f"error: {base}/packed/meta.json: size request failed: HTTP 403 Forbidden (not retried)")
 
 
 def test_expand_urls_braces_lists_globs_and_s3_listing(tmp_path, s3_server):

@@ -64,7 +64,8 @@ def test_training_from_a_packed_dataset_on_s3_equals_training_from_the_local_cop
     url = s3_upload(*s3_server, packed, "datasets")
     weights = []
     for path in (packed, url):
-        cfg = build_config(overrides=[f"data.path={path}", "data.source=auto", "data.train_split=train[:75%]", "data.test_split=train[75%:]",
+        cfg = build_config(overrides=[f"data.path={path}", "data.source=auto", "data.train_split=train[:75%]",
+                                      "data.test_split=train[75%:]",
                                       "data.max_in_memory=0", "data.num_workers=0", "model.img_size=8",
                                       "train.batch_size=4", "train.total_steps=3", "train.eval_every=0",
                                       f"train.run_dir={tmp_path / ('run' + str(len(weights)))}",

@@ -40,7 +40,9 @@ class FolderReader:
         self.root = root
 
     def describe(self, rel: str) -> str:
-        return display_name(rel if is_remote(rel) else join(self.root, rel) if is_remote(self.root) else self.root / rel)
+        if is_remote(rel) or is_remote(self.root):
+            return display_name(rel if is_remote(rel) else join(self.root, rel))
+        return display_name(self.root / rel)
 
     def list(self) -> tuple[dict[str, object], set[str]]:
         files: dict[str, object] = {}

@@ -50,8 +50,8 @@ from vitflow.data.remote_store import (  # noqa: F401  the public names of remot
 from vitflow.data.sources import DataError
 
 __all__ = ["RANDOM_BLOCK", "SCHEME", "SETTINGS", "STREAM_BLOCK", "RangeArray", "RemoteError", "RemoteFile", "basename",
-           "configure", "configure_from", "exists", "expand_braces", "expand_urls", "file_size", "filesystem", "is_remote", "join",
-           "load_npy", "local_path", "open_random", "open_stream", "parent", "read_bytes", "with_retries"]
+           "configure", "configure_from", "exists", "expand_braces", "expand_urls", "file_size", "filesystem",
+           "is_remote", "join", "load_npy", "local_path", "open_random", "open_stream", "parent", "read_bytes", "with_retries"]
 
 
 def configure_from(cfg) -> None:

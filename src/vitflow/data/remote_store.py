@@ -177,7 +177,7 @@ def with_retries(url: str, what: str, fn: Callable[[], T]) -> T:
         except Exception as e:  # noqa: BLE001 - every store raises its own kinds; _classify sorts them
             status, transient, why = _classify(e, url)
             if not transient:
-                raise RemoteError(f"{url}: {what} failed: {why}", url, status) from None
+                raise RemoteError(f"{url}: {what} failed: {why} (not retried)", url, status) from None
             if attempt == attempts - 1:
                 raise RemoteError(f"{url}: {what} failed after {attempts} attempts: {why}", url, status,
                                   True) from None
