@@ -180,3 +180,26 @@ def test_local_cache_serves_copies_evicts_least_recent_and_never_keeps_a_partial
     assert open_stream(f"{base}/photos.tar").read() == (store / "photos.tar").read_bytes()
     assert [p.name for p in cache.iterdir()] == [cache_name(f"{base}/photos.tar")]  # the older two evicted
     assert parse_size("20GiB") == 20 * 2**30 and parse_size("500MB") == 500 * 10**6 and parse_size(None) is None
+
+
+def test_s3_errors_are_sorted_into_transient_and_permanent_as_s3fs_raises_them():
+    from botocore.exceptions import ClientError, EndpointConnectionError
+    from s3fs.errors import translate_boto_error
+
+    from vitflow.data.remote_store import _classify
+
+    def s3(code, status):
+        err = ClientError({"Error": {"Code": code, "Message": f"{code} message"},
+                           "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+        return _classify(translate_boto_error(err), "s3://b/k.tar")
+
+    assert s3("SlowDown", 503) == (503, True, "S3 error SlowDown (HTTP 503): SlowDown message")
+    assert s3("InternalError", 500)[:2] == (500, True)
+    assert s3("AccessDenied", 403)[:2] == (403, False)
+    assert s3("NoSuchKey", 404)[:2] == (404, False)
+    assert _classify(EndpointConnectionError(endpoint_url="http://x"), "s3://b/k")[1]
+    e = RemoteError("s3://b/k: failed", "s3://b/k", 503, True)
+    import pickle
+
+    back = pickle.loads(pickle.dumps(e))  # a loader worker's error reaches the trainer whole
+    assert (str(back), back.url, back.status, back.transient) == (str(e), e.url, 503, True)
