@@ -227,3 +227,13 @@ def copy_into(src: Path, root: Path) -> Path:
     dst = Path(root) / Path(src).name
     (shutil.copytree if Path(src).is_dir() else shutil.copy)(src, dst)
     return dst
+
+
+if __name__ == "__main__":  # python tests/servers.py FOLDER [PORT]: serve FOLDER (benchmarks, manual checks)
+    import sys
+    import time
+
+    served = RangeServer(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else None).start()
+    print(served.url, flush=True)
+    while True:
+        time.sleep(3600)

@@ -15,6 +15,7 @@ import torch
 from servers import copy_into, s3_upload
 
 from helpers import HYMENOPTERA_TAR, make_folder, need, tar_folder
+from vitflow.config import DataConfig
 from vitflow.data import remote
 from vitflow.data.dispatch import open_split
 from vitflow.data.prepare import prepare
@@ -51,6 +52,7 @@ def store(tmp_path_factory) -> Path:
     rows = ["path,label"] + [f"photos/{p.relative_to(photos).as_posix()},{p.parent.name}"
                              for p in sorted(photos.rglob("*.jpg"))]
     (root / "labels.csv").write_text("\n".join(rows) + "\n")
+    (root / "classes.txt").write_text("bees\nants\n")
     copy_into(photos, root)
     return root
 
@@ -89,6 +91,10 @@ def test_tar_in_place_packed_and_label_file_over_http_and_s3_give_the_local_imag
         same_split(local, open_split(url, split))
     if kind in ("photos.tar", "packed"):
         same_split(open_split(store / kind, "train"), open_split(f"{base}/{kind}", "train"))
+    if kind == "labels.csv":  # a class list from a URL too
+        cfg = DataConfig(classes=f"{base}/classes.txt")
+        same_split(open_split(store / kind, split, cfg=DataConfig(classes=str(store / "classes.txt"))),
+                   open_split(f"{base}/{kind}", split, cfg=cfg))
 
 
 def test_two_503s_then_success_is_retried_and_logged(store, http_server, caplog):
