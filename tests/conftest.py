@@ -27,3 +27,6 @@ def digits_run(tmp_path_factory):
                           "train.eval_every=200", "train.log_every=25", f"train.run_dir={run}"],
                          capture_output=True, text=True, check=True)
     return run, json.loads(out.stdout.strip().splitlines()[-1]), out
+
+
+from servers import http_server, s3_server, _moto_endpoint  # noqa: E402,F401  real HTTP / S3 servers on 127.0.0.1

@@ -136,6 +136,12 @@ class DataConfig:
     access: Literal["random", "stream"] = "random"  # stream: read a tar in order through a shuffle buffer
     shuffle_buffer: int = 50_000  # images, for access=stream (capped at the dataset size)
     eval_batch_size: int | None = None  # None = the training micro-batch
+    # remote data (s3://, gs://, https://, hf://): a local folder keeping whole shards / files read
+    # sequentially, and its size bound (500MB, 20GiB; None = unbounded; least recently used go first)
+    cache_dir: str | None = None
+    cache_max_size: str | None = None
+    remote_retries: int = 5  # attempts after the first on transient remote errors (5xx, 429, resets)
+    remote_backoff: float = 1.0  # seconds: the first wait between attempts, doubled each time (with jitter)
 
     def validate(self) -> None:
         _check(self.source in ("digits", "auto") or self.path is not None, "data.path", self.path,
@@ -166,6 +172,11 @@ class DataConfig:
         _check(self.eval_batch_size is None or self.eval_batch_size > 0, "data.eval_batch_size",
                self.eval_batch_size, "> 0")
         _check(len(self.label_separator) > 0, "data.label_separator", self.label_separator, "not empty")
+        _check(self.cache_max_size is None or re.fullmatch(r"\s*\d+(\.\d+)?\s*([KMGT]i?B?|B)?\s*", str(
+               self.cache_max_size), re.I) is not None, "data.cache_max_size", self.cache_max_size,
+               "a size such as 500MB or 20GiB")
+        _check(self.remote_retries >= 0, "data.remote_retries", self.remote_retries, ">= 0")
+        _check(self.remote_backoff >= 0, "data.remote_backoff", self.remote_backoff, ">= 0 seconds")
 
 
 @dataclass

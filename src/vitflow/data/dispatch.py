@@ -19,6 +19,8 @@ from vitflow.data.hflayout import hf_split_names, is_hf_dataset
 from vitflow.data.labelfile import is_label_file, label_file_splits, open_label_file_split
 from vitflow.data.labels import TEST_NAMES, VAL_NAMES, canonical_split
 from vitflow.data.packed import is_packed, open_packed, packed_split_names
+from vitflow.data.remote import is_remote
+from vitflow.data.remote_sources import remote_kind
 from vitflow.data.sources import DataError, ImageSource
 from vitflow.data.splits import Split, parse_split
 
@@ -43,6 +45,8 @@ def source_kind(path: str | Path | None, source: str = "auto", label: str = "dat
         return "digits"
     if path is None:
         raise DataError("data.path is not set: give an image folder, a .tar of one, a label file or a dataset")
+    if is_remote(path):  # https://, s3://, ...: see vitflow.data.remote_sources
+        return remote_kind(str(path), source, label)
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"{label} {p} does not exist")
@@ -69,7 +73,7 @@ def split_names(path: str | Path | None, source: str = "auto", cfg: DataConfig |
     kind = source_kind(path, source)
     if kind == "digits":
         return ["train"]
-    p = Path(path).expanduser()
+    p = str(path) if is_remote(path) else Path(path).expanduser()
     if kind == "packed":
         return packed_split_names(p)
     if kind == "cifar":
@@ -115,7 +119,7 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
                             "hold out images with slices such as 'train[80%:]'")
         src = digits_source()
         return src.subset(sp.select(len(src)))
-    p = Path(path).expanduser()
+    p = str(path) if is_remote(path) else Path(path).expanduser()
     name = canonical_split(sp.name, split_names(p, kind, cfg)) if sp.name in VAL_NAMES else sp.name
     name = name or sp.name  # not there: the source's own message names what it has
     if kind == "packed":

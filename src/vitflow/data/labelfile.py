@@ -19,6 +19,7 @@ line numbers (see :mod:`vitflow.data.labels`).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ import numpy as np
 
 from vitflow.data import labels as L
 from vitflow.data.readers import FolderReader
+from vitflow.data.remote import basename, exists, is_remote, join, open_stream, parent
 from vitflow.data.sources import DataError, FileSource
 
 EXTENSIONS = (".csv", ".tsv", ".jsonl")
@@ -51,14 +53,24 @@ class Table:
 
 
 @lru_cache(maxsize=16)
-def _read_table(path: Path, mtime_ns: int) -> Table:
-    """Read (and keep, while unchanged) a label file's rows."""
+def _suffix(path: Path | str) -> str:
+    return os.path.splitext(basename(path))[1].lower()
+
+
+def _stem(path: Path | str) -> str:
+    return os.path.splitext(basename(path))[0].lower()
+
+
+def _read_table(path: Path | str, mtime_ns: int) -> Table:
+    """Read (and keep, while unchanged) a label file's rows (a URL through
+    :func:`vitflow.data.remote.open_stream`)."""
     del mtime_ns  # part of the cache key only
     try:
-        with open(path, newline="", encoding="utf-8-sig") as f:
-            if path.suffix.lower() == ".jsonl":
+        with (io.TextIOWrapper(open_stream(path), encoding="utf-8-sig", newline="") if is_remote(path) else
+              open(path, newline="", encoding="utf-8-sig")) as f:
+            if _suffix(path) == ".jsonl":
                 return _read_jsonl(path, f)
-            reader = csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
+            reader = csv.DictReader(f, delimiter="\t" if _suffix(path) == ".tsv" else ",")
             columns = tuple(reader.fieldnames or ())
             rows, lines, malformed = [], [], []
             for row in reader:
@@ -94,14 +106,19 @@ def _read_jsonl(path: Path, f) -> Table:
     return Table(path, tuple(columns), tuple(rows), tuple(lines), tuple(malformed))
 
 
-def read_table(path: Path) -> Table:
+def read_table(path: Path | str) -> Table:
+    if is_remote(path):
+        return _read_table(str(path), 0)
     return _read_table(path.resolve(), path.stat().st_mtime_ns)
 
 
 def _split_files(path: Path) -> dict[str, Path]:
     """One file per split: ``DIR/train.csv`` and its siblings named after other splits."""
-    if path.stem.lower() not in SPLIT_FILE_NAMES:
+    if _stem(path) not in SPLIT_FILE_NAMES:
         return {}
+    if is_remote(path):  # a store that may not list: ask for each sibling
+        candidates = {n: join(parent(path), n + _suffix(path)) for n in SPLIT_FILE_NAMES}
+        return {n: url for n, url in candidates.items() if url == str(path) or exists(url)}
     return {f.stem.lower(): f for f in sorted(path.parent.iterdir())
             if f.suffix.lower() == path.suffix.lower() and f.stem.lower() in SPLIT_FILE_NAMES and f.is_file()}
 
@@ -132,7 +149,7 @@ def _rows_of_split(path: Path, split: str, split_column: str) -> tuple[Table, li
     if files:
         name = L.canonical_split(split, list(files))
         if name is None:
-            raise DataError(f"split {split!r} not found beside {path}: expected a file {split}{path.suffix} "
+            raise DataError(f"split {split!r} not found beside {path}: expected a file {split}{_suffix(path)} "
                             f"(found: {', '.join(files)})")
         table = read_table(files[name])
         return table, list(range(len(table.rows)))
@@ -149,6 +166,14 @@ def _rows_of_split(path: Path, split: str, split_column: str) -> tuple[Table, li
     if name is None:
         raise DataError(f"split {split!r} not found in {path} column {col!r} (values: {', '.join(names)})")
     return table, [i for i, r in enumerate(table.rows) if str(r.get(col, "")).strip() == name]
+
+
+def _image_base(root: str | None, table_path: Path | str) -> Path | str:
+    """Where relative image paths start: ``data.root`` or the label file's folder (a URL for a
+    remote label file; its images are read from the store and not checked beforehand)."""
+    if root:
+        return root if is_remote(root) else Path(root).expanduser()
+    return parent(table_path) if is_remote(table_path) else Path(table_path).parent
 
 
 def open_label_file_split(path: Path, split: str, classes: list[str] | None = None, root: str | None = None,
@@ -168,19 +193,19 @@ def open_label_file_split(path: Path, split: str, classes: list[str] | None = No
     where = str(table.path)
     img_col = L.pick_column(table.columns, image_column, L.IMAGE_COLUMNS, "data.image_column", where)
     lab_col = L.pick_column(table.columns, label_column, L.LABEL_COLUMNS, "data.label_column", where)
-    base = Path(root).expanduser() if root else table.path.parent
+    base = _image_base(root, table.path)
     malformed = table.malformed if split == "train" or not _split_column(table, split_column) else ()
-    dropped: list[tuple[str, str]] = [(f"{table.path.name} line {n}", why) for n, why in malformed]
+    dropped: list[tuple[str, str]] = [(f"{basename(table.path)} line {n}", why) for n, why in malformed]
     cells, rels, lines, seen = [], [], [], {}
     for i in sorted(positions, key=lambda i: str(table.rows[i].get(img_col) or "")):  # path order, as folders
         row, line = table.rows[i], table.lines[i]
         rel = str(row.get(img_col) or "").strip()
-        here = f"{table.path.name} line {line}"
+        here = f"{basename(table.path)} line {line}"
         if not rel:
             dropped.append((here, "empty image path"))
         elif rel in seen:
             dropped.append((here, f"{rel} already listed on line {seen[rel]}"))
-        elif not (base / rel).is_file():
+        elif not is_remote(base) and not is_remote(rel) and not (base / rel).is_file():
             dropped.append((here, f"no image file {base / rel}"))
         else:
             seen[rel] = line

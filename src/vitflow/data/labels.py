@@ -19,6 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
+from vitflow.data.remote import is_remote, read_bytes
 from vitflow.data.sources import DataError
 
 log = logging.getLogger(__name__)
@@ -54,14 +55,16 @@ def pick_column(columns: Sequence[str], requested: str, candidates: Sequence[str
 
 
 def read_class_file(path: str | Path) -> list[str]:
-    """Class names from a text file, one per line (blank lines and ``#`` comments ignored).
+    """Class names from a text file (local or a URL), one per line (blank lines and ``#`` comments
+    ignored).
 
     Raises:
-        DataError: the file is missing, empty, or names a class twice.
+        DataError: the file is missing, empty, or names a class twice (RemoteError for a URL that
+        cannot be read).
     """
-    p = Path(path).expanduser()
+    p = str(path) if is_remote(path) else Path(path).expanduser()
     try:
-        lines = p.read_text(encoding="utf-8").splitlines()
+        lines = (read_bytes(p).decode("utf-8") if is_remote(p) else p.read_text(encoding="utf-8")).splitlines()
     except OSError as e:
         raise DataError(f"data.classes {p}: cannot read ({e.strerror or e})") from None
     names = [s.strip() for s in lines if s.strip() and not s.strip().startswith("#")]

@@ -29,6 +29,7 @@ import torch
 
 from vitflow.data.decode import decode_image
 from vitflow.data.encode import encode_images
+from vitflow.data.remote import RangeArray, RemoteError, is_remote, join, load_npy, read_bytes
 from vitflow.data.sources import DataError, ImageSource
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,17 @@ SPLIT_NAMES = ("train", "val", "valid", "validation", "test")
 
 
 def is_packed(path: str | Path) -> bool:
-    """True when ``path`` is a folder holding a vitflow packed dataset."""
+    """True when ``path`` is a folder (or a URL, see :mod:`vitflow.data.remote`) holding a vitflow
+    packed dataset. Raises RemoteError for a URL that stays unreachable."""
+    if is_remote(path):
+        try:
+            return json.loads(read_bytes(join(path, "meta.json"))).get("format") == FORMAT
+        except RemoteError as e:
+            if e.status == 404:
+                return False
+            raise
+        except ValueError:
+            return False
     meta = Path(path) / "meta.json"
     if not meta.is_file():
         return False
@@ -50,22 +61,26 @@ def is_packed(path: str | Path) -> bool:
 
 
 class PackedSource(ImageSource):
-    """One split of a packed dataset, memory-mapped; ``rows`` selects images of the split."""
+    """One split of a packed dataset, memory-mapped (a remote one, at a URL, read by range
+    requests: :class:`~vitflow.data.remote.RangeArray`); ``rows`` selects images of the split."""
 
-    def __init__(self, root: Path, split: str, classes: list[str], info: dict, rows: np.ndarray | None = None):
+    def __init__(self, root: Path | str, split: str, classes: list[str], info: dict, rows: np.ndarray | None = None):
         self.root, self.split, self.classes, self.info = root, split, classes, info
-        folder = root / split
-        labels = np.load(folder / "labels.npy", mmap_mode="r")
+        folder = join(root, split)
+        labels = load_npy(join(folder, "labels.npy"))
         self.rows = np.arange(len(labels)) if rows is None else rows
         self.labels = np.asarray(labels[self.rows], dtype=np.int64)
-        self._names = np.load(folder / "names.npy", mmap_mode="r")
+        self._names = load_npy(join(folder, "names.npy"))
+        remote = is_remote(root)
         if info["kind"] == "raw":
             c, h, w = info["shape"]
-            self._images = np.memmap(folder / "images.u8", np.uint8, "r", shape=(info["count"], c, h, w))
+            shape, images = (info["count"], c, h, w), join(folder, "images.u8")
+            self._images = RangeArray(images, shape) if remote else np.memmap(images, np.uint8, "r", shape=shape)
             self.fixed_size = (h, w)
         else:
-            self._data = np.memmap(folder / "data.bin", np.uint8, "r")
-            self._offsets = np.load(folder / "offsets.npy")
+            self._offsets = np.array(load_npy(join(folder, "offsets.npy")))
+            data = join(folder, "data.bin")
+            self._data = RangeArray(data, (int(self._offsets[-1]),)) if remote else np.memmap(data, np.uint8, "r")
             self.fixed_size = None
 
     def name(self, i: int) -> str:
@@ -93,8 +108,8 @@ class PackedSource(ImageSource):
 
 
 def packed_split_names(path: str | Path) -> list[str]:
-    """The splits of the packed dataset at ``path``."""
-    return list(json.loads((Path(path) / "meta.json").read_text())["splits"])
+    """The splits of the packed dataset at ``path`` (a folder or a URL)."""
+    return list(json.loads(read_bytes(join(path, "meta.json")))["splits"])
 
 
 def open_packed(path: str | Path, split: str) -> PackedSource:
@@ -103,8 +118,8 @@ def open_packed(path: str | Path, split: str) -> PackedSource:
     Raises:
         DataError: not a packed dataset, or no such split (the message lists the splits).
     """
-    root = Path(path)
-    meta = json.loads((root / "meta.json").read_text())
+    root = path if is_remote(path) else Path(path)
+    meta = json.loads(read_bytes(join(root, "meta.json")))
     if meta.get("version") != VERSION:
         raise DataError(f"{root}: packed format version {meta.get('version')} is not supported (want {VERSION})")
     if split not in meta["splits"]:

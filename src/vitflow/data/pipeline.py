@@ -29,6 +29,7 @@ from vitflow.data.decode import CorruptImageError
 from vitflow.data.device import DevicePipeline, Prefetcher
 from vitflow.data.dispatch import open_split, resolve_eval_splits
 from vitflow.data.loader import EpochSampler, make_loader
+from vitflow.data.remote import configure_from as configure_remote
 from vitflow.data.sources import DataError, FileSource, ImageSource
 from vitflow.data.stream import StreamBatches
 from vitflow.data.transforms import Preprocess, eval_transform, resolve_augment, train_transform
@@ -70,6 +71,7 @@ def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
             selects no images.
     """
     raise_open_file_limit()
+    configure_remote(cfg)  # retries and the local cache of remote data (vitflow.data.remote)
     val_split, test_split = resolve_eval_splits(cfg)
     train = open_split(cfg.path, cfg.train_split, cfg.source, cfg=cfg)
     held_out = {}

@@ -26,6 +26,7 @@ from vitflow import checkpoint as ckpt
 from vitflow.config import Config, parse_duration
 from vitflow.data import check_config as check_data_config
 from vitflow.data import open_datasets, train_loader
+from vitflow.data.remote import RemoteError
 from vitflow.data.sources import FileSource, ImageSource, export_samples
 from vitflow.evaluation import scalar_metrics
 from vitflow.models import check_config as check_model_config
@@ -53,6 +54,7 @@ from vitflow.train.optim import build_optimizer
 from vitflow.train.resume import locate_run, restore_model, restore_training
 from vitflow.train.run_dir import open_run_dir
 from vitflow.train.schedules import build_scheduler, schedule_of, warn_long_warmup
+from vitflow.train.store_stop import stop_on_store_error
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +233,8 @@ class Trainer:
             with self.stop, logging_redirect_tqdm():  # log lines above the progress bar, not inside it
                 try:
                     images_seen, train_time = self._loop(budget)
+                except RemoteError as e:  # the store stayed unreachable: checkpoint, then one line
+                    stop_on_store_error(self, e, getattr(self, "_step_start", self.epochs.position), started)
                 finally:
                     self.loader.close()
             if self.stop.signum:
@@ -271,7 +275,7 @@ class Trainer:
         self.net.train()
         while self.step < self.total_steps:
             self.tuning.set_phase(self.model, self.step)  # LP-FT: the backbone joins at the switch
-            t0 = time.perf_counter()
+            t0, self._step_start = time.perf_counter(), self.epochs.position  # where a resume re-reads from
             batches = [self.fetch(it) for _ in range(t.accum_steps)]
             wait, cost = time.perf_counter() - t0, self.resizing.step_cost(self.step, self.total_steps)
             loss, grad_norm, stepped = self.train_step(batches)

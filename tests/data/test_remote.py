@@ -1,0 +1,211 @@
+"""Remote storage (vitflow.data.remote) against real servers on 127.0.0.1 (tests/servers.py): a
+static HTTP server with Range support and moto's S3 server. Bytes, images and labels read over
+HTTP and S3 equal the local ones; transient errors are retried, 403 / 404 / unreachable stores end
+in one line naming the URL."""
+
+from __future__ import annotations
+
+import logging
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from servers import copy_into, s3_upload
+
+from helpers import HYMENOPTERA_TAR, make_folder, need, tar_folder
+from vitflow.config import DataConfig
+from vitflow.data import remote
+from vitflow.data.dispatch import open_split
+from vitflow.data.prepare import prepare
+from vitflow.data.remote import RemoteError, expand_urls, open_random, open_stream, read_bytes
+from vitflow.data.remote_cache import cache_name, parse_size
+from vitflow.data.sources import DataError
+
+
+@pytest.fixture(autouse=True)
+def quick_retries():
+    remote.configure(retries=2, backoff=0.01)
+    yield
+    remote.configure(retries=5, backoff=1.0)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    """A served folder: ``photos.tar`` (8 real hymenoptera photos, train/val), ``packed`` (those
+    photos as a packed JPEG dataset), ``raw`` (a small PNG folder packed raw), ``labels.csv``."""
+    root = tmp_path_factory.mktemp("store")
+    photos = tmp_path_factory.mktemp("photos") / "photos"
+    with tarfile.open(need(HYMENOPTERA_TAR)) as tf:
+        members = [m for m in tf.getmembers() if m.isfile()]
+        for split in ("train", "val"):
+            for cls in ("ants", "bees"):
+                for m in [m for m in members if f"/{split}/{cls}/" in m.name][:2]:
+                    dst = photos / split / cls / Path(m.name).name
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    dst.write_bytes(tf.extractfile(m).read())
+    tar_folder(photos, root / "photos.tar")
+    prepare(photos, root / "packed", fmt="jpeg", max_side=96)
+    prepare(make_folder(tmp_path_factory.mktemp("small") / "small", per_class=3, split="train"), root / "raw",
+            fmt="raw")
+    rows = ["path,label"] + [f"photos/{p.relative_to(photos).as_posix()},{p.parent.name}"
+                             for p in sorted(photos.rglob("*.jpg"))]
+    (root / "labels.csv").write_text("\n".join(rows) + "\n")
+    (root / "classes.txt").write_text("bees\nants\n")
+    copy_into(photos, root)
+    return root
+
+
+def same_split(a, b) -> None:
+    assert a.classes == b.classes and len(a) == len(b) > 0
+    assert np.array_equal(a.labels, b.labels)
+    for i in range(len(a)):
+        assert torch.equal(a.load(i), b.load(i)), a.name(i)
+
+
+def test_open_stream_and_range_reads_equal_the_local_bytes_over_http_and_s3(store, http_server, s3_server):
+    local = (store / "photos.tar").read_bytes()
+    base = http_server(store)
+    s3 = s3_upload(*s3_server, store / "photos.tar")
+    for url in (f"{base}/photos.tar", s3):
+        with open_stream(url) as f:
+            assert f.read(1000) == local[:1000] and f.read() == local[1000:]
+        f = open_random(url)
+        assert f.size == len(local) and f.pread(12345, 777) == local[12345:13122]
+        f.seek(-100, 2)
+        assert f.read() == local[-100:]
+    assert base.server.requests > 0
+
+
+@pytest.mark.parametrize("kind", ["photos.tar", "packed", "raw", "labels.csv"])
+def test_tar_in_place_packed_and_label_file_over_http_and_s3_give_the_local_images(store, http_server, s3_server,
+                                                                                    kind):
+    base = http_server(store)
+    s3 = s3_upload(*s3_server, store / kind)
+    if kind == "labels.csv":
+        s3_upload(*s3_server, store / "photos")
+    split = "val" if kind in ("photos.tar", "packed") else "train"
+    local = open_split(store / kind, split)
+    for url in (f"{base}/{kind}", s3):
+        same_split(local, open_split(url, split))
+    if kind in ("photos.tar", "packed"):
+        same_split(open_split(store / kind, "train"), open_split(f"{base}/{kind}", "train"))
+    if kind == "labels.csv":  # a class list from a URL too
+        cfg = DataConfig(classes=f"{base}/classes.txt")
+        same_split(open_split(store / kind, split, cfg=DataConfig(classes=str(store / "classes.txt"))),
+                   open_split(f"{base}/{kind}", split, cfg=cfg))
+
+
+def test_two_503s_then_success_is_retried_and_logged(store, http_server, caplog):
+    base, local = http_server(store), (store / "photos.tar").read_bytes()
+    f = open_random(f"{base}/photos.tar")
+    base.server.fail_next(2, 503)
+    with caplog.at_level(logging.WARNING, "vitflow.data"):
+        assert f.pread(5000, 300) == local[5000:5300]  # one GET an attempt
+        base.server.fail_next(2, 503)
+        assert read_bytes(f"{base}/labels.csv") == (store / "labels.csv").read_bytes()  # stat: HEAD, then GET
+    retries = [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
+    assert [m.split(" failed")[0] for m in retries[:2]] == [f"{base}/photos.tar: read of bytes 5000-5299"] * 2
+    assert len(retries) >= 3 and all("(HTTP 503 Service Unavailable); retry" in m for m in retries)
+    assert base.server.failures == 0
+
+
+def test_403_and_404_fail_at_once_with_one_line_naming_the_url(store, http_server, caplog):
+    base = http_server(store)
+    base.server.forbid("photos.tar")
+    with caplog.at_level(logging.WARNING, "vitflow.data"), pytest.raises(RemoteError) as e:
+        open_split(f"{base}/photos.tar", "train")
+    assert str(e.value) == f"{base}/photos.tar: size request failed: HTTP 403 Forbidden (not retried)"
+    assert e.value.status == 403
+    with pytest.raises(RemoteError, match=r"/missing\.tar: size request failed: HTTP 404") as e:
+        open_random(f"{base}/missing.tar")
+    assert "\n" not in str(e.value) and not [r for r in caplog.records if "retry" in r.getMessage()]
+
+
+def test_unreachable_store_is_retried_then_named_in_one_line(store, http_server, s3_server, caplog):
+    base = http_server(store)
+    base.server.stop()
+    s3 = s3_upload(*s3_server, store / "labels.csv")
+    with caplog.at_level(logging.WARNING, "vitflow.data"), pytest.raises(RemoteError) as e:
+        read_bytes(f"{base}/labels.csv")
+    msg = str(e.value)
+    assert msg.startswith(f"{base}/labels.csv: size request failed after 3 attempts: connection failed (")
+    assert "\n" not in msg and e.value.transient
+    assert len([r for r in caplog.records if "retry" in r.getMessage()]) == 2
+    with pytest.raises(RemoteError, match=r"nothere\.csv: size request failed: S3 error NoSuchKey \(HTTP 404\)"):
+        read_bytes(s3.replace("labels.csv", "nothere.csv"))
+
+
+def test_cli_names_a_forbidden_url_in_one_error_line(store, http_server, capsys):
+    from vitflow.cli import main
+
+    base = http_server(store)
+    base.server.forbid("packed/meta.json")
+    assert main(["train", f"data.path={base}/packed", "train.total_steps=1", "data.remote_retries=0"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {base}/packed/meta.json: size request failed: HTTP 403 Forbidden (not retried)")
+
+
+def test_expand_urls_braces_lists_globs_and_s3_listing(tmp_path, s3_server):
+    for i in range(3):
+        (tmp_path / f"train-{i:04d}.tar").write_bytes(b"x")
+    (tmp_path / "extra.tar").write_bytes(b"y")
+    assert expand_urls(f"{tmp_path}/train-{{0000..0002}}.tar::{tmp_path}/{{extra,train-0001}}.tar") == [
+        str(tmp_path / f"train-{i:04d}.tar") for i in range(3)] + [str(tmp_path / "extra.tar"),
+                                                                      str(tmp_path / "train-0001.tar")]
+    assert expand_urls(f"{tmp_path}/*.tar") == sorted(str(p) for p in tmp_path.glob("*.tar"))
+    assert expand_urls("https://h/s-{8..10}.tar") == ["https://h/s-8.tar", "https://h/s-9.tar", "https://h/s-10.tar"]
+    with pytest.raises(DataError, match=r"^data.path: pattern '.*/val-\{0..3\}.tar' matched no shard$"):
+        expand_urls(f"{tmp_path}/val-{{0..3}}.tar")
+    with pytest.raises(DataError, match="2 of 4 shards missing"):
+        expand_urls(f"{tmp_path}/train-{{0001..0004}}.tar")
+    for p in tmp_path.glob("train-*.tar"):
+        s3_upload(*s3_server, p, "shards")
+    _, bucket = s3_server
+    assert expand_urls(f"s3://{bucket}/shards/train-*.tar") == [f"s3://{bucket}/shards/train-{i:04d}.tar"
+                                                                 for i in range(3)]
+    with pytest.raises(DataError, match="matched no shard"):
+        expand_urls(f"s3://{bucket}/shards/val-*.tar")
+
+
+def test_local_cache_serves_copies_evicts_least_recent_and_never_keeps_a_partial_file(store, tmp_path, http_server):
+    base = http_server(store)
+    cache = tmp_path / "cache"
+    files = ["labels.csv", "packed/meta.json", "photos.tar"]
+    sizes = [(store / f).stat().st_size for f in files]
+    remote.configure(retries=0, backoff=0.01, cache_dir=str(cache), cache_max_size=sizes[0] + sizes[1])
+    for f in files[:2]:
+        assert open_stream(f"{base}/{f}").read() == (store / f).read_bytes()
+    base.server.stop()
+    assert read_bytes(f"{base}/labels.csv") == (store / "labels.csv").read_bytes()  # from the cache
+    with pytest.raises(RemoteError):  # a failed download leaves nothing under the final name
+        open_stream(f"{base}/photos.tar")
+    assert sorted(p.name for p in cache.iterdir()) == sorted(cache_name(f"{base}/{f}") for f in files[:2])
+    base.server.start()
+    assert open_stream(f"{base}/photos.tar").read() == (store / "photos.tar").read_bytes()
+    assert [p.name for p in cache.iterdir()] == [cache_name(f"{base}/photos.tar")]  # the older two evicted
+    assert parse_size("20GiB") == 20 * 2**30 and parse_size("500MB") == 500 * 10**6 and parse_size(None) is None
+
+
+def test_s3_errors_are_sorted_into_transient_and_permanent_as_s3fs_raises_them():
+    from botocore.exceptions import ClientError, EndpointConnectionError
+    from s3fs.errors import translate_boto_error
+
+    from vitflow.data.remote_store import _classify
+
+    def s3(code, status):
+        err = ClientError({"Error": {"Code": code, "Message": f"{code} message"},
+                           "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+        return _classify(translate_boto_error(err), "s3://b/k.tar")
+
+    assert s3("SlowDown", 503) == (503, True, "S3 error SlowDown (HTTP 503): SlowDown message")
+    assert s3("InternalError", 500)[:2] == (500, True)
+    assert s3("AccessDenied", 403)[:2] == (403, False)
+    assert s3("NoSuchKey", 404)[:2] == (404, False)
+    assert _classify(EndpointConnectionError(endpoint_url="http://x"), "s3://b/k")[1]
+    e = RemoteError("s3://b/k: failed", "s3://b/k", 503, True)
+    import pickle
+
+    back = pickle.loads(pickle.dumps(e))  # a loader worker's error reaches the trainer whole
+    assert (str(back), back.url, back.status, back.transient) == (str(e), e.url, 503, True)

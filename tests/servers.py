@@ -1,0 +1,239 @@
+"""Real storage servers on 127.0.0.1 for the tests (imported by ``conftest.py``):
+
+- ``http_server(root) -> base_url``: a threaded HTTP/1.1 static file server over ``root`` with
+  Range requests (``206`` / ``416``), which Python's ``http.server`` lacks. The URL is a ``str``
+  whose ``.server`` (:class:`RangeServer`) can ``stop()`` and ``start()`` again on the same port
+  (a server dying mid-epoch; by itself after N more requests: ``die_after_requests``), answer the
+  next N requests with an error (``fail_next(2, 503)``),
+  refuse paths with 403 (``forbid("x.tar")``) and count requests (``.requests``).
+- ``s3_server -> (endpoint_url, bucket)``: moto in server mode (``ThreadedMotoServer``, one per
+  session) with a fresh bucket per test, fake credentials and ``AWS_ENDPOINT_URL`` set in the
+  environment (children started with ``os.environ`` inherit them); :func:`s3_upload` copies files.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import threading
+import uuid
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RangeHandler(SimpleHTTPRequestHandler):
+    """GET / HEAD of files under the served folder, with single-range ``Range: bytes=a-b``
+    (HTTP/1.1 keep-alive connections)."""
+
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body in separate writes: no 40 ms delayed-ACK stall per request
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+    def _control(self) -> bool:
+        """Apply the server's test switches; True when the request was answered here."""
+        ctl: RangeServer = self.server.control  # type: ignore[attr-defined]
+        with ctl.lock:
+            ctl.requests += 1
+            status = None
+            if ctl.die_after is not None and ctl.requests > ctl.die_after:
+                ctl.die_after, ctl.dead = None, True
+                threading.Thread(target=ctl.stop, daemon=True).start()
+            if ctl.dead:
+                status = -1
+            elif ctl.failures:
+                ctl.failures -= 1
+                status = ctl.failure_status
+            elif self.path.split("?")[0].lstrip("/") in ctl.forbidden:
+                status = 403
+        if status == -1:  # the server dies: this connection closes unanswered, the next are refused
+            self.close_connection = True
+            return True
+        if status is not None:
+            self.send_error(status)
+            return True
+        return False
+
+    def do_HEAD(self) -> None:
+        if not self._control():
+            super().do_HEAD()
+
+    def do_GET(self) -> None:
+        if self._control():
+            return
+        path = self.translate_path(self.path)
+        m = RANGE.match(self.headers.get("Range", "").strip())
+        if not os.path.isfile(path) or m is None:
+            return super().do_GET()
+        size = os.path.getsize(path)
+        first, last = m.groups()
+        start, end = (size - int(last), size - 1) if first == "" else (int(first), min(int(last or size - 1), size - 1))
+        if start < 0 or start >= size or end < start:
+            self.send_response(416)
+            self.send_header("Content-Range", f"bytes */{size}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self.send_response(206)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        self.send_header("Content-Length", str(end - start + 1))
+        self.send_header("Accept-Ranges", "bytes")
+        self.end_headers()
+        with open(path, "rb") as f:
+            f.seek(start)
+            left = end - start + 1
+            while left:
+                chunk = f.read(min(left, 1 << 20))
+                self.wfile.write(chunk)
+                left -= len(chunk)
+
+    def end_headers(self) -> None:
+        if self.command != "GET" or "Content-Range" not in str(self._headers_buffer):
+            self.send_header("Accept-Ranges", "bytes")
+        super().end_headers()
+
+
+class RangeServer:
+    """A restartable static file server over ``root`` on ``127.0.0.1:port``."""
+
+    def __init__(self, root: Path, port: int | None = None):
+        self.root, self.port = Path(root), port or free_port()
+        self.lock = threading.Lock()
+        self.failures, self.failure_status, self.requests = 0, 503, 0
+        self.forbidden: set[str] = set()
+        self.die_after: int | None = None
+        self.dead = False
+        self._httpd: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "RangeServer":
+        ThreadingHTTPServer.allow_reuse_address = True
+        self.dead = False
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", self.port), partial(RangeHandler, directory=str(self.root)))
+        self._httpd.daemon_threads = True
+        self._httpd.control = self  # type: ignore[attr-defined]
+        threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self.dead = True  # open keep-alive connections too: their next request is closed unanswered
+        httpd, self._httpd = self._httpd, None
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
+
+    def fail_next(self, n: int, status: int = 503) -> None:
+        """Answer the next ``n`` requests with ``status``."""
+        with self.lock:
+            self.failures, self.failure_status = n, status
+
+    def die_after_requests(self, n: int) -> None:
+        """Stop (as a killed server) at request ``n + 1``: that one is closed unanswered."""
+        self.die_after = self.requests + n
+
+    def forbid(self, rel: str) -> None:
+        """Answer 403 for the file ``rel`` (relative to the root)."""
+        self.forbidden.add(rel.lstrip("/"))
+
+
+class ServedURL(str):
+    """The server's base URL (a ``str``), with the :class:`RangeServer` as ``.server``."""
+
+    server: RangeServer
+
+
+@pytest.fixture
+def http_server():
+    """Factory: ``http_server(root) -> base_url`` (a :class:`ServedURL`); stopped after the test."""
+    servers: list[RangeServer] = []
+
+    def serve(root: Path) -> ServedURL:
+        server = RangeServer(root).start()
+        servers.append(server)
+        url = ServedURL(server.url)
+        url.server = server
+        return url
+
+    yield serve
+    for s in servers:
+        s.stop()
+
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
+          "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="session")
+def _moto_endpoint():
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_server(_moto_endpoint, monkeypatch):
+    """``(endpoint_url, bucket)``: a new empty bucket on the session's moto S3 server, with fake
+    credentials and ``AWS_ENDPOINT_URL`` in ``os.environ`` for the test."""
+    import boto3
+
+    for k, v in {**S3_ENV, "AWS_ENDPOINT_URL": _moto_endpoint}.items():
+        monkeypatch.setenv(k, v)
+    bucket = f"vitflow-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=_moto_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    return _moto_endpoint, bucket
+
+
+def s3_upload(endpoint: str, bucket: str, src: Path, prefix: str = "") -> str:
+    """Upload the file or folder ``src`` under ``s3://bucket/prefix/NAME``; returns that URL."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    src = Path(src)
+    key = "/".join(p for p in (prefix.strip("/"), src.name) if p)
+    files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
+    for f in files:
+        rel = f.name if src.is_file() else f.relative_to(src).as_posix()
+        client.upload_file(str(f), bucket, key if src.is_file() else f"{key}/{rel}")
+    return f"s3://{bucket}/{key}"
+
+
+def copy_into(src: Path, root: Path) -> Path:
+    """Copy the file or folder ``src`` into the served folder ``root``; returns the copy."""
+    dst = Path(root) / Path(src).name
+    (shutil.copytree if Path(src).is_dir() else shutil.copy)(src, dst)
+    return dst
+
+
+if __name__ == "__main__":  # python tests/servers.py FOLDER [PORT]: serve FOLDER (benchmarks, manual checks)
+    import sys
+    import time
+
+    served = RangeServer(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else None).start()
+    print(served.url, flush=True)
+    while True:
+        time.sleep(3600)
