@@ -12,6 +12,7 @@ checkpoint's ``model_args`` are this section as it is (plus the class count foun
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -136,6 +137,9 @@ class DataConfig:
     access: Literal["random", "stream"] = "random"  # stream: read a tar in order through a shuffle buffer
     shuffle_buffer: int = 50_000  # images, for access=stream (capped at the dataset size)
     eval_batch_size: int | None = None  # None = the training micro-batch
+    # training order: random = a permutation per epoch; balanced = every class equally often (classes drawn
+    # uniformly, then an image of the class, with replacement; Kang et al. 2020). Multiclass, data.access=random
+    sampler: Literal["random", "balanced"] = "random"
 
     def validate(self) -> None:
         _check(self.source in ("digits", "auto") or self.path is not None, "data.path", self.path,
@@ -166,6 +170,8 @@ class DataConfig:
         _check(self.eval_batch_size is None or self.eval_batch_size > 0, "data.eval_batch_size",
                self.eval_batch_size, "> 0")
         _check(len(self.label_separator) > 0, "data.label_separator", self.label_separator, "not empty")
+        _check(self.sampler == "random" or (self.access == "random" and self.task == "multiclass"), "data.sampler",
+               self.sampler, "random with data.access=stream or data.task=multilabel")
 
 
 @dataclass
@@ -226,6 +232,10 @@ class TrainConfig:
     label_smoothing: float = 0.1  # Szegedy et al. 2016; applied once, also to Mixup/CutMix targets (multiclass)
     # auto: cross_entropy (multiclass) or bce (multilabel); asl: asymmetric loss (Ridnik et al. 2021, multilabel)
     loss: Literal["auto", "cross_entropy", "bce", "asl"] = "auto"
+    # weighted loss for imbalanced classes: none; balanced = n / (classes * count_c) (scikit-learn's
+    # compute_class_weight; multilabel: BCE pos_weight = negatives / positives per class); or a .json / .txt
+    # file of one weight per class (a JSON list or {class: weight}; text: one number per line)
+    class_weights: str = "none"
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 where supported and faster
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # torch intra-op threads; None = torch's default
@@ -249,6 +259,8 @@ class TrainConfig:
         _check(self.batch_size % self.accum_steps == 0, "train.batch_size", self.batch_size,
                f"a multiple of train.accum_steps={self.accum_steps}")
         _check(0 <= self.label_smoothing < 1, "train.label_smoothing", self.label_smoothing, "in [0, 1)")
+        _check(self.class_weights in ("none", "balanced") or os.path.isfile(self.class_weights), "train.class_weights",
+               self.class_weights, "none, balanced or an existing .json / .txt file of per-class weights")
         _check(self.eval_every >= 0, "train.eval_every", self.eval_every, ">= 0")
         _check(self.checkpoint_every >= 0, "train.checkpoint_every", self.checkpoint_every, ">= 0")
         _check(self.threads is None or self.threads > 0, "train.threads", self.threads, "> 0")
