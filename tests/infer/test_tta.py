@@ -139,6 +139,9 @@ def test_onnx_export_with_flip_matches_the_pytorch_tta(tiny_run, tmp_path):
     assert not torch.allclose(want, p.model(x).softmax(-1), atol=1e-3)  # flip did change the output
     onnx_p = Predictor.load(out)
     assert onnx_p.tta == "flip"
+    p.set_tta("flip")
+    images = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)
+    assert (onnx_p.predict(images) - p.predict(images)).abs().max() <= 1e-4  # `vitflow predict` on either
     with pytest.raises(ValueError, match="already averages"):
         onnx_p.set_tta("flip")
     with pytest.raises(ValueError, match="one input size"):
