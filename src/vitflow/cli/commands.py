@@ -112,11 +112,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.model or args.data or args.batch_size:
         raise ValueError("--model, --data and --batch-size go with --knn K (for a plain evaluation on other data "
                          "use data.path=...)")
-    r = evaluate_checkpoint(args.checkpoint, args.overrides, weights=args.weights)
+    r = evaluate_checkpoint(args.checkpoint, args.overrides, weights=args.weights, tta=args.tta)
     role = r["split"]
     result = split_results(r)[role]
-    print(f"{role} {headline(result)}  ({result['images']} images of {r['split_expr']}, {r['weights']} weights, "
-          f"{r['checkpoint']})")
+    tta = f", TTA {r['tta']}" if r["tta"] != "none" else ""
+    print(f"{role} {headline(result)}  ({result['images']} images of {r['split_expr']}, {r['weights']} weights"
+          f"{tta}, {r['images_per_s']:.0f} images/s, {r['checkpoint']})")
     return _skipped_and_json(args, r, result["skipped"])
 
 
@@ -165,6 +166,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from vitflow.infer import Predictor, collect_images
 
     predictor = Predictor.load(args.checkpoint, args.device, args.precision, args.weights)
+    predictor.set_tta(args.tta)
     refs = collect_images(args.inputs)
     if not refs:
         raise FileNotFoundError(f"no images found in {' '.join(args.inputs)}")
@@ -219,15 +221,17 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from vitflow.infer.export import export_checkpoint
 
+    if args.format == "hub" and args.tta:
+        raise ValueError("--tta goes with --format onnx (a hub folder holds the plain model)")
     if args.format == "hub":
         return _export_hub(args)
     target = args.target or ("gpu" if torch.cuda.is_available() else "cpu")
     r = export_checkpoint(args.checkpoint, args.output, args.format, args.optimize, target, args.opset,
-                          args.verify_data, args.tolerance, fp16=not args.fp32)
+                          args.verify_data, args.tolerance, fp16=not args.fp32, tta=args.tta)
     print(f"exported {r['format']} to {r['path']} ({r['bytes'] / 2**20:.1f} MiB, {r['export_s']:.1f} s)")
     if r["fused"]:
         print(f"fused ({target}): " + ", ".join(f"{k} {v}" for k, v in r["fused"].items()))
-    print(f"verified on {r['images']} real images: {r['summary']}")
+    print(f"verified on {r['images']} real images{' with TTA ' + args.tta if args.tta else ''}: {r['summary']}")
     if args.json:
         _print_json(args, {k: v for k, v in r.items() if k != "summary"})
     return 0 if r["ok"] else 1

@@ -76,6 +76,7 @@ def _training_commands(sub) -> None:
                    "hub-style model folder, or weights with --model NAME")
     p.add_argument("--json", action="store_true", help="end with one JSON line of metrics")
     _add_weights_arg(p)
+    _add_tta_arg(p)
     _add_knn_args(p)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.path=... data.test_split=test")
 
@@ -89,9 +90,15 @@ def _training_commands(sub) -> None:
                    help="bf16/fp16: run a PyTorch model with its weights cast to that dtype (fp16 needs CUDA)")
     p.add_argument("--device", default="auto")
     _add_weights_arg(p)
+    _add_tta_arg(p)
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="one JSON object per image")
     fmt.add_argument("--csv", action="store_true", help="CSV: path,rank,class,index,prob,error (one row per class)")
+
+
+def _add_tta_arg(p: argparse.ArgumentParser, what: str = "average the probabilities over test-time views") -> None:
+    p.add_argument("--tta", metavar="SPEC", help=f"{what}: flip, crops5, scales=S1,S2,... (last), comma-joined, "
+                   "e.g. flip,crops5 (10 views); default none")
 
 
 def _add_knn_args(p: argparse.ArgumentParser) -> None:
@@ -138,6 +145,8 @@ def _deployment_commands(sub) -> None:
     p.add_argument("--verify-data", metavar="PATH", help="real images (file, folder or tar) to verify on; "
                    "default: the checkpoint's test split")
     p.add_argument("--tolerance", type=float, help="max |logit difference| (default 1e-4; 0.1 for FP16 TensorRT)")
+    _add_tta_arg(p, "ONNX: average the probabilities of these views inside the graph (its output becomes their "
+                 "log; use flip and/or crops5)")
     p.add_argument("--fp32", action="store_true", help="TensorRT: build an FP32 engine (default FP16)")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
 

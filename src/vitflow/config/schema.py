@@ -12,6 +12,7 @@ checkpoint's ``model_args`` are this section as it is (plus the class count foun
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -142,6 +143,9 @@ class DataConfig:
     cache_max_size: str | None = None
     remote_retries: int = 5  # attempts after the first on transient remote errors (5xx, 429, resets)
     remote_backoff: float = 1.0  # seconds: the first wait between attempts, doubled each time (with jitter)
+    # training order: random = a permutation per epoch; balanced = every class equally often (classes drawn
+    # uniformly, then an image of the class, with replacement; Kang et al. 2020). Multiclass, data.access=random
+    sampler: Literal["random", "balanced"] = "random"
 
     def validate(self) -> None:
         _check(self.source in ("digits", "auto") or self.path is not None, "data.path", self.path,
@@ -177,6 +181,8 @@ class DataConfig:
                "a size such as 500MB or 20GiB")
         _check(self.remote_retries >= 0, "data.remote_retries", self.remote_retries, ">= 0")
         _check(self.remote_backoff >= 0, "data.remote_backoff", self.remote_backoff, ">= 0 seconds")
+        _check(self.sampler == "random" or (self.access == "random" and self.task == "multiclass"), "data.sampler",
+               self.sampler, "random with data.access=stream or data.task=multilabel")
 
 
 @dataclass
@@ -237,6 +243,10 @@ class TrainConfig:
     label_smoothing: float = 0.1  # Szegedy et al. 2016; applied once, also to Mixup/CutMix targets (multiclass)
     # auto: cross_entropy (multiclass) or bce (multilabel); asl: asymmetric loss (Ridnik et al. 2021, multilabel)
     loss: Literal["auto", "cross_entropy", "bce", "asl"] = "auto"
+    # weighted loss for imbalanced classes: none; balanced = n / (classes * count_c) (scikit-learn's
+    # compute_class_weight; multilabel: BCE pos_weight = negatives / positives per class); or a .json / .txt
+    # file of one weight per class (a JSON list or {class: weight}; text: one number per line)
+    class_weights: str = "none"
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 where supported and faster
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # torch intra-op threads; None = torch's default
@@ -260,6 +270,8 @@ class TrainConfig:
         _check(self.batch_size % self.accum_steps == 0, "train.batch_size", self.batch_size,
                f"a multiple of train.accum_steps={self.accum_steps}")
         _check(0 <= self.label_smoothing < 1, "train.label_smoothing", self.label_smoothing, "in [0, 1)")
+        _check(self.class_weights in ("none", "balanced") or os.path.isfile(self.class_weights), "train.class_weights",
+               self.class_weights, "none, balanced or an existing .json / .txt file of per-class weights")
         _check(self.eval_every >= 0, "train.eval_every", self.eval_every, ">= 0")
         _check(self.checkpoint_every >= 0, "train.checkpoint_every", self.checkpoint_every, ">= 0")
         _check(self.threads is None or self.threads > 0, "train.threads", self.threads, "> 0")

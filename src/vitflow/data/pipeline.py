@@ -24,6 +24,7 @@ import torch
 
 from vitflow.config import DataConfig
 from vitflow.data.augment import MixupCutmix
+from vitflow.data.balanced import epoch_sampler
 from vitflow.data.cache import CenterCropSource, cache_in_memory, cache_resolution, in_ram, photo_cache_size
 from vitflow.data.decode import CorruptImageError
 from vitflow.data.device import DevicePipeline, Prefetcher
@@ -229,8 +230,7 @@ def train_loader(source: ImageSource, cfg: DataConfig, image_size: int, batch_si
                                              generator=torch.Generator(), **kwargs)
         per_epoch = dataset.batches_per_epoch
     else:
-        sampler = EpochSampler(len(source), batch_size, shuffle=True, drop_last=True, seed=seed, start=start,
-                               rank=rank, world_size=world_size)
+        sampler = epoch_sampler(cfg.sampler, source.labels, batch_size, seed, start, rank, world_size)
         loader = make_loader(source, transform, sampler, workers, cfg.prefetch, aug_seed)
         per_epoch = sampler.batches_per_epoch
     mix = None

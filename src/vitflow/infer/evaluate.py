@@ -4,6 +4,7 @@ test split, or another, by overrides)."""
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -14,6 +15,7 @@ from vitflow.data import eval_loader, open_split
 from vitflow.data.dispatch import scored_split
 from vitflow.data.transforms import Preprocess
 from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
+from vitflow.infer.tta import parse_tta, with_tta
 from vitflow.runtime import resolve_device, resolve_precision
 
 log = logging.getLogger(__name__)
@@ -29,7 +31,8 @@ def _apply_kernel_overrides(model: torch.nn.Module, saved: dict, wanted) -> None
         model.set_cpu_bf16_matmul(wanted.cpu_bf16_matmul)
 
 
-def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: str = "auto") -> dict:
+def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: str = "auto", tta: str | None = None
+                        ) -> dict:
     """Evaluate a checkpoint on its config's test split — or, when the data has none, its
     validation split (after ``key=value`` overrides, e.g. ``data.path=...`` or
     ``data.test_split=...``), labelling with the checkpoint's classes. A multi-label checkpoint
@@ -37,13 +40,17 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
 
     Args:
         weights: ``auto`` (the EMA weights when saved, else the trained ones), ``ema`` or ``raw``.
+        tta: test-time augmentation (:mod:`vitflow.infer.tta`, e.g. ``flip``): the metrics are those of
+            the averaged probabilities (the loss their negative log-likelihood).
     Returns:
         :func:`evaluate`'s (or :func:`evaluate_multilabel`'s) scalar metrics prefixed with the
         split's role (``test_`` or ``val_``) plus ``split`` (the role), ``split_expr``,
-        ``checkpoint``, ``step`` and ``weights`` (``ema`` or ``raw``, the weights evaluated).
+        ``checkpoint``, ``step``, ``weights`` (``ema`` or ``raw``, the weights evaluated), ``tta`` (the
+        spec, ``none`` without) and ``images_per_s`` (the whole pass, decoding included).
     Raises:
         FileNotFoundError / ValueError: unreadable checkpoint; ConfigError; DataError.
     """
+    spec = parse_tta(tta)  # a bad spec fails before any work
     state = load_checkpoint(path)
     cfg = build_config(base=state["config"], overrides=overrides, checks={"data": check_data_config})
     if cfg.train.threads:
@@ -59,6 +66,7 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
     loader = eval_loader(source, pp, cfg.data.eval_batch_size or 256, cfg.data.num_workers)
     model = model_from_checkpoint(state, weights).to(dev)
     _apply_kernel_overrides(model, state["config"].get("model", {}), cfg.model)
+    model, t0 = with_tta(model, spec, state.get("task", "multiclass")), time.perf_counter()
     if state.get("task", "multiclass") == "multilabel":
         if state.get("threshold") is None:
             log.warning("%s has no saved threshold: choosing one on the %s split itself (optimistic F1)",
@@ -66,6 +74,8 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
         result = evaluate_multilabel(model, loader, dev, precision, pp, threshold=state.get("threshold"))
     else:
         result = evaluate(model, loader, dev, precision, pp)
+    ips = result["images"] / max(time.perf_counter() - t0, 1e-9)
     used = "ema" if state.get("ema") and weights != "raw" else "raw"
     return {**{f"{role}_{k}": v for k, v in scalar_metrics(result).items()}, "split": role, "split_expr": split,
-            "checkpoint": state["path"], "step": state["step"], "weights": used}
+            "checkpoint": state["path"], "step": state["step"], "weights": used, "tta": str(spec),
+            "images_per_s": round(ips, 1)}

@@ -44,6 +44,7 @@ from vitflow.infer.onnx_model import (
     set_metadata,
 )
 from vitflow.infer.tensorrt import TensorRTModel, build_tensorrt_engine, tensorrt_available
+from vitflow.infer.tta import tta_for_export
 from vitflow.models.attention import EXACT_BACKENDS
 
 log = logging.getLogger(__name__)
@@ -336,7 +337,7 @@ def verification_images(state: dict, data: str | None, pp, n: int = 8) -> torch.
 def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "onnx", optimize: bool = False,
                       target: str = "cpu", opset: int = OPSET, verify_data: str | None = None,
                       tolerance: float | None = None, batch_sizes: tuple[int, ...] = (1, 7), fp16: bool = True,
-                      log: Callable[[str], None] = print) -> dict:
+                      log: Callable[[str], None] = print, tta: str | None = None) -> dict:
     """Export a checkpoint and verify the result against it on real images.
 
     Args:
@@ -344,6 +345,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "onnx"
             ``fp16``, built from an ONNX export written next to ``out``).
         optimize: ONNX only: apply :func:`optimize_onnx` for ``target``.
         tolerance: max abs logit difference allowed (default 1e-4; 0.1 for FP16 TensorRT).
+        tta: ONNX only: average the probabilities of these views in the graph (``flip``; see
+            :func:`vitflow.infer.tta.tta_for_export`), verified against the PyTorch TTA.
     Returns:
         ``{"format", "path", "bytes", "export_s", "max_abs_diff": {batch: diff}, "tolerance",
         "ok", "fused"}``.
@@ -367,7 +370,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "onnx"
     x = verification_images(state, verify_data, info.preprocess)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
+    t0, model = time.perf_counter(), tta_for_export(model, tta, info, fmt)
     candidate, fused = _write(model, out, fmt, info, opset, optimize, target, fp16, log)
     export_s = time.perf_counter() - t0
     tol = tolerance if tolerance is not None else (0.1 if fmt == "tensorrt" and fp16 else 1e-4)

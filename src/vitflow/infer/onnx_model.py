@@ -9,6 +9,9 @@ needs in its ``metadata_props`` (string key/value pairs of the ONNX ``ModelProto
     vitflow.model_args  JSON create_model arguments of the exported model (informational)
     vitflow.task        "multiclass" (softmax over the logits) or "multilabel" (a sigmoid per logit)
     vitflow.threshold   multilabel: the probability from which a label is predicted (JSON number)
+    vitflow.tta         the test-time views averaged in the graph (``vitflow export --tta flip``) or "none";
+                        with TTA the output is log(mean probability) (multi-class) or logit(mean
+                        probability) (multi-label): softmax / sigmoid of it give the averaged probabilities
 
 The graph has one input ``pixel_values`` ``float32 (batch, 3, S, S)`` (normalised with ``mean``
 and ``std``; ``batch`` is dynamic) and one output ``logits`` ``float32 (batch, num_classes)``.
@@ -62,13 +65,14 @@ class ModelInfo:
     model_args: dict
     task: str = "multiclass"
     threshold: float | None = None
+    tta: str = "none"  # test-time views averaged inside an exported graph (vitflow.infer.tta)
 
     def to_metadata(self) -> dict[str, str]:
         """The ``vitflow.*`` ONNX metadata entries (all values are strings)."""
         return {f"{META_PREFIX}format": META_FORMAT, f"{META_PREFIX}classes": json.dumps(self.classes),
                 f"{META_PREFIX}preprocess": json.dumps(self.preprocess.to_dict()),
                 f"{META_PREFIX}model_args": json.dumps(self.model_args), f"{META_PREFIX}task": self.task,
-                f"{META_PREFIX}threshold": json.dumps(self.threshold)}
+                f"{META_PREFIX}threshold": json.dumps(self.threshold), f"{META_PREFIX}tta": self.tta}
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str], path: str | Path) -> "ModelInfo":
@@ -78,7 +82,7 @@ class ModelInfo:
                        Preprocess.from_dict(json.loads(meta[f"{META_PREFIX}preprocess"])),
                        json.loads(meta.get(f"{META_PREFIX}model_args", "{}")),
                        meta.get(f"{META_PREFIX}task", "multiclass"),
-                       json.loads(meta.get(f"{META_PREFIX}threshold", "null")))
+                       json.loads(meta.get(f"{META_PREFIX}threshold", "null")), meta.get(f"{META_PREFIX}tta", "none"))
         except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"{path} has no vitflow metadata (class names and preprocessing): export it with "
                              f"`vitflow export` ({type(e).__name__}: {e})") from None

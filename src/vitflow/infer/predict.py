@@ -23,6 +23,7 @@ from vitflow.data.readers import TarReader, is_hidden
 from vitflow.data.transforms import Preprocess, eval_transform
 from vitflow.infer.hub_folder import is_hub_folder, read_hub_folder
 from vitflow.infer.onnx_model import OnnxModel, is_onnx
+from vitflow.infer.tta import parse_tta, with_tta
 from vitflow.runtime import configure_allocator, resolve_device, resolve_precision
 
 
@@ -98,6 +99,21 @@ class Predictor:
         self.classes, self.pp, self.task = classes, pp, task
         self.threshold = 0.5 if threshold is None else threshold
         self.transform = eval_transform(pp)
+        self.name, self.tta = name, "none"
+
+    def set_tta(self, spec: str | None) -> None:
+        """From now on, average the probabilities over test-time views (``spec``: ``flip``,
+        ``flip,crops5``, ``scales=...``; :mod:`vitflow.infer.tta`). Raises ValueError for a bad spec
+        or ``scales`` with an ONNX model (a fixed input size)."""
+        parsed = parse_tta(spec)
+        if not parsed.enabled:
+            return
+        if self.tta != "none":
+            raise ValueError(f"{self.name} already averages test-time views ({self.tta}, exported with --tta): "
+                             "predict without --tta")
+        if parsed.scales != (1.0,) and isinstance(self.model, OnnxModel):
+            raise ValueError(f"--tta {spec}: scales need a PyTorch checkpoint; {self.name} has a fixed input size")
+        self.model, self.tta = with_tta(self.model, parsed, self.task), str(parsed)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, device: str = "auto", precision: str = "fp32",
@@ -115,7 +131,9 @@ class Predictor:
         its metadata). Raises FileNotFoundError / ValueError naming the file."""
         model = OnnxModel(path, threads)
         info = model.info()
-        return cls(model, info.classes, info.preprocess, "cpu", "fp32", str(path), info.task, info.threshold)
+        predictor = cls(model, info.classes, info.preprocess, "cpu", "fp32", str(path), info.task, info.threshold)
+        predictor.tta = info.tta  # an export with --tta averages its views in the graph
+        return predictor
 
     @classmethod
     def from_hub_folder(cls, path: str | Path, device: str = "auto", precision: str = "fp32") -> "Predictor":

@@ -38,9 +38,10 @@ class LabelLoss:
 
     def __init__(self, label_smoothing: float = 0.0):
         self.label_smoothing = label_smoothing
+        self.weight: torch.Tensor | None = None  # per-class weights (train.class_weights)
 
     def __call__(self, outputs: torch.Tensor, targets: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return classification_loss(outputs, targets, self.label_smoothing)
+        return classification_loss(outputs, targets, self.label_smoothing, self.weight)
 
 
 class MultiLabelLoss:
@@ -49,9 +50,10 @@ class MultiLabelLoss:
 
     def __init__(self, kind: str = "bce"):
         self.kind = kind
+        self.pos_weight: torch.Tensor | None = None  # BCE weight of each class's positives (train.class_weights)
 
     def __call__(self, outputs: torch.Tensor, targets: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return multilabel_loss(outputs, targets.float(), self.kind)
+        return multilabel_loss(outputs, targets.float(), self.kind, pos_weight=self.pos_weight)
 
 
 class Teacher:

@@ -43,6 +43,7 @@ from vitflow.runtime import (
     set_rng_state,
 )
 from vitflow.train.budget import ProgressiveResizing, TimeBudget
+from vitflow.train.class_weights import setup_imbalance, write_distribution
 from vitflow.train.distill import build_criterion
 from vitflow.train.distributed import DistEnv, Parallel, init_distributed, micro_batch, rank_device, shutdown
 from vitflow.train.ema import ModelEMA
@@ -93,6 +94,7 @@ class Trainer:
         log.info("input pipeline: %s", self.loader.describe())
         if self.dist.is_main:  # created now that the data and the model are known to be good
             open_run_dir(self.run_dir, cfg)
+            write_distribution(self.run_dir, self.data)  # each split's class counts, for the report
         saved = self.state or {}
         self.metrics = MetricsLog(self.run_dir, t.tensorboard, self.dist.is_main, saved.get("records", {} if start_over
                                   else None), self.step if self.state else None)
@@ -127,6 +129,7 @@ class Trainer:
         self.ema = ModelEMA(self.model, t.ema_decay, t.ema_warmup) if t.ema_decay else None
         self.criterion = build_criterion(cfg.distill, t.label_smoothing, self.model, self.data.classes,
                                          self.data.preprocess, self.device, t.loss, cfg.data.task)
+        setup_imbalance(cfg, self.data, self.criterion, self.device)  # train.class_weights; the line on the sampler
         return step, position
 
     def _build_optimization(self) -> None:

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 
-def classification_loss(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+def classification_loss(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0,
+                        weight: torch.Tensor | None = None) -> torch.Tensor:
     """Mean cross-entropy with label smoothing (Szegedy et al. 2016, sec. 7).
 
     Args:
@@ -15,10 +16,12 @@ def classification_loss(logits: torch.Tensor, targets: torch.Tensor, label_smoot
             row, such as Mixup/CutMix produce unsmoothed. Smoothing is applied here, once, in
             both cases: the target becomes ``(1 - eps) * t + eps / C``
             (:func:`torch.nn.functional.cross_entropy` semantics).
+        weight: per-class weights ``float32 (C,)`` (``train.class_weights``; see
+            :mod:`vitflow.train.class_weights`), ``cross_entropy(weight=...)`` semantics; ``None``: none.
     Returns:
         A float32 scalar.
     """
-    return F.cross_entropy(logits.float(), targets, label_smoothing=label_smoothing)
+    return F.cross_entropy(logits.float(), targets, weight=weight, label_smoothing=label_smoothing)
 
 
 def soft_distillation_loss(student: torch.Tensor, teacher: torch.Tensor, tau: float = 1.0) -> torch.Tensor:
@@ -45,7 +48,8 @@ def hard_distillation_loss(student: torch.Tensor, teacher: torch.Tensor) -> torc
 
 
 def multilabel_loss(logits: torch.Tensor, targets: torch.Tensor, kind: str = "bce", gamma_neg: float = 4.0,
-                    gamma_pos: float = 0.0, clip: float = 0.05) -> torch.Tensor:
+                    gamma_pos: float = 0.0, clip: float = 0.05, pos_weight: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """Multi-label classification loss: an independent binary problem per label.
 
     ``kind="bce"``: binary cross-entropy with logits,
@@ -73,6 +77,8 @@ def multilabel_loss(logits: torch.Tensor, targets: torch.Tensor, kind: str = "bc
         targets: float ``(B, C)`` in [0, 1]: multi-hot labels, or soft ones after Mixup/CutMix.
         kind: ``"bce"`` or ``"asl"``; ``gamma_neg``, ``gamma_pos`` (>= 0) and ``clip`` (in [0, 1))
             only apply to ``"asl"`` (defaults: the paper's, except ``gamma_pos`` 0 instead of 1).
+        pos_weight: ``"bce"`` only: weight of each class's positive term ``float32 (C,)``
+            (``train.class_weights``), as in ``binary_cross_entropy_with_logits``.
     Returns:
         A float32 scalar.
     Raises:
@@ -85,7 +91,7 @@ def multilabel_loss(logits: torch.Tensor, targets: torch.Tensor, kind: str = "bc
         raise ValueError(f"targets of shape {tuple(targets.shape)} do not match logits {tuple(logits.shape)}")
     x, t = logits.float(), targets.float()
     if kind == "bce":
-        return F.binary_cross_entropy_with_logits(x, t)
+        return F.binary_cross_entropy_with_logits(x, t, pos_weight=pos_weight)
     if gamma_neg < 0 or gamma_pos < 0 or not 0 <= clip < 1:
         raise ValueError(f"ASL needs gamma_neg, gamma_pos >= 0 and 0 <= clip < 1, got {gamma_neg}, {gamma_pos}, {clip}")
     positive = t * torch.exp(gamma_pos * F.logsigmoid(-x)) * F.logsigmoid(x)  # (1 - p)^g log p

@@ -26,6 +26,7 @@ from typing import Any
 
 from vitflow.rundir import read_metrics
 from vitflow.viz.curves import line_plot
+from vitflow.viz.distribution import distribution_panel
 
 FIGURES = ("top1", "top5", "loss", "map", "micro_f1", "macro_f1", "threshold", "skipped")  # per split
 MAX_MATRIX_CLASSES = 40  # larger confusion matrices are summarised as the most frequent confusions
@@ -233,6 +234,7 @@ def write_report(run_dir: str | Path, output: str | Path | None = None) -> Path:
 <h2>Final metrics</h2><div class=kpi>{kpis}</div><p></p><table>{table}</table>
 <h2>Curves</h2><div class=grid>{images}</div>
 {last}
+{distribution_panel(run)}
 <h2>Config</h2><pre>{html.escape(config)}</pre>
 </body></html>
 """
