@@ -9,9 +9,10 @@ import struct
 from pathlib import Path
 
 import pytest
-from servers_mlflow import mlflow_server  # noqa: F401  (the fixture)
+import yaml
 
 from helpers import digits_config
+from servers_mlflow import mlflow_server  # noqa: F401  (the fixture)
 from vitflow.config.build import flatten
 from vitflow.rundir import read_metrics
 from vitflow.train.loop import Trainer
@@ -29,7 +30,8 @@ def _records(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
         if r["kind"] in ("train", "eval"):
             prefix = "train" if r["kind"] == "train" else r["split"]
             for k, v in r.items():
-                if k not in ("time", "kind", "step", "epoch") and isinstance(v, (int, float)) and not isinstance(v, bool):
+                numeric = isinstance(v, (int, float)) and not isinstance(v, bool)
+                if numeric and k not in ("time", "kind", "step", "epoch"):
                     out.setdefault(f"{prefix}/{k}", []).append((r["step"], v))
     return out
 
@@ -40,7 +42,7 @@ def _check_mlflow(uri: str, run_dir: Path, tmp_path: Path) -> None:
     client = MlflowClient(uri)
     run = client.get_run(json.loads((run_dir / "trackers.json").read_text())["mlflow"])
     assert run.info.status == "FINISHED" and run.info.run_name == run_dir.name
-    cfg = flatten(json.loads(json.dumps(__import__("yaml").safe_load((run_dir / "config.yaml").read_text()))))
+    cfg = flatten(yaml.safe_load((run_dir / "config.yaml").read_text()))
     assert run.data.params == {k: str(tuple(v) if isinstance(v, list) else v) for k, v in cfg.items()}
     expected = _records(run_dir)
     assert {"train/loss", "train/lr", "train/images_per_s", "test/top1", "test/loss"} <= set(expected)

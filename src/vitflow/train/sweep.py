@@ -133,7 +133,7 @@ class Pruning:
         self.trial.report(float(value), trainer.step)
         if self.trial.should_prune():
             trainer.metrics.write("pruned", step=trainer.step, metric=self.metric, value=float(value))
-            raise optuna.TrialPruned(f"pruned at step {trainer.step}")
+            raise optuna.TrialPruned(f"at step {trainer.step} ({self.metric} {value:.4g})")
 
 
 def _open_folder(sweep_dir: Path, settings: dict[str, Any]) -> None:
