@@ -36,19 +36,25 @@ def _records(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def _check_mlflow(uri: str, run_dir: Path, tmp_path: Path) -> None:
+def _check_mlflow(uri: str, run_dir: Path, tmp_path: Path, config_yaml: str | None = None) -> None:
+    """The MLflow run of ``run_dir`` holds its config as parameters, every train/eval figure at its
+    step, and its eval.json. A resumed run (``config_yaml``: of its first start) keeps the records
+    its resume cut from the run directory too (the first end's final evaluation)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
     run = client.get_run(json.loads((run_dir / "trackers.json").read_text())["mlflow"])
     assert run.info.status == "FINISHED" and run.info.run_name == run_dir.name
-    cfg = flatten(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    cfg = flatten(yaml.safe_load(config_yaml or (run_dir / "config.yaml").read_text()))
     assert run.data.params == {k: str(tuple(v) if isinstance(v, list) else v) for k, v in cfg.items()}
     expected = _records(run_dir)
     assert {"train/loss", "train/lr", "train/images_per_s", "test/top1", "test/loss"} <= set(expected)
     for name, points in expected.items():
         history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
-        assert history == [(s, pytest.approx(v, rel=1e-9)) for s, v in points], name
+        if config_yaml is None:
+            assert history == [(s, pytest.approx(v, rel=1e-9)) for s, v in points], name
+        else:
+            assert set(points) <= set(history), name
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"eval.json", "config.yaml"}
     local = client.download_artifacts(run.info.run_id, "eval.json", str(tmp_path))
     assert json.loads(Path(local).read_text()) == json.loads((run_dir / "eval.json").read_text())
@@ -77,6 +83,13 @@ def test_mlflow_file_store_and_wandb_offline_get_the_runs_params_metrics_and_fil
     assert config["train.total_steps"] == 20 and config["model.name"] == cfg.model.name
     files = folders[0] / "files"
     assert json.loads((files / "eval.json").read_text()) == json.loads((run_dir / "eval.json").read_text())
+
+    # a resumed run continues the same MLflow run (parameters: the first start's): its history goes on
+    first = (run_dir / "config.yaml").read_text()
+    Trainer(digits_config(run_dir, *RUN[1:], "train.total_steps=25", "train.resume=auto",
+                          f"train.mlflow={tmp_path / 'mlruns'}")).fit()
+    _check_mlflow(mlflow_uri(str(tmp_path / "mlruns")), run_dir, tmp_path / "dl2", first)
+    assert _records(run_dir)["train/loss"][-1][0] == 25
 
 
 def test_trackers_log_the_report_and_the_end_state(tmp_path):
