@@ -50,9 +50,11 @@ class TrackerError(ValueError):
 
 
 class Tracker(Protocol):
-    """One tracking backend: what :class:`Trackers` calls."""
+    """One tracking backend: what :class:`Trackers` calls (``run_id``: the backend's id of the
+    run, kept in ``RUN_DIR/trackers.json`` so that a resume continues it)."""
 
     name: str
+    run_id: str
 
     def log_params(self, params: dict[str, Any]) -> None: ...
 
