@@ -103,6 +103,26 @@ def cmd_resume(args: argparse.Namespace) -> int:
     return cmd_train(args)
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """``vitflow sweep``: :func:`vitflow.train.sweep.run_sweep`."""
+    from vitflow.train.sweep import SweepInterrupted, run_sweep
+
+    try:
+        r = run_sweep(args.space, args.trials, args.dir, args.preset, args.config, args.overrides, args.metric,
+                      args.direction, args.seed, args.prune_after, CONFIG_CHECKS)
+    except SweepInterrupted as e:
+        print(f"{e}; continue the sweep with the same command", file=sys.stderr)
+        return 130
+    best = r["best"]
+    print(f"{r['trials']} trials ({r['complete']} complete, {r['pruned']} pruned, {r['failed']} failed): {r['table']}")
+    if best:
+        print(f"best: trial {best['trial']}, {r['metric']} {best['value']:.4g} ({best['run_dir']}); config: "
+              f"{r['best_config']}")
+    if args.json:
+        _print_json(args, r)
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from vitflow.evaluation import headline, split_results
     from vitflow.infer.evaluate import evaluate_checkpoint
@@ -378,4 +398,5 @@ COMMANDS = {"train": cmd_train, "resume": cmd_resume, "eval": cmd_eval, "predict
             "embed": cmd_embed,
             "export": cmd_export, "quantize": cmd_quantize, "prune": cmd_prune, "prepare": cmd_prepare,
             "bench": cmd_bench, "lr-schedule": cmd_lr_schedule, "report": cmd_report, "presets": cmd_presets,
-            "models": cmd_models}
+            "models": cmd_models,
+            "sweep": cmd_sweep}

@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verbosity(parser, logging.INFO)
     sub = parser.add_subparsers(dest="command", required=True)
     _training_commands(sub)
+    _sweep_command(sub)
     _deployment_commands(sub)
     _data_and_view_commands(sub)
     bench = _bench_commands(sub)
@@ -99,6 +100,28 @@ def _training_commands(sub) -> None:
 def _add_tta_arg(p: argparse.ArgumentParser, what: str = "average the probabilities over test-time views") -> None:
     p.add_argument("--tta", metavar="SPEC", help=f"{what}: flip, crops5, scales=S1,S2,... (last), comma-joined, "
                    "e.g. flip,crops5 (10 views); default none")
+
+
+def _sweep_command(sub) -> None:
+    """sweep."""
+    p = sub.add_parser("sweep", help="hyperparameter search (Optuna: TPE, median pruning), each trial a run directory")
+    p.add_argument("--preset", help="named recipe of every trial (default digits-vit-tiny)")
+    p.add_argument("--config", metavar="FILE.yaml", help="YAML file of sections applied over the preset")
+    p.add_argument("--space", required=True, metavar="SWEEP.yaml", help="config key -> {type: float|int|categorical, "
+                   "low, high, log, step, choices}")
+    p.add_argument("--trials", required=True, type=_positive, metavar="N", help="finished trials to reach (a re-run "
+                   "of the same command continues to N)")
+    p.add_argument("--dir", metavar="SWEEP_DIR", help="the sweep folder (default sweeps/<preset>-<space file name>)")
+    p.add_argument("--metric", default="val_top1", help="objective: a figure of the run summary (default val_top1; "
+                   "val_loss, test_top1, ...), reported at each train.eval_every for pruning")
+    p.add_argument("--direction", choices=["maximize", "minimize"], help="default: minimize for *_loss / *_ece, "
+                   "else maximize")
+    p.add_argument("--seed", type=int, default=0, help="the TPE sampler's seed (default 0)")
+    p.add_argument("--prune-after", type=int, default=3, metavar="K", help="trials run to the end before the median "
+                   "rule prunes (default 3)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line: counts, best trial, files")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="every trial's overrides, e.g. its budget: "
+                   "train.total_steps=300 train.eval_every=100 (or train.time_budget=2m)")
 
 
 def _add_knn_args(p: argparse.ArgumentParser) -> None:

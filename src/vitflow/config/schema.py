@@ -263,6 +263,14 @@ class TrainConfig:
     max_nonfinite_steps: int = 10  # this many non-finite steps in a row stop the run
     distributed: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: DDP, or FSDP2 (fully_shard)
     tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
+    # MLflow tracking (pip install 'vitflow[mlflow]'): true (= ./mlruns), a folder or file: URI (file store), or a
+    # tracking URI (http(s)://HOST:PORT, sqlite:///mlflow.db); None = off
+    mlflow: str | None = None
+    mlflow_experiment: str | None = None  # MLflow experiment name; None = the preset's name
+    # Weights & Biases (pip install 'vitflow[wandb]'): online | offline (a local run folder for `wandb sync`) |
+    # auto (WANDB_MODE, else online) | none (off)
+    wandb: Literal["none", "auto", "online", "offline"] = "none"
+    wandb_project: str | None = None  # W&B project; None = WANDB_PROJECT, else the preset's name
 
     def validate(self) -> None:
         for key in ("batch_size", "accum_steps", "total_steps", "log_every", "keep_checkpoints"):
@@ -279,6 +287,8 @@ class TrainConfig:
         _check(self.max_nonfinite_steps > 0, "train.max_nonfinite_steps", self.max_nonfinite_steps, "> 0")
         _check(re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device) is not None, "train.device",
                self.device, "auto, cpu, cuda, cuda:N or mps")
+        _check(self.mlflow is None or self.mlflow.strip() != "", "train.mlflow", self.mlflow,
+               "true, a folder or a tracking URI (or null: off)")
         if self.time_budget is not None:
             try:
                 parse_duration(self.time_budget)

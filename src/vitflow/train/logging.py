@@ -5,7 +5,8 @@
 - ``RUN_DIR/metrics_train.csv`` and ``RUN_DIR/metrics_eval.csv``: the ``train`` and ``eval``
   records as CSV (columns fixed by the file's first record; a resumed run appends);
 - ``RUN_DIR/tb/``: TensorBoard event files with the same scalars, when the ``tensorboard``
-  package is installed (optional: ``pip install tensorboard``) and ``train.tensorboard`` is on.
+  package is installed (optional: ``pip install tensorboard``) and ``train.tensorboard`` is on;
+- MLflow and Weights & Biases runs, when switched on (:mod:`vitflow.train.trackers`).
 
 Non-finite floats are written as ``null`` / empty.
 """
@@ -48,11 +49,13 @@ class MetricsLog:
         truncate_to: file name -> bytes to keep (a file not named is emptied); ``None`` keeps
             everything (a new run, or a checkpoint from before vitflow saved the offsets).
         purge_step: TensorBoard drops its events from this step on (the resumed step).
+        trackers: MLflow / W&B (:class:`vitflow.train.trackers.Trackers`): every record goes to its
+            ``record``, and :meth:`close` closes it.
     """
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, enabled: bool = True,
-                 truncate_to: dict[str, int] | None = None, purge_step: int | None = None):
-        self.run_dir, self.enabled = Path(run_dir), enabled
+                 truncate_to: dict[str, int] | None = None, purge_step: int | None = None, trackers=None):
+        self.run_dir, self.enabled, self.trackers = Path(run_dir), enabled, trackers
         self._csv: dict[str, tuple[Any, csv.DictWriter]] = {}
         self._tb = None
         if not enabled:
@@ -84,6 +87,8 @@ class MetricsLog:
             for k, v in rec.items():
                 if k not in ("time", "kind", "step", "epoch") and isinstance(v, (int, float)) and v is not None:
                     self._tb.add_scalar(f"{kind}/{k}", v, rec["step"])
+        if self.trackers is not None:
+            self.trackers.record(rec)
         return rec
 
     def offsets(self) -> dict[str, int]:
@@ -120,6 +125,8 @@ class MetricsLog:
             f.close()
         if self._tb is not None:
             self._tb.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 @dataclass

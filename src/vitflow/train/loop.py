@@ -56,6 +56,7 @@ from vitflow.train.resume import locate_run, restore_model, restore_training
 from vitflow.train.run_dir import open_run_dir
 from vitflow.train.schedules import build_scheduler, schedule_of, warn_long_warmup
 from vitflow.train.store_stop import stop_on_store_error
+from vitflow.train.trackers import check_trackers, open_trackers
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class Trainer:
         apply_pretrained(cfg)  # model.name=auto and the weights' preprocessing, unless the user set them
         check_model_config(cfg.model)
         check_data_config(cfg.data)
+        check_trackers(cfg)
         self.cfg, t = cfg, cfg.train
         configure_allocator()
         if t.threads:
@@ -92,12 +94,13 @@ class Trainer:
         self.loader = train_loader(self.data.train, cfg.data, image_size, self.micro_batch, t.seed, self.device,
                                    len(self.data.classes), position, self.dist.rank, self.dist.world_size)
         log.info("input pipeline: %s", self.loader.describe())
+        trackers = open_trackers(cfg, self.run_dir, bool(self.state)) if self.dist.is_main else None  # MLflow, W&B
         if self.dist.is_main:  # created now that the data and the model are known to be good
             open_run_dir(self.run_dir, cfg)
             write_distribution(self.run_dir, self.data)  # each split's class counts, for the report
         saved = self.state or {}
         self.metrics = MetricsLog(self.run_dir, t.tensorboard, self.dist.is_main, saved.get("records", {} if start_over
-                                  else None), self.step if self.state else None)
+                                  else None), self.step if self.state else None, trackers)
         self.epochs = EpochTracker(self.metrics, self.loader.batches_per_epoch, position,
                                    saved.get("data", {}).get("skipped"))
         self.evaluator = RunEvaluator(self.data, cfg.data.eval_batch_size or self.micro_batch, cfg.data.num_workers,
@@ -106,6 +109,7 @@ class Trainer:
         self.resizing = ProgressiveResizing(cfg.data.progressive_min_size, image_size, cfg.data.progressive_ramp,
                                             self.model.patch_size, self.model.num_prefix_tokens)
         self.last_eval: dict[str, Any] | None = None
+        self.on_eval: list = []  # callback(trainer, metrics) after each evaluation during training (a sweep's pruning)
         self.meter, self.stop = Meter(), StopSignals()
         self.stall_hint = StallHint(self.loader.describe())
         self._seed_ranks()  # last, so nothing in set-up consumes the model's random stream (dropout, drop-path)
@@ -303,7 +307,9 @@ class Trainer:
                     log.info("time budget %s reached at step %d", t.time_budget, self.step)
                 break
             if stepped and t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
-                self.run_eval()
+                result = self.run_eval()
+                for callback in self.on_eval:
+                    callback(self, result)
             if stepped and t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < self.total_steps:
                 self.save()
         bar.close()
