@@ -25,6 +25,13 @@ def _print_json(args: argparse.Namespace, obj) -> None:
     print(json.dumps(obj), file=getattr(args, "json_stdout", None) or sys.stdout)
 
 
+def _chosen(args: argparse.Namespace) -> str:
+    """The checkpoint ``--checkpoint best|last|PATH`` picks of the positional checkpoint / run directory."""
+    from vitflow.checkpoint import choose_checkpoint
+
+    return str(choose_checkpoint(args.checkpoint, getattr(args, "which", None)))
+
+
 def _default_preset(args: argparse.Namespace) -> str | None:
     """``--preset``, or ``finetune`` for pretrained weights given without a recipe or config file."""
     if args.preset or args.config or not any(o.startswith("model.pretrained=") for o in args.overrides):
@@ -65,9 +72,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from vitflow.evaluation import headline, split_results
     from vitflow.train import train
     from vitflow.train.guards import NonFiniteError
+    from vitflow.viz.report import write_live_report
 
     try:
-        r = train(cfg)
+        r = train(cfg, on_eval=write_live_report if cfg.train.live_report else None)
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -88,6 +96,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"skipped unreadable images: {r['skipped_images']} in training, {held_out} in the final "
               "evaluations; see the warnings above")
     print(f"run directory: {r['run_dir']}\ncheckpoint: {r['checkpoint']}")
+    if r.get("early_stopped"):
+        print(r["early_stopped"])
+    if r.get("best_step") is not None:
+        print(f"best checkpoint: {r['run_dir']}/checkpoints/best.pt ({r['best_metric']} {r['best_value']:.6g} at step "
+              f"{r['best_step']}; use it with --checkpoint best)")
+    if cfg.train.live_report:
+        from vitflow.viz.report import write_live_report
+
+        write_live_report(r["run_dir"])  # once more: the final page, with the attention maps of a sample image
+        print(f"report: {r['run_dir']}/report.html")
     if "samples" in r:
         print(f"sample test images: {r['samples']}  (try: vitflow predict {r['run_dir']} {r['samples']})")
     if args.json:
@@ -106,17 +124,20 @@ def cmd_resume(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from vitflow.evaluation import headline, split_results
     from vitflow.infer.evaluate import evaluate_checkpoint
+    from vitflow.metrics_cls import per_class_text
 
     if args.knn:
         return _eval_knn(args)
     if args.model or args.data or args.batch_size:
         raise ValueError("--model, --data and --batch-size go with --knn K (for a plain evaluation on other data "
                          "use data.path=...)")
-    r = evaluate_checkpoint(args.checkpoint, args.overrides, weights=args.weights)
+    r = evaluate_checkpoint(_chosen(args), args.overrides, weights=args.weights)
     role = r["split"]
     result = split_results(r)[role]
     print(f"{role} {headline(result)}  ({result['images']} images of {r['split_expr']}, {r['weights']} weights, "
           f"{r['checkpoint']})")
+    if "f1" in result:  # single-label: the per-class table
+        print(per_class_text(r["classes"], result))
     return _skipped_and_json(args, r, result["skipped"])
 
 
@@ -164,7 +185,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     from vitflow.infer import Predictor, collect_images
 
-    predictor = Predictor.load(args.checkpoint, args.device, args.precision, args.weights)
+    predictor = Predictor.load(_chosen(args), args.device, args.precision, args.weights)
     refs = collect_images(args.inputs)
     if not refs:
         raise FileNotFoundError(f"no images found in {' '.join(args.inputs)}")
@@ -219,6 +240,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from vitflow.infer.export import export_checkpoint
 
+    args.checkpoint = _chosen(args)
     if args.format == "hub":
         return _export_hub(args)
     target = args.target or ("gpu" if torch.cuda.is_available() else "cpu")

@@ -14,6 +14,7 @@ from vitflow.data import eval_loader, open_split
 from vitflow.data.dispatch import scored_split
 from vitflow.data.transforms import Preprocess
 from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
+from vitflow.metrics_cls import PER_CLASS_KEYS
 from vitflow.runtime import resolve_device, resolve_precision
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,9 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
     Args:
         weights: ``auto`` (the EMA weights when saved, else the trained ones), ``ema`` or ``raw``.
     Returns:
-        :func:`evaluate`'s (or :func:`evaluate_multilabel`'s) scalar metrics prefixed with the
-        split's role (``test_`` or ``val_``) plus ``split`` (the role), ``split_expr``,
+        :func:`evaluate`'s (or :func:`evaluate_multilabel`'s) metrics prefixed with the split's
+        role (``test_`` or ``val_``: scalars, and the per-class ``precision``, ``recall``, ``f1``,
+        ``support``, ``confusion``, ``per_class_ap`` and the ``reliability`` diagram) plus ``classes``, ``split`` (the role), ``split_expr``,
         ``checkpoint``, ``step`` and ``weights`` (``ema`` or ``raw``, the weights evaluated).
     Raises:
         FileNotFoundError / ValueError: unreadable checkpoint; ConfigError; DataError.
@@ -67,5 +69,7 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
     else:
         result = evaluate(model, loader, dev, precision, pp)
     used = "ema" if state.get("ema") and weights != "raw" else "raw"
-    return {**{f"{role}_{k}": v for k, v in scalar_metrics(result).items()}, "split": role, "split_expr": split,
+    per_class = {k: result[k] for k in PER_CLASS_KEYS if k in result and k != "per_class_top1"}
+    return {**{f"{role}_{k}": v for k, v in {**scalar_metrics(result), **per_class}.items()}, "split": role,
+            "split_expr": split, "classes": list(state["classes"]),
             "checkpoint": state["path"], "step": state["step"], "weights": used}
