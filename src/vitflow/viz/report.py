@@ -108,7 +108,7 @@ def final_metrics(records: list[dict]) -> dict[str, Any]:
     else:
         if evals:
             out.update({f"{split}_{k}": evals[-1][k] for k in FIGURES if k in evals[-1]})
-        out["step"] = (summary or (train[-1] if train else {})).get("step")
+        out["step"] = (summary or max(train + evals, key=lambda r: r["step"], default={})).get("step")
         out["status"] = f"interrupted ({summary['interrupted']})" if summary else "incomplete"
     if train:
         epochs = _epochs(start, out.get("step") or train[-1].get("step", 0))
