@@ -96,21 +96,26 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"skipped unreadable images: {r['skipped_images']} in training, {held_out} in the final "
               "evaluations; see the warnings above")
     print(f"run directory: {r['run_dir']}\ncheckpoint: {r['checkpoint']}")
-    if r.get("early_stopped"):
-        print(r["early_stopped"])
-    if r.get("best_step") is not None:
-        print(f"best checkpoint: {r['run_dir']}/checkpoints/best.pt ({r['best_metric']} {r['best_value']:.6g} at step "
-              f"{r['best_step']}; use it with --checkpoint best)")
-    if cfg.train.live_report:
-        from vitflow.viz.report import write_live_report
-
-        write_live_report(r["run_dir"])  # once more: the final page, with the attention maps of a sample image
-        print(f"report: {r['run_dir']}/report.html")
+    _selection_and_report(r, cfg.train.live_report)
     if "samples" in r:
         print(f"sample test images: {r['samples']}  (try: vitflow predict {r['run_dir']} {r['samples']})")
     if args.json:
         _print_json(args, r)
     return 0
+
+
+def _selection_and_report(r: dict, live_report: bool) -> None:
+    """The end of ``vitflow train``'s output: why it stopped early, the best checkpoint, the final report."""
+    if r.get("early_stopped"):
+        print(r["early_stopped"])
+    if r.get("best_step") is not None:
+        print(f"best checkpoint: {r['run_dir']}/checkpoints/best.pt ({r['best_metric']} {r['best_value']:.6g} at step "
+              f"{r['best_step']}; use it with --checkpoint best)")
+    if live_report:
+        from vitflow.viz.report import write_live_report
+
+        write_live_report(r["run_dir"])  # once more: the final page, with the attention maps of a sample image
+        print(f"report: {r['run_dir']}/report.html")
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
