@@ -72,10 +72,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from vitflow.evaluation import headline, split_results
     from vitflow.train import train
     from vitflow.train.guards import NonFiniteError
-    from vitflow.viz.report import write_live_report
 
     try:
-        r = train(cfg, on_eval=write_live_report if cfg.train.live_report else None)
+        r = train(cfg, on_eval=_live_report(cfg.train.live_report))
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -97,15 +96,14 @@ def cmd_train(args: argparse.Namespace) -> int:
               "evaluations; see the warnings above")
     print(f"run directory: {r['run_dir']}\ncheckpoint: {r['checkpoint']}")
     _selection_and_report(r, cfg.train.live_report)
-    if "samples" in r:
-        print(f"sample test images: {r['samples']}  (try: vitflow predict {r['run_dir']} {r['samples']})")
     if args.json:
         _print_json(args, r)
     return 0
 
 
 def _selection_and_report(r: dict, live_report: bool) -> None:
-    """The end of ``vitflow train``'s output: why it stopped early, the best checkpoint, the final report."""
+    """The end of ``vitflow train``'s output: why it stopped early, the best checkpoint, the final report,
+    the sample images."""
     if r.get("early_stopped"):
         print(r["early_stopped"])
     if r.get("best_step") is not None:
@@ -116,6 +114,15 @@ def _selection_and_report(r: dict, live_report: bool) -> None:
 
         write_live_report(r["run_dir"])  # once more: the final page, with the attention maps of a sample image
         print(f"report: {r['run_dir']}/report.html")
+    if "samples" in r:
+        print(f"sample test images: {r['samples']}  (try: vitflow predict {r['run_dir']} {r['samples']})")
+
+
+def _live_report(on: bool):
+    """``train.live_report``: the hook that rewrites RUN_DIR/report.html after each evaluation, or None."""
+    from vitflow.viz.report import write_live_report
+
+    return write_live_report if on else None
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
