@@ -46,6 +46,9 @@ def test_keep_best_survives_rotation_and_named_evals_are_logged(tmp_path):
     best = ckpt.load_checkpoint(run / "checkpoints" / "best.pt")
     assert best["step"] == best_step == summary["best_step"] and summary["best_value"] == pytest.approx(max(values), abs=1e-6)  # logged: 6 digits
     assert [p.name for p in ckpt.list_checkpoints(run)] == ["step-00000020.pt"]
+    from vitflow.infer.evaluate import evaluate_checkpoint  # eval --checkpoint best scores best.pt
+
+    assert evaluate_checkpoint(ckpt.choose_checkpoint(run, "best"), ["data.test_split=train[70%:80%]"])["step"] == best_step
     assert summary["best_metric"] == "minival_top1" and "early_stopped" not in summary
     # the live report after the first evaluation: the run so far, the P/R/F1 table and the calibration
     assert "Metrics so far" in seen[0] and "figures so far, up to step 2" in seen[0]
