@@ -12,6 +12,7 @@ import sys
 
 from vitflow.config import build_config, list_presets, preset_tree, to_yaml
 from vitflow.data import check_config as check_data_config
+from vitflow.cli.outputs import chosen, live_report_hook, train_epilogue
 from vitflow.data.readers import display_name
 from vitflow.models import check_config as check_model_config
 
@@ -23,13 +24,6 @@ def _print_json(args: argparse.Namespace, obj) -> None:
     """The ``--json`` result line, on the real stdout (:func:`main` sends every other line of a
     ``--json`` command to stderr, so that ``vitflow eval RUN --json | jq`` works)."""
     print(json.dumps(obj), file=getattr(args, "json_stdout", None) or sys.stdout)
-
-
-def _chosen(args: argparse.Namespace) -> str:
-    """The checkpoint ``--checkpoint best|last|PATH`` picks of the positional checkpoint / run directory."""
-    from vitflow.checkpoint import choose_checkpoint
-
-    return str(choose_checkpoint(args.checkpoint, getattr(args, "which", None)))
 
 
 def _default_preset(args: argparse.Namespace) -> str | None:
@@ -74,7 +68,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from vitflow.train.guards import NonFiniteError
 
     try:
-        r = train(cfg, on_eval=_live_report(cfg.train.live_report))
+        r = train(cfg, on_eval=live_report_hook(cfg.train.live_report))
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -95,34 +89,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"skipped unreadable images: {r['skipped_images']} in training, {held_out} in the final "
               "evaluations; see the warnings above")
     print(f"run directory: {r['run_dir']}\ncheckpoint: {r['checkpoint']}")
-    _selection_and_report(r, cfg.train.live_report)
+    train_epilogue(r, cfg.train.live_report)
     if args.json:
         _print_json(args, r)
     return 0
-
-
-def _selection_and_report(r: dict, live_report: bool) -> None:
-    """The end of ``vitflow train``'s output: why it stopped early, the best checkpoint, the final report,
-    the sample images."""
-    if r.get("early_stopped"):
-        print(r["early_stopped"])
-    if r.get("best_step") is not None:
-        print(f"best checkpoint: {r['run_dir']}/checkpoints/best.pt ({r['best_metric']} {r['best_value']:.6g} at step "
-              f"{r['best_step']}; use it with --checkpoint best)")
-    if live_report:
-        from vitflow.viz.report import write_live_report
-
-        write_live_report(r["run_dir"])  # once more: the final page, with the attention maps of a sample image
-        print(f"report: {r['run_dir']}/report.html")
-    if "samples" in r:
-        print(f"sample test images: {r['samples']}  (try: vitflow predict {r['run_dir']} {r['samples']})")
-
-
-def _live_report(on: bool):
-    """``train.live_report``: the hook that rewrites RUN_DIR/report.html after each evaluation, or None."""
-    from vitflow.viz.report import write_live_report
-
-    return write_live_report if on else None
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -143,7 +113,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.model or args.data or args.batch_size:
         raise ValueError("--model, --data and --batch-size go with --knn K (for a plain evaluation on other data "
                          "use data.path=...)")
-    r = evaluate_checkpoint(_chosen(args), args.overrides, weights=args.weights)
+    r = evaluate_checkpoint(chosen(args), args.overrides, weights=args.weights)
     role = r["split"]
     result = split_results(r)[role]
     print(f"{role} {headline(result)}  ({result['images']} images of {r['split_expr']}, {r['weights']} weights, "
@@ -197,7 +167,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     from vitflow.infer import Predictor, collect_images
 
-    predictor = Predictor.load(_chosen(args), args.device, args.precision, args.weights)
+    predictor = Predictor.load(chosen(args), args.device, args.precision, args.weights)
     refs = collect_images(args.inputs)
     if not refs:
         raise FileNotFoundError(f"no images found in {' '.join(args.inputs)}")
@@ -252,7 +222,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from vitflow.infer.export import export_checkpoint
 
-    args.checkpoint = _chosen(args)
+    args.checkpoint = chosen(args)
     if args.format == "hub":
         return _export_hub(args)
     target = args.target or ("gpu" if torch.cuda.is_available() else "cpu")
@@ -374,7 +344,9 @@ def cmd_lr_schedule(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from vitflow.viz.report import write_report
 
-    print(f"wrote {write_report(args.run_dir, args.output)}")
+    checkpoint = None if args.which in (None, "last") else chosen(argparse.Namespace(checkpoint=args.run_dir,
+                                                                                   which=args.which))
+    print(f"wrote {write_report(args.run_dir, args.output, checkpoint)}")
     return 0
 
 

@@ -242,6 +242,7 @@ def _listing_commands(sub) -> None:
     p = sub.add_parser("report", help="write PNG curves and one self-contained HTML page for a run")
     p.add_argument("run_dir", help="a run directory (metrics.jsonl, config.yaml, eval.json)")
     p.add_argument("-o", "--output", help="HTML file (default RUN_DIR/report.html; PNGs beside it in report/)")
+    _add_checkpoint_choice(p)
 
     p = sub.add_parser("presets", help="list presets, or print one resolved")
     p.add_argument("name", nargs="?")

@@ -24,9 +24,9 @@ def status_line(final: dict[str, Any]) -> str:
             "after every evaluation; refresh to update.</p>")
 
 
-def attention_panel(run: Path, out: Path) -> str:
-    """The attention maps (per head of the last block, and the rollout) of the run's newest
-    checkpoint on the first image of ``RUN_DIR/samples``, as an HTML section whose heading says
+def attention_panel(run: Path, out: Path, checkpoint: str | Path | None = None) -> str:
+    """The attention maps (per head of the last block, and the rollout) of ``checkpoint`` (default:
+    the run's newest) on the first image of ``RUN_DIR/samples``, as an HTML section whose heading says
     whether they are class-token attention or the mean attention over patch tokens
     (:func:`vitflow.viz.attention.attention_kind`); empty when the run has no samples or
     checkpoint yet, or the maps cannot be drawn (logged)."""
@@ -37,13 +37,14 @@ def attention_panel(run: Path, out: Path) -> str:
     from vitflow.viz.attention import attention_figure
 
     try:
-        r = attention_figure(run, samples[0], out / "attention.png")
+        r = attention_figure(checkpoint or run, samples[0], out / "attention.png")
     except (ValueError, RuntimeError, AttributeError, FileNotFoundError) as e:
         log.info("report: no attention panel (%s)", e)
         return ""
     data = base64.b64encode(Path(r["output"]).read_bytes()).decode("ascii")
+    which = f"checkpoint {Path(checkpoint).name}" if checkpoint else "the newest checkpoint"
     return (f"<h2>Attention maps: {html.escape(r['maps'])}</h2>"
-            f"<p class=note>{html.escape(Path(r['image']).name)}, predicted {html.escape(r['class'])} "
+            f"<p class=note>{html.escape(which)}; {html.escape(Path(r['image']).name)}, predicted {html.escape(r['class'])} "
             f"({r['prob']:.1%}); each head of block {r['layer']} and the rollout over all blocks, showing the "
             f"{html.escape(r['maps'])} to each patch.</p>"
             f'<img alt="attention maps" style="max-width:100%" src="data:image/png;base64,{data}">')

@@ -203,8 +203,9 @@ td,th{border:1px solid #ddd;padding:3px 7px;text-align:left} .num{text-align:rig
 """
 
 
-def write_report(run_dir: str | Path, output: str | Path | None = None) -> Path:
+def write_report(run_dir: str | Path, output: str | Path | None = None, checkpoint: str | Path | None = None) -> Path:
     """Write the PNGs and the HTML page of the module docstring; returns the HTML path.
+    ``checkpoint``: the one whose attention maps are drawn (default: the run's newest).
 
     Raises:
         FileNotFoundError: ``run_dir`` has no ``metrics.jsonl``.
@@ -251,7 +252,7 @@ def write_report(run_dir: str | Path, output: str | Path | None = None) -> Path:
 <h2>{"Final metrics" if "status" not in final else "Metrics so far"}</h2><div class=kpi>{kpis}</div><p></p><table>{table}</table>
 <h2>Curves</h2><div class=grid>{images}</div>
 {last}
-{attention_panel(run, html_path.parent / "report")}
+{attention_panel(run, html_path.parent / "report", checkpoint)}
 <h2>Config</h2><pre>{html.escape(config)}</pre>
 </body></html>
 """
