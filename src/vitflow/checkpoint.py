@@ -174,6 +174,33 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def choose_checkpoint(path: str | Path, which: str | None) -> Path:
+    """The checkpoint ``--checkpoint best|last|PATH`` picks for ``path`` (a run directory or a file).
+
+    ``None`` / ``last``: ``path`` itself (a run directory loads its newest checkpoint); ``best``:
+    ``RUN_DIR/checkpoints/best.pt`` (kept by ``train.keep_best``); anything else: that file, or that
+    name in ``RUN_DIR/checkpoints``.
+
+    Raises:
+        FileNotFoundError: ``best`` of a run without one (trained without ``train.keep_best``), or
+            a PATH that exists neither as given nor in the run's checkpoints folder.
+    """
+    p = Path(path)
+    if which in (None, "", "last"):
+        return p
+    run = p if p.is_dir() else p.parent.parent
+    if which == "best":
+        best = run / "checkpoints" / "best.pt"
+        if not best.is_file():
+            raise FileNotFoundError(f"--checkpoint best: {run} has no checkpoints/best.pt (train with "
+                                    "train.keep_best=METRIC, e.g. val_top1, to keep one)")
+        return best
+    for candidate in (Path(which), run / "checkpoints" / which):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"--checkpoint {which}: no such file, neither as given nor in {run / 'checkpoints'}")
+
+
 def prune_checkpoints(run_dir: str | Path, keep: int) -> None:
     """Delete all but the newest ``keep`` checkpoints."""
     for p in list_checkpoints(run_dir)[:-keep]:

@@ -14,6 +14,7 @@ import torch
 from vitflow.data import SkipReport, model_input
 from vitflow.data.transforms import Preprocess
 from vitflow.metrics import choose_threshold, multilabel_metrics
+from vitflow.metrics_cls import ECE_BINS, PER_CLASS_KEYS, calibration, calibration_counts, confusion_metrics
 from vitflow.runtime import Precision
 
 
@@ -33,7 +34,10 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
         ``{"loss": mean cross-entropy (no smoothing), "top1": fraction, "top5": fraction,
         "images": images scored, "skipped": unreadable images in this pass (summed over the ranks),
         "confusion": C x C counts (row: true class, column: predicted class), "per_class_top1": C
-        fractions (``None`` for a class without images)}``.
+        fractions (``None`` for a class without images)}``, and the keys of
+        :func:`vitflow.metrics_cls.confusion_metrics` (precision / recall / F1 / support per class,
+        macro and weighted averages, balanced accuracy) and :func:`vitflow.metrics_cls.calibration`
+        (``ece``, ``reliability``), computed from integer sums: exact in a distributed evaluation.
     Raises:
         ValueError: no readable image (on every rank together).
     """
@@ -41,6 +45,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
     model.eval()
     totals = torch.zeros(5, dtype=torch.float64)  # loss sum, top-1, top-5, images, skipped
     confusion = torch.zeros((num_classes or 0) ** 2, dtype=torch.int64, device=device)
+    bins = torch.zeros(3, ECE_BINS, dtype=torch.int64, device=device)  # calibration: count, correct, confidence sums
     skips = SkipReport() if skips is None else skips
     for batch in loader:
         totals[4] += len(batch["bad"])
@@ -55,6 +60,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
         if confusion.numel() != c * c:
             confusion = torch.zeros(c * c, dtype=torch.int64, device=device)
         confusion += torch.bincount(y * c + logits.argmax(dim=1), minlength=c * c)
+        bins += calibration_counts(logits, y, bins.shape[1])
         totals[0] += float(torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum"))
         c1, c5 = topk_correct(logits, y)
         totals[1:4] += torch.tensor([c1, c5, len(y)], dtype=torch.float64)
@@ -62,6 +68,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
     if reduce is not None:
         totals = reduce(totals.to(device)).cpu()
         confusion = reduce(confusion)
+        bins = reduce(bins)
     loss_sum, c1, c5, n, skipped = totals.tolist()
     if n == 0:
         raise ValueError("evaluation found no readable images")
@@ -70,7 +77,8 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
     counts = confusion.sum(dim=1).tolist()
     per_class = [hits / count if count else None for hits, count in zip(confusion.diag().tolist(), counts)]
     return {"loss": loss_sum / n, "top1": c1 / n, "top5": c5 / n, "images": int(n), "skipped": int(skipped),
-            "confusion": confusion.tolist(), "per_class_top1": per_class}
+            "confusion": confusion.tolist(), "per_class_top1": per_class, **confusion_metrics(confusion),
+            **calibration(bins)}
 
 
 @torch.no_grad()
@@ -117,17 +125,23 @@ def evaluate_multilabel(model: torch.nn.Module, loader, device: torch.device, pr
 
 def scalar_metrics(result: dict[str, Any]) -> dict[str, Any]:
     """``result`` of :func:`evaluate` / :func:`evaluate_multilabel` without its per-class entries
-    (``confusion``, ``per_class_top1``, ``per_class_ap``): what metric logs and checkpoints keep."""
-    return {k: v for k, v in result.items() if k not in ("confusion", "per_class_top1", "per_class_ap")}
+    (``confusion``, ``per_class_top1``, ``per_class_ap``, per-class ``precision`` / ``recall`` /
+    ``f1`` / ``support``, ``reliability``): what metric logs and checkpoints keep."""
+    return {k: v for k, v in result.items() if k not in PER_CLASS_KEYS}
 
 
 def headline(result: dict[str, Any]) -> str:
-    """The figures of an evaluation for one line: ``top-1 91.20%  top-5 99.10%  loss 0.4321`` or, for
+    """The figures of an evaluation for one line: ``top-1 91.20%  top-5 99.10%  loss 0.4321  macro-F1
+    90.80%  balanced 90.95%  ECE 0.0312`` (the last three when computed) or, for
     multi-label, ``mAP 81.20%  micro-F1 75.00%  macro-F1 70.00% (threshold 0.35)  loss 0.1234``."""
     if "map" in result:
         return (f"mAP {result['map']:.2%}  micro-F1 {result['micro_f1']:.2%}  macro-F1 {result['macro_f1']:.2%} "
                 f"(threshold {result['threshold']:.2f})  loss {result['loss']:.4f}")
-    return f"top-1 {result['top1']:.2%}  top-5 {result['top5']:.2%}  loss {result['loss']:.4f}"
+    line = f"top-1 {result['top1']:.2%}  top-5 {result['top5']:.2%}  loss {result['loss']:.4f}"
+    if "balanced_accuracy" in result:
+        line += (f"  macro-F1 {result['macro_f1']:.2%}  balanced {result['balanced_accuracy']:.2%}  "
+                 f"ECE {result['ece']:.4f}")
+    return line
 
 
 def split_results(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:

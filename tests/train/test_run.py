@@ -161,7 +161,8 @@ def test_metrics_csv_eval_json_and_report(digits_run, tmp_path):
     out = tmp_path / "rep" / "report.html"
     assert main(["report", str(run), "-o", str(out)]) == 0
     page = out.read_text()
-    assert page.count('src="data:image/png;base64,') == 4 and not re.search(r'(src|href)="(?!data:)', page)
+    # the four curves, the reliability diagram and the attention maps of a sample image
+    assert page.count('src="data:image/png;base64,') == 6 and not re.search(r'(src|href)="(?!data:)', page)
     assert all((out.parent / "report" / f"{n}.png").stat().st_size > 5000
                for n in ("loss", "accuracy", "lr", "throughput"))
     assert f"{r['test_top1']:.2%}" in page and page.count('<td class=num style="background:') == 100  # 10 x 10

@@ -12,6 +12,7 @@ import sys
 
 from vitflow.config import build_config, list_presets, preset_tree, to_yaml
 from vitflow.data import check_config as check_data_config
+from vitflow.cli.outputs import chosen, live_report_hook, train_epilogue
 from vitflow.data.readers import display_name
 from vitflow.models import check_config as check_model_config
 
@@ -67,7 +68,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from vitflow.train.guards import NonFiniteError
 
     try:
-        r = train(cfg)
+        r = train(cfg, on_eval=live_report_hook(cfg.train.live_report))
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -88,8 +89,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"skipped unreadable images: {r['skipped_images']} in training, {held_out} in the final "
               "evaluations; see the warnings above")
     print(f"run directory: {r['run_dir']}\ncheckpoint: {r['checkpoint']}")
-    if "samples" in r:
-        print(f"sample test images: {r['samples']}  (try: vitflow predict {r['run_dir']} {r['samples']})")
+    train_epilogue(r, cfg.train.live_report)
     if args.json:
         _print_json(args, r)
     return 0
@@ -126,18 +126,21 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from vitflow.evaluation import headline, split_results
     from vitflow.infer.evaluate import evaluate_checkpoint
+    from vitflow.metrics_cls import per_class_text
 
     if args.knn:
         return _eval_knn(args)
     if args.model or args.data or args.batch_size:
         raise ValueError("--model, --data and --batch-size go with --knn K (for a plain evaluation on other data "
                          "use data.path=...)")
-    r = evaluate_checkpoint(args.checkpoint, args.overrides, weights=args.weights, tta=args.tta)
+    r = evaluate_checkpoint(chosen(args), args.overrides, weights=args.weights, tta=args.tta)
     role = r["split"]
     result = split_results(r)[role]
     tta = f", TTA {r['tta']}" if r["tta"] != "none" else ""
     print(f"{role} {headline(result)}  ({result['images']} images of {r['split_expr']}, {r['weights']} weights"
           f"{tta}, {r['images_per_s']:.0f} images/s, {r['checkpoint']})")
+    if "f1" in result:  # single-label: the per-class table
+        print(per_class_text(r["classes"], result))
     return _skipped_and_json(args, r, result["skipped"])
 
 
@@ -185,7 +188,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     from vitflow.infer import Predictor, collect_images
 
-    predictor = Predictor.load(args.checkpoint, args.device, args.precision, args.weights)
+    predictor = Predictor.load(chosen(args), args.device, args.precision, args.weights)
     predictor.set_tta(args.tta)
     refs = collect_images(args.inputs)
     if not refs:
@@ -243,6 +246,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.format == "hub" and args.tta:
         raise ValueError("--tta goes with --format onnx (a hub folder holds the plain model)")
+    args.checkpoint = chosen(args)
     if args.format == "hub":
         return _export_hub(args)
     target = args.target or ("gpu" if torch.cuda.is_available() else "cpu")
@@ -364,7 +368,9 @@ def cmd_lr_schedule(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from vitflow.viz.report import write_report
 
-    print(f"wrote {write_report(args.run_dir, args.output)}")
+    checkpoint = None if args.which in (None, "last") else chosen(argparse.Namespace(checkpoint=args.run_dir,
+                                                                                   which=args.which))
+    print(f"wrote {write_report(args.run_dir, args.output, checkpoint)}")
     return 0
 
 

@@ -18,6 +18,12 @@ def _add_weights_arg(p: argparse.ArgumentParser) -> None:
                    help="auto: the EMA weights when the checkpoint has them (default), else the trained ones")
 
 
+def _add_checkpoint_choice(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", dest="which", metavar="best|last|PATH",
+                   help="which checkpoint of a run directory: last (the newest, default), best (train.keep_best's "
+                   "checkpoints/best.pt) or a file")
+
+
 def _positive(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:
@@ -78,6 +84,7 @@ def _training_commands(sub) -> None:
     p.add_argument("--json", action="store_true", help="end with one JSON line of metrics")
     _add_weights_arg(p)
     _add_tta_arg(p)
+    _add_checkpoint_choice(p)
     _add_knn_args(p)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.path=... data.test_split=test")
 
@@ -92,6 +99,7 @@ def _training_commands(sub) -> None:
     p.add_argument("--device", default="auto")
     _add_weights_arg(p)
     _add_tta_arg(p)
+    _add_checkpoint_choice(p)
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="one JSON object per image")
     fmt.add_argument("--csv", action="store_true", help="CSV: path,rank,class,index,prob,error (one row per class)")
@@ -156,6 +164,7 @@ def _deployment_commands(sub) -> None:
     p = sub.add_parser("export", help="export a checkpoint (ONNX, TorchScript, ExportedProgram, TensorRT, hub-style "
                        "folder), verified")
     p.add_argument("checkpoint", help="checkpoint file or run directory")
+    _add_checkpoint_choice(p)
     p.add_argument("--format", default="onnx", choices=["onnx", "torchscript", "exported-program", "tensorrt", "hub"],
                    help="hub: a new folder of config.json, model.safetensors (timm names) and README.md (model card) "
                    "that timm and vitflow load")
@@ -265,6 +274,7 @@ def _listing_commands(sub) -> None:
     p = sub.add_parser("report", help="write PNG curves and one self-contained HTML page for a run")
     p.add_argument("run_dir", help="a run directory (metrics.jsonl, config.yaml, eval.json)")
     p.add_argument("-o", "--output", help="HTML file (default RUN_DIR/report.html; PNGs beside it in report/)")
+    _add_checkpoint_choice(p)
 
     p = sub.add_parser("presets", help="list presets, or print one resolved")
     p.add_argument("name", nargs="?")

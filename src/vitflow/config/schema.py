@@ -103,6 +103,8 @@ class DataConfig:
     # evaluated once, at the end of training (during it too when there is no validation split).
     # auto: the data's test split if it has one; none: no test split
     test_split: str = "auto"
+    # named evaluation splits, each evaluated at every evaluation and logged as NAME_top1 ...: name:split,name2:split2
+    evals: str | None = None
     root: str | None = None  # label files: the folder image paths are relative to (default: the file's folder)
     image_column: str = "auto"  # label files / HF datasets: auto = image, path, file, filename, file_name, ... or img
     label_column: str = "auto"  # label files / HF datasets: auto = label, labels, class, category, target or tags
@@ -271,6 +273,12 @@ class TrainConfig:
     # auto (WANDB_MODE, else online) | none (off)
     wandb: Literal["none", "auto", "online", "offline"] = "none"
     wandb_project: str | None = None  # W&B project; None = WANDB_PROJECT, else the preset's name
+    # keep the best checkpoint (checkpoints/best.pt) by this evaluated figure: val_top1, val_loss, val_f1 ... or NAME_*
+    keep_best: str | None = None
+    early_stopping_patience: int = 0  # evaluations without improvement that end the run; 0 = off
+    early_stopping_min_delta: float = 0.0  # the least change that counts as an improvement (metric units)
+    early_stopping_metric: str | None = None  # the figure early stopping watches; None = train.keep_best's
+    live_report: bool = True  # vitflow train: rewrite RUN_DIR/report.html after every evaluation
 
     def validate(self) -> None:
         for key in ("batch_size", "accum_steps", "total_steps", "log_every", "keep_checkpoints"):
@@ -285,6 +293,7 @@ class TrainConfig:
         _check(self.threads is None or self.threads > 0, "train.threads", self.threads, "> 0")
         _check(0 <= self.ema_decay < 1, "train.ema_decay", self.ema_decay, "in [0, 1)")
         _check(self.max_nonfinite_steps > 0, "train.max_nonfinite_steps", self.max_nonfinite_steps, "> 0")
+        _check_selection(self)
         _check(re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device) is not None, "train.device",
                self.device, "auto, cpu, cuda, cuda:N or mps")
         _check(self.mlflow is None or self.mlflow.strip() != "", "train.mlflow", self.mlflow,
@@ -294,6 +303,31 @@ class TrainConfig:
                 parse_duration(self.time_budget)
             except ValueError as e:
                 raise ConfigError(f"train.time_budget: {e}", "train.time_budget") from None
+
+
+# the figures train.keep_best / train.early_stopping_metric may name (after a split prefix), and which way is better
+SELECTION_METRICS = {"top1": "max", "top5": "max", "loss": "min", "map": "max", "micro_f1": "max", "macro_f1": "max",
+                     "f1": "max", "weighted_f1": "max", "macro_precision": "max", "macro_recall": "max",
+                     "micro_precision": "max", "micro_recall": "max", "balanced_accuracy": "max", "ece": "min"}
+
+
+def _check_selection(t: "TrainConfig") -> None:
+    """train.keep_best / early stopping: a known figure after a split prefix (val_top1, NAME_loss)."""
+    for key in ("keep_best", "early_stopping_metric"):
+        value = getattr(t, key)
+        if value is None:
+            continue
+        known = [m for m in SELECTION_METRICS if value.endswith("_" + m) and len(value) > len(m) + 1]
+        if not known:
+            raise ConfigError(f"train.{key}={value!r} is not a known metric: use SPLIT_METRIC with SPLIT val, test or "
+                              f"a data.evals name and METRIC one of {', '.join(SELECTION_METRICS)} (e.g. val_top1)",
+                              f"train.{key}")
+    _check(t.early_stopping_patience >= 0, "train.early_stopping_patience", t.early_stopping_patience, ">= 0")
+    _check(t.early_stopping_min_delta >= 0, "train.early_stopping_min_delta", t.early_stopping_min_delta, ">= 0")
+    _check(not t.early_stopping_patience or t.keep_best or t.early_stopping_metric, "train.early_stopping_patience",
+           t.early_stopping_patience, "0 unless train.keep_best or train.early_stopping_metric names a metric")
+    _check(not t.early_stopping_patience or t.eval_every > 0, "train.early_stopping_patience",
+           t.early_stopping_patience, "0 unless train.eval_every > 0 (it counts evaluations)")
 
 
 @dataclass

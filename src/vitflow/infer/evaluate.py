@@ -16,6 +16,7 @@ from vitflow.data.dispatch import scored_split
 from vitflow.data.transforms import Preprocess
 from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
 from vitflow.infer.tta import parse_tta, with_tta
+from vitflow.metrics_cls import PER_CLASS_KEYS
 from vitflow.runtime import resolve_device, resolve_precision
 
 log = logging.getLogger(__name__)
@@ -43,10 +44,12 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
         tta: test-time augmentation (:mod:`vitflow.infer.tta`, e.g. ``flip``): the metrics are those of
             the averaged probabilities (the loss their negative log-likelihood).
     Returns:
-        :func:`evaluate`'s (or :func:`evaluate_multilabel`'s) scalar metrics prefixed with the
-        split's role (``test_`` or ``val_``) plus ``split`` (the role), ``split_expr``,
-        ``checkpoint``, ``step``, ``weights`` (``ema`` or ``raw``, the weights evaluated), ``tta`` (the
-        spec, ``none`` without) and ``images_per_s`` (the whole pass, decoding included).
+        :func:`evaluate`'s (or :func:`evaluate_multilabel`'s) metrics prefixed with the split's
+        role (``test_`` or ``val_``: scalars, and the per-class ``precision``, ``recall``, ``f1``,
+        ``support``, ``confusion``, ``per_class_ap`` and the ``reliability`` diagram) plus ``classes``,
+        ``split`` (the role), ``split_expr``, ``checkpoint``, ``step``, ``weights`` (``ema`` or ``raw``,
+        the weights evaluated), ``tta`` (the spec, ``none`` without) and ``images_per_s`` (the whole
+        pass, decoding included).
     Raises:
         FileNotFoundError / ValueError: unreadable checkpoint; ConfigError; DataError.
     """
@@ -76,6 +79,7 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
         result = evaluate(model, loader, dev, precision, pp)
     ips = result["images"] / max(time.perf_counter() - t0, 1e-9)
     used = "ema" if state.get("ema") and weights != "raw" else "raw"
-    return {**{f"{role}_{k}": v for k, v in scalar_metrics(result).items()}, "split": role, "split_expr": split,
-            "checkpoint": state["path"], "step": state["step"], "weights": used, "tta": str(spec),
-            "images_per_s": round(ips, 1)}
+    per_class = {k: result[k] for k in PER_CLASS_KEYS if k in result and k != "per_class_top1"}
+    return {**{f"{role}_{k}": v for k, v in {**scalar_metrics(result), **per_class}.items()}, "split": role,
+            "split_expr": split, "classes": list(state["classes"]), "checkpoint": state["path"],
+            "step": state["step"], "weights": used, "tta": str(spec), "images_per_s": round(ips, 1)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,8 @@ from vitflow.train.distributed import DistEnv
 from vitflow.train.logging import MetricsLog
 
 log = logging.getLogger(__name__)
-SUMMARY_KEYS = ("loss", "top1", "top5", "map", "micro_f1", "macro_f1", "threshold")
+SUMMARY_KEYS = ("loss", "top1", "top5", "map", "micro_f1", "macro_f1", "threshold", "weighted_f1", "macro_precision",
+                "macro_recall", "balanced_accuracy", "ece")
 
 
 class RunEvaluator:
@@ -40,7 +42,7 @@ class RunEvaluator:
 
     def __init__(self, data: Datasets, batch_size: int, num_workers: int | str, device: torch.device,
                  precision: Precision, dist: DistEnv, shard: bool, metrics: MetricsLog, run_dir: Path,
-                 threshold: float | None = None):
+                 threshold: float | None = None, named: dict[str, tuple[str, ImageSource]] | None = None):
         self.pp, self.classes, self.multilabel = data.preprocess, data.classes, data.task == "multilabel"
         self.monitored = data.monitored
         self.splits: dict[str, tuple[str, ImageSource]] = {"val": (data.val_split, data.val),
@@ -50,6 +52,8 @@ class RunEvaluator:
         self.dist, self.shard, self.metrics, self.run_dir = dist, shard and not self.multilabel, metrics, run_dir
         self.skips = SkipReport()
         self.threshold = threshold  # multi-label: the one chosen so far (a resumed run's, from its checkpoint)
+        self.named = named or {}  # data.evals: name -> (split expression, source), evaluated with the monitored split
+        self.named_results: dict[str, dict[str, Any]] = {}  # their figures at the latest evaluation
 
     def _evaluate(self, model: torch.nn.Module, source: ImageSource, role: str) -> dict[str, Any]:
         reduce = None
@@ -73,7 +77,7 @@ class RunEvaluator:
         (default: the monitored one). Rank 0 writes the ``eval`` record (with ``split``) and
         ``RUN_DIR/eval.json`` (per-class figures of the weights inference uses). Returns the
         metrics of those weights (``raw_*``: the trained ones when an EMA exists)."""
-        role = role or self.monitored
+        named, role = role is None, role or self.monitored
         split, source = self.splits[role]
         raw = self._evaluate(model, source, role)
         averaged = self._evaluate(ema, source, role) if ema is not None else None
@@ -88,15 +92,29 @@ class RunEvaluator:
             scalars.update({f"ema_{k}": v for k, v in scalar_metrics(averaged).items() if k in SUMMARY_KEYS})
         self.metrics.write("eval", step=step, split=role, split_expr=split, **scalars)
         if self.dist.is_main:
-            (self.run_dir / EVAL).write_text(json.dumps({
+            tmp = self.run_dir / f".{EVAL}.tmp"  # replaced atomically: the live report may read it any time
+            tmp.write_text(json.dumps({
                 "step": step, "split": role, "split_expr": split, "task": "multilabel" if self.multilabel else
                 "multiclass", "weights": "ema" if averaged else "raw", "classes": self.classes, **served}))
+            os.replace(tmp, self.run_dir / EVAL)
             msg = f"step {step}: {role} {headline(raw)}"
             if averaged is not None:
                 msg += f" | EMA {headline(averaged)}"
             tqdm.write(msg)
         extra = {f"raw_{k}": v for k, v in raw.items() if k in SUMMARY_KEYS} if averaged else {}
+        if named:  # after the monitored split: a multi-label threshold is chosen there first
+            self.named_results = {name: self._named(model, ema, step, name) for name in self.named}
         return {**served, **extra}
+
+    def _named(self, model: torch.nn.Module, ema: torch.nn.Module | None, step: int, name: str) -> dict[str, Any]:
+        """Evaluate a ``data.evals`` split (the EMA's weights when there is one, as inference uses)
+        and log it as an ``eval`` record with ``split=name``; returns its figures."""
+        split, source = self.named[name]
+        result = self._evaluate(ema if ema is not None else model, source, name)
+        self.metrics.write("eval", step=step, split=name, split_expr=split, **scalar_metrics(result))
+        if self.dist.is_main:
+            tqdm.write(f"step {step}: {name} {headline(result)}")
+        return result
 
     def seconds(self, model: torch.nn.Module) -> float:
         """Estimated seconds of the evaluations at the end of the run (this rank's share of the
@@ -112,7 +130,7 @@ class RunEvaluator:
             except ValueError:  # a multi-label sample without a positive label: timed all the same
                 pass
             seconds, n = time.perf_counter() - t0, len(part)
-        images = sum(len(s) for _, s in self.splits.values())
+        images = sum(len(s) for _, s in [*self.splits.values(), *self.named.values()])
         share = images / (self.dist.world_size if self.shard else 1)
         return seconds / n * share
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
@@ -26,6 +26,7 @@ from vitflow import checkpoint as ckpt
 from vitflow.config import Config, parse_duration
 from vitflow.data import check_config as check_data_config
 from vitflow.data import open_datasets, train_loader
+from vitflow.data.evals import open_evals
 from vitflow.data.remote import RemoteError
 from vitflow.data.sources import FileSource, ImageSource, export_samples
 from vitflow.evaluation import scalar_metrics
@@ -55,6 +56,7 @@ from vitflow.train.optim import build_optimizer
 from vitflow.train.resume import locate_run, restore_model, restore_training
 from vitflow.train.run_dir import open_run_dir
 from vitflow.train.schedules import build_scheduler, schedule_of, warn_long_warmup
+from vitflow.train.selection import BEST, Selection, after_eval
 from vitflow.train.store_stop import stop_on_store_error
 from vitflow.train.trackers import check_trackers, open_trackers
 
@@ -73,7 +75,7 @@ class Trainer:
         FileNotFoundError: a resume path or teacher without a checkpoint.
     """
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, on_eval: Callable[[Path], Any] | None = None):
         apply_pretrained(cfg)  # model.name=auto and the weights' preprocessing, unless the user set them
         check_model_config(cfg.model)
         check_data_config(cfg.data)
@@ -88,6 +90,9 @@ class Trainer:
         self.state, self.run_dir, start_over = locate_run(cfg, self.dist)
         image_size = cfg.model.img_size or model_kwargs(cfg.model.name)["img_size"]
         self.data = open_datasets(cfg.data, image_size)
+        named = open_evals(cfg.data, self.data.classes)  # data.evals, and what keep_best / early stopping watch:
+        self.selection = Selection(t.keep_best, t.early_stopping_patience, t.early_stopping_min_delta,
+                                   t.early_stopping_metric, [self.data.monitored, *named], (self.state or {}).get("selection"))
         self.micro_batch = micro_batch(t.batch_size, t.accum_steps, self.dist.world_size)
         self.step, position = self._build_model()
         self._build_optimization()
@@ -105,7 +110,8 @@ class Trainer:
                                    saved.get("data", {}).get("skipped"))
         self.evaluator = RunEvaluator(self.data, cfg.data.eval_batch_size or self.micro_batch, cfg.data.num_workers,
                                       self.device, self.precision, self.dist, self.parallel.kind == "ddp",
-                                      self.metrics, self.run_dir, saved.get("threshold"))
+                                      self.metrics, self.run_dir, saved.get("threshold"), named)
+        self.report_hook = on_eval  # rank 0, after each evaluation: the live report (vitflow.viz.report)
         self.resizing = ProgressiveResizing(cfg.data.progressive_min_size, image_size, cfg.data.progressive_ramp,
                                             self.model.patch_size, self.model.num_prefix_tokens)
         self.last_eval: dict[str, Any] | None = None
@@ -257,12 +263,13 @@ class Trainer:
         """The end of a run: the monitored split's evaluation, the final checkpoint, the test split's
         single evaluation, and the summary of :meth:`fit`."""
         records = self.metrics.offsets()  # the final checkpoint's: a resume from it evaluates again, once
-        results = {self.evaluator.monitored: self.run_eval()}
+        stopped_here = self.selection.stopped and self.last_eval and self.last_eval.get("step") == self.step
+        results = {self.evaluator.monitored: self.last_eval if stopped_here else self.run_eval()}
         path = self.save(records)
         if self.evaluator.monitored == "val" and "test" in self.evaluator.splits:  # once, chose nothing
             results["test"] = self.run_eval("test")
         self.epochs.end_partial(self.step)  # after the checkpoint: a resume from it records the epoch whole
-        summary = {"step": self.step, "run_dir": str(self.run_dir), "checkpoint": str(path),
+        summary = {"step": self.step, "run_dir": str(self.run_dir), "checkpoint": str(path), **self.selection.summary(),
                    "train_images_per_s": images_seen * self.dist.world_size / train_time if train_time else 0.0,
                    "skipped_images": self.epochs.skips.total, "skipped_steps": self.guard.skipped,
                    "elapsed_s": time.perf_counter() - started, **self.tuning.summary(), **summary_figures(results)}
@@ -280,7 +287,7 @@ class Trainer:
         it, images_seen, first_step_at = iter(self.loader), 0, None
         self.meter = Meter(**(self.state or {}).get("meter", {}))  # a resumed interval's sums: the same mean loss
         self.net.train()
-        while self.step < self.total_steps:
+        while self.step < self.total_steps and not self.selection.stopped:
             self.tuning.set_phase(self.model, self.step)  # LP-FT: the backbone joins at the switch
             t0, self._step_start = time.perf_counter(), self.epochs.position  # where a resume re-reads from
             batches = [self.fetch(it) for _ in range(t.accum_steps)]
@@ -310,6 +317,8 @@ class Trainer:
                 result = self.run_eval()
                 for callback in self.on_eval:
                     callback(self, result)
+                if self.selection.stopped:
+                    break
             if stepped and t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < self.total_steps:
                 self.save()
         bar.close()
@@ -332,7 +341,10 @@ class Trainer:
         ``role`` (:class:`RunEvaluator`); the former's figures are the ones checkpoints keep."""
         result = self.evaluator(self.model, self.ema.module if self.ema is not None else None, self.step, role)
         if role is None:
-            self.last_eval = result
+            self.last_eval = {**result, "step": self.step}
+            if self.selection.update(self.step, {self.evaluator.monitored: result, **self.evaluator.named_results}):
+                self.save(path=ckpt.checkpoint_path(self.run_dir, self.step).with_name(BEST))
+        after_eval(self.report_hook if self.dist.is_main else None, self.run_dir, self.step)
         return result
 
     def _interrupted(self, started: float) -> dict[str, Any]:
@@ -345,9 +357,10 @@ class Trainer:
                     self.step, self.run_dir)
         return summary
 
-    def save(self, records: dict[str, int] | None = None) -> Path | None:
+    def save(self, records: dict[str, int] | None = None, path: Path | None = None) -> Path | None:
         """Write a checkpoint of the current step and keep the newest ``train.keep_checkpoints``;
-        ``records``: the records files' sizes a resume cuts them back to (default: now).
+        ``records``: the records files' sizes a resume cuts them back to (default: now); ``path``:
+        another file (``best.pt``), written atomically alike and never rotated.
         Every rank must call it (FSDP state and the per-rank RNG states are gathered); rank 0
         writes and returns the path, other ranks return ``None``."""
         model_state = self.parallel.model_state(self.model)
@@ -366,9 +379,10 @@ class Trainer:
             "preprocess": self.data.preprocess.to_dict(), "metrics": scalar_metrics(self.last_eval or {}),
             "task": self.data.task, "threshold": self.evaluator.threshold,
             "ema": self.ema.state_dict() if self.ema is not None else None, "guard": self.guard.state_dict(),
+            "selection": self.selection.state_dict(),
         }
         try:
-            path = ckpt.save_checkpoint(state, ckpt.checkpoint_path(self.run_dir, self.step))
+            path = ckpt.save_checkpoint(state, path or ckpt.checkpoint_path(self.run_dir, self.step))
         except ckpt.CheckpointWriteError as e:  # the run stops here; its previous checkpoints are intact
             raise ckpt.CheckpointWriteError(f"{e}; then continue with: vitflow resume {self.run_dir}") from None
         ckpt.prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
@@ -393,6 +407,7 @@ def _write_samples(source: ImageSource, run_dir: Path) -> str | None:
     return str(export_samples(source, run_dir / "samples")[0].parent)
 
 
-def train(cfg: Config) -> dict[str, Any]:
-    """Build a :class:`Trainer` for ``cfg`` and run it; returns :meth:`Trainer.fit`'s summary."""
-    return Trainer(cfg).fit()
+def train(cfg: Config, on_eval: Callable[[Path], Any] | None = None) -> dict[str, Any]:
+    """Build a :class:`Trainer` for ``cfg`` and run it; returns :meth:`Trainer.fit`'s summary.
+    ``on_eval(run_dir)`` runs on rank 0 after every evaluation (the CLI's live report)."""
+    return Trainer(cfg, on_eval).fit()

@@ -1,9 +1,12 @@
-"""Attention maps of a trained ViT: per-head class-token attention and attention rollout.
+"""Attention maps of a trained ViT: per-head attention to the patches and attention rollout.
 
 ``vitflow attention CHECKPOINT IMAGE -o maps.png`` runs :func:`attention_figure`: the image as
-the model sees it (the checkpoint's eval preprocessing), each head's attention from the class
-token to the patches in one layer (default the last), and the attention rollout over all layers
-(Abnar & Zuidema 2020), each overlaid on the image. The probabilities come from
+the model sees it (the checkpoint's eval preprocessing), each head's attention to the patches in
+one layer (default the last), and the attention rollout over all layers (Abnar & Zuidema 2020),
+each overlaid on the image. What a map shows follows the model's pooling
+(:func:`attention_kind`): for ``global_pool="token"`` the class token's attention (the row the
+head reads), otherwise (``avg``, ``map``, no class token) the mean attention over the patch
+tokens' rows; the figure's title says which. The probabilities come from
 ``model.attention_maps`` (explicit softmax whatever the training backend).
 """
 
@@ -53,14 +56,29 @@ def attention_rollout(maps: Sequence[torch.Tensor], head_fusion: HeadFusion = "m
     return result
 
 
-def token_grid(rows: torch.Tensor, num_prefix_tokens: int, grid: tuple[int, int]) -> torch.Tensor:
-    """Attention from the class token (row 0), or the mean over all query rows when there is no
-    class token, to the patch tokens, as ``(..., h, w)`` scaled to a maximum of 1.
+CLASS_TOKEN = "class-token attention"
+PATCH_MEAN = "mean attention over patch tokens"
+
+
+def attention_kind(model: torch.nn.Module) -> str:
+    """What the maps of ``model`` show: :data:`CLASS_TOKEN` when it pools its class token
+    (``global_pool="token"`` with a prefix token), else :data:`PATCH_MEAN` (``avg`` / ``map``
+    pooling, or no class token)."""
+    pool = getattr(model, "global_pool", "token")
+    return CLASS_TOKEN if pool == "token" and getattr(model, "num_prefix_tokens", 0) else PATCH_MEAN
+
+
+def token_grid(rows: torch.Tensor, num_prefix_tokens: int, grid: tuple[int, int],
+               kind: str | None = None) -> torch.Tensor:
+    """Attention to the patch tokens, as ``(..., h, w)`` scaled to a maximum of 1: from the class
+    token (row 0) for :data:`CLASS_TOKEN`, else the mean over the patch tokens' rows
+    (:data:`PATCH_MEAN`). ``kind`` defaults to the class token when there is a prefix token.
 
     Args:
         rows: ``(..., N, N)`` probabilities or rollout.
     """
-    x = rows[..., 0, :] if num_prefix_tokens else rows.mean(-2)
+    kind = kind or (CLASS_TOKEN if num_prefix_tokens else PATCH_MEAN)
+    x = rows[..., 0, :] if kind == CLASS_TOKEN else rows[..., num_prefix_tokens:, :].mean(-2)
     x = x[..., num_prefix_tokens:].reshape(*x.shape[:-1], *grid)
     return x / x.flatten(-2).amax(-1)[..., None, None].clamp_min(1e-12)
 
@@ -110,7 +128,8 @@ def attention_figure(checkpoint: str | Path, image: str | Path, out: str | Path,
     """Attention maps of ``checkpoint`` on one image file, written as a PNG grid to ``out``.
 
     Returns:
-        ``{"image", "output", "class", "prob", "layer", "heads", "grid"}``.
+        ``{"image", "output", "class", "prob", "layer", "heads", "grid", "maps"}`` (``maps``: what
+        they show, :func:`attention_kind`).
     Raises:
         FileNotFoundError: missing checkpoint or image. ValueError: unreadable image or
         checkpoint, or ``layer`` out of range.
@@ -129,11 +148,11 @@ def attention_figure(checkpoint: str | Path, image: str | Path, out: str | Path,
     probs = model(x).softmax(-1)[0]
     prob, idx = probs.max(0)
     grid = (x.shape[-2] // model.patch_size, x.shape[-1] // model.patch_size)
-    p = model.num_prefix_tokens
-    heads = token_grid(maps[layer][0], p, grid)
-    rollout = token_grid(attention_rollout(maps, head_fusion)[0], p, grid)
+    p, kind = model.num_prefix_tokens, attention_kind(model)
+    heads = token_grid(maps[layer][0], p, grid, kind)
+    rollout = token_grid(attention_rollout(maps, head_fusion)[0], p, grid, kind)
     label = predictor.classes[int(idx)]
-    title = f"{image.name}: {label} ({float(prob):.1%})"
+    title = f"{image.name}: {label} ({float(prob):.1%}); maps: {kind}"
     path = plot_attention(pixels, heads, rollout, out, title, layer % depth)
     return {"image": str(image), "output": str(path), "class": label, "prob": float(prob), "layer": layer % depth,
-            "heads": heads.shape[0], "grid": list(grid)}
+            "heads": heads.shape[0], "grid": list(grid), "maps": kind}

@@ -35,10 +35,11 @@ def _visible(xs: Sequence[float], kw: dict) -> dict:
 
 def line_plot(path: str | Path, title: str, series: Sequence[tuple[str, Sequence[float], Sequence[float], dict]],
               ylabel: str, logy: bool = False, right: Sequence[tuple[str, Sequence[float], Sequence[float], dict]] = (),
-              right_label: str = "") -> Path:
+              right_label: str = "", note: str = "") -> Path:
     """One PNG of ``(label, xs, ys, matplotlib kwargs)`` series over optimizer steps, with an
     optional second y axis (``right``). A series of a single point (one evaluation) is drawn as a
-    marker, since a line through one point is invisible."""
+    marker, since a line through one point is invisible; ``note`` is written inside the axes (e.g.
+    "1 evaluation so far")."""
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for label, xs, ys, kw in series:
         ax.plot(xs, ys, label=label, **_visible(xs, kw))
@@ -56,6 +57,8 @@ def line_plot(path: str | Path, title: str, series: Sequence[tuple[str, Sequence
         handles, labels = handles + h2, labels + l2
     if handles:
         ax.legend(handles, labels, loc="best", fontsize=8)
+    if note:
+        ax.text(0.5, 0.08, note, transform=ax.transAxes, ha="center", fontsize=10, color="dimgray")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

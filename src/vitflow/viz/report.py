@@ -7,9 +7,14 @@ Reads what a run writes (``metrics.jsonl``, ``config.yaml``, ``eval.json``) and 
                                     evaluation of the split evaluated during training (val, else test)
     RUN_DIR/report/lr.png           learning rate per logged step
     RUN_DIR/report/throughput.png   images/s and the data-stall fraction
-    RUN_DIR/report.html             the four PNGs embedded as base64, the final metrics, the
-                                    last evaluation's per-class top-1 and confusion matrix,
-                                    and the config: one file, no external resources
+    RUN_DIR/report/reliability.png  the reliability diagram of the last evaluation (single-label)
+    RUN_DIR/report.html             the PNGs embedded as base64, the final metrics (or, during a
+                                    run, the metrics so far), the last evaluation's per-class
+                                    precision / recall / F1, calibration, per-class top-1 and
+                                    confusion matrix, the attention maps of a sample image (once
+                                    the run has samples), and the config: one file, no external
+                                    resources, replaced atomically (training rewrites it after
+                                    every evaluation: ``train.live_report``)
 
 A resumed run's records are merged by step (the latest record of a step wins).
 """
@@ -20,15 +25,19 @@ import base64
 import datetime as dt
 import html
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
 
 from vitflow.rundir import read_metrics
+from vitflow.viz.classmetrics import calibration_html, prf_table
 from vitflow.viz.curves import line_plot
 from vitflow.viz.distribution import distribution_panel
+from vitflow.viz.panels import attention_panel, status_line
 
-FIGURES = ("top1", "top5", "loss", "map", "micro_f1", "macro_f1", "threshold", "skipped")  # per split
+FIGURES = ("top1", "top5", "loss", "map", "micro_f1", "macro_f1", "threshold", "skipped", "balanced_accuracy",
+           "weighted_f1", "ece")  # per split
 MAX_MATRIX_CLASSES = 40  # larger confusion matrices are summarised as the most frequent confusions
 
 
@@ -70,13 +79,19 @@ def write_curves(records: list[dict], out: Path) -> dict[str, Path]:
                           right=[("grad norm", *_xy(train, "grad_norm"), {"color": "gray", "alpha": 0.4,
                                                                           "linewidth": 0.8})],
                           right_label="gradient L2 norm"),
-        "accuracy": line_plot(out / "accuracy.png", f"{split} {first[1]} / {second[1]}", acc, "%"),
+        "accuracy": line_plot(out / "accuracy.png", f"{split} {first[1]} / {second[1]} at each evaluation", acc, "%",
+                              note=_count_note(len(evals))),
         "lr": line_plot(out / "lr.png", "learning rate", [("lr", *_xy(train, "lr"), {})], "learning rate"),
         "throughput": line_plot(out / "throughput.png", "throughput",
                                 [("images/s", *_xy(train, "images_per_s"), {})], "images/s",
                                 right=[("data stall", stall_x, [100 * y for y in stall_y],
                                         {"color": "tab:red", "alpha": 0.6})], right_label="data stall, % of time"),
     }
+
+
+def _count_note(n: int) -> str:
+    """What the accuracy panel says about its points: one point reads as one point."""
+    return "no evaluation yet" if n == 0 else ("1 evaluation so far" if n == 1 else f"{n} evaluations")
 
 
 def final_metrics(records: list[dict]) -> dict[str, Any]:
@@ -94,7 +109,7 @@ def final_metrics(records: list[dict]) -> dict[str, Any]:
     else:
         if evals:
             out.update({f"{split}_{k}": evals[-1][k] for k in FIGURES if k in evals[-1]})
-        out["step"] = (summary or (train[-1] if train else {})).get("step")
+        out["step"] = (summary or max(train + evals, key=lambda r: r["step"], default={})).get("step")
         out["status"] = f"interrupted ({summary['interrupted']})" if summary else "incomplete"
     if train:
         epochs = _epochs(start, out.get("step") or train[-1].get("step", 0))
@@ -189,8 +204,9 @@ td,th{border:1px solid #ddd;padding:3px 7px;text-align:left} .num{text-align:rig
 """
 
 
-def write_report(run_dir: str | Path, output: str | Path | None = None) -> Path:
+def write_report(run_dir: str | Path, output: str | Path | None = None, checkpoint: str | Path | None = None) -> Path:
     """Write the PNGs and the HTML page of the module docstring; returns the HTML path.
+    ``checkpoint``: the one whose attention maps are drawn (default: the run's newest).
 
     Raises:
         FileNotFoundError: ``run_dir`` has no ``metrics.jsonl``.
@@ -224,6 +240,8 @@ def write_report(run_dir: str | Path, output: str | Path | None = None) -> Path:
                     f"<h3>Per-class average precision</h3>{_per_class_ap_table(ev)}")
         else:
             last = (f"{title}<p>top-1 {ev['top1']:.2%}, top-5 {ev['top5']:.2%}, loss {ev['loss']:.4f}</p>"
+                    + (f"<h3>Per-class precision, recall, F1</h3>{prf_table(ev)}" if "f1" in ev else "")
+                    + calibration_html(ev, pngs["loss"].parent) +
                     f"<h3>Per-class top-1</h3>{_per_class_table(ev)}<h3>Confusion matrix</h3>{_confusion_html(ev)}")
     else:
         last = "<h2>Last evaluation</h2><p>No eval.json in the run directory.</p>"
@@ -231,12 +249,22 @@ def write_report(run_dir: str | Path, output: str | Path | None = None) -> Path:
 <html><head><meta charset="utf-8"><title>vitflow report: {html.escape(run.name)}</title><style>{_CSS}</style></head>
 <body><h1>vitflow run {html.escape(run.name)}</h1>
 <div class=sub>{html.escape(str(run.resolve()))} &middot; report written {dt.datetime.now():%Y-%m-%d %H:%M}</div>
-<h2>Final metrics</h2><div class=kpi>{kpis}</div><p></p><table>{table}</table>
+{status_line(final)}
+<h2>{"Final metrics" if "status" not in final else "Metrics so far"}</h2><div class=kpi>{kpis}</div><p></p><table>{table}</table>
 <h2>Curves</h2><div class=grid>{images}</div>
 {last}
 {distribution_panel(run)}
+{attention_panel(run, html_path.parent / "report", checkpoint)}
 <h2>Config</h2><pre>{html.escape(config)}</pre>
 </body></html>
 """
-    html_path.write_text(page)
+    tmp = html_path.with_name(f".{html_path.name}.tmp")  # replaced atomically: a browser never reads half a page
+    tmp.write_text(page)
+    os.replace(tmp, html_path)
     return html_path
+
+
+def write_live_report(run_dir: str | Path) -> Path:
+    """:func:`write_report` into ``RUN_DIR/report.html``: what training calls after each evaluation
+    (``train.live_report``), so that a browser refresh shows the run so far."""
+    return write_report(run_dir)
