@@ -189,8 +189,9 @@ def _data_and_view_commands(sub) -> None:
     p.add_argument("src", help="image folder, .tar of one, single-label label file, Hugging Face dataset or "
                    "Parquet files, or CIFAR-10/100 python batches folder")
     p.add_argument("out", help="output folder (written as OUT.partial, renamed when complete)")
-    p.add_argument("--format", choices=["auto", "raw", "jpeg"], default="auto",
-                   help="raw uint8 (small fixed-size images) or re-encoded JPEG; auto picks")
+    p.add_argument("--format", choices=["auto", "raw", "jpeg", "wds"], default="auto",
+                   help="raw uint8 (small fixed-size images) or re-encoded JPEG; auto picks; wds: WebDataset shards")
+    p.add_argument("--shard-size", type=int, default=1000, help="wds: samples a shard (default 1000)")
     p.add_argument("--max-side", type=int, help="jpeg: downscale so the longer side is at most N px")
     p.add_argument("--quality", type=int, default=90, help="jpeg quality (default 90)")
     p.add_argument("--workers", type=int, help="processes (default: one per core)")

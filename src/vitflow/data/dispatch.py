@@ -21,6 +21,7 @@ from vitflow.data.labels import TEST_NAMES, VAL_NAMES, canonical_split
 from vitflow.data.packed import is_packed, open_packed, packed_split_names
 from vitflow.data.sources import DataError, ImageSource
 from vitflow.data.splits import Split, parse_split
+from vitflow.data.wdslayout import is_wds, open_wds_split, wds_split_names
 
 TABLE_KINDS = ("labels", "hf")  # kinds whose labels come from a column (and may be multi-label)
 
@@ -34,7 +35,7 @@ def _relabel(src: ImageSource, classes: list[str] | None) -> ImageSource:
 
 def source_kind(path: str | Path | None, source: str = "auto", label: str = "data.path") -> str:
     """The kind of data at ``path``: ``digits``, ``packed``, ``cifar``, ``hf``, ``labels``,
-    ``folder`` or ``tar`` (``source`` when it is not ``auto``, after checking it fits).
+    ``folder``, ``tar`` or ``wds`` (WebDataset shards; ``source`` when it is not ``auto``, after checking it fits).
 
     Raises:
         DataError: ``path`` unset or missing, or not of the kind ``source`` names.
@@ -43,6 +44,8 @@ def source_kind(path: str | Path | None, source: str = "auto", label: str = "dat
         return "digits"
     if path is None:
         raise DataError("data.path is not set: give an image folder, a .tar of one, a label file or a dataset")
+    if source == "wds" or (source == "auto" and is_wds(str(path))):
+        return "wds"  # WebDataset shards: a pattern, list or URL is not a path (see data/wdslayout.py)
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"{label} {p} does not exist")
@@ -69,6 +72,8 @@ def split_names(path: str | Path | None, source: str = "auto", cfg: DataConfig |
     kind = source_kind(path, source)
     if kind == "digits":
         return ["train"]
+    if kind == "wds":
+        return wds_split_names(str(path))
     p = Path(path).expanduser()
     if kind == "packed":
         return packed_split_names(p)
@@ -104,8 +109,10 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
             not in ``classes``, or multi-label data that is not a label table.
     """
     cfg = cfg or DataConfig()
-    sp = parse_split(split) if isinstance(split, str) else split
     kind = source_kind(path, source, label)
+    if kind == "wds":  # a split may be a shard pattern, not a split expression
+        return open_wds_split(str(path), split if isinstance(split, str) else split.name, classes, cfg.classes)
+    sp = parse_split(split) if isinstance(split, str) else split
     if cfg.task == "multilabel" and kind not in TABLE_KINDS:
         raise DataError(f"data.task=multilabel needs labels from a label file (.csv, .tsv, .jsonl) or a Hugging Face "
                         f"dataset; {label} is a{'n' if kind[0] in 'aeiou' else ''} {kind} with one class per image")
