@@ -203,7 +203,7 @@ def _bench_commands(sub):
     p = sub.add_parser("bench", help="measure throughput against baselines (data, infer)")
     bench = p.add_subparsers(dest="what", required=True)
     b = bench.add_parser("data", help="input pipeline: decode limit, torchvision baseline, vitflow, packed")
-    b.add_argument("--data", required=True, help="image folder or tar (class folders, or a flat folder of images), label file or Hugging Face dataset")
+    b.add_argument("--data", required=True, help="image folder or tar (class folders, or a flat folder of images), label file, Hugging Face dataset or WebDataset shards")
     b.add_argument("--image-size", type=int, default=224)
     b.add_argument("--workers", type=int, default=2)
     b.add_argument("--repeats", type=int, default=3)

@@ -124,7 +124,8 @@ class ShardSource(ImageSource):
 
     def __init__(self, classes: list[str], labels: np.ndarray, urls: list[str], shard: np.ndarray,
                  spans: np.ndarray, keys: np.ndarray, errors: dict[int, str] | None = None, skipped: int = 0):
-        self.classes, self.labels, self.urls, self.shard, self.spans, self.keys = classes, labels, urls, shard, spans, keys
+        self.classes, self.labels, self.urls = classes, labels, urls
+        self.shard, self.spans, self.keys = shard, spans, keys
         self.errors, self.skipped = errors or {}, skipped
         self._fds: dict[int, int] = {}
         self._pid = -1
@@ -162,7 +163,8 @@ class ShardSource(ImageSource):
         return {**self.__dict__, "_fds": {}, "_pid": -1}
 
 
-def open_shard_source(urls: list[str], classes: list[str] | None = None, classes_file: str | None = None) -> ShardSource:
+def open_shard_source(urls: list[str], classes: list[str] | None = None,
+                      classes_file: str | None = None) -> ShardSource:
     """A :class:`ShardSource` over ``urls`` (local shards), labelled with ``classes`` (default:
     the shard set's class list).
 

@@ -187,7 +187,8 @@ class ShardBatches:
         if j < b:
             if url not in self._warned:
                 self._warned.add(url)
-                log.warning("%s holds %d samples, the index says %d (truncated?)", url, j, int(self.shards.counts[shard]))
+                log.warning("%s holds %d samples, the index says %d (truncated?)", url, j,
+                            int(self.shards.counts[shard]))
             for k in range(max(j, a), b):
                 yield k, (f"{url}:#{k}", None, -1, f"missing: the shard ends after {j} of "
                           f"{int(self.shards.counts[shard])} samples (truncated?)")
