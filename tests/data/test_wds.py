@@ -16,7 +16,7 @@ from vitflow.data import DataError, open_split
 from vitflow.data.dispatch import source_kind, split_names
 from vitflow.data.transforms import Preprocess, eval_transform, transform_encoded
 from vitflow.data.wds import expand_urls
-from vitflow.data.wdsstream import ShardBatches, ShardDecode, open_shard_stream, rank_segments, shard_loader
+from vitflow.data.wdsstream import ShardBatches, ShardDecode, open_shard_stream, shard_loader, stream_segments
 
 CLASSES = ("a", "b", "c", "d")
 
@@ -119,13 +119,32 @@ def test_rank_parts_tail_and_resume_position(shards):
     _, out = shards
     src = open_shard_stream(str(out), "train")
     counts = src.shards.counts  # 7 x 5 + 5 = 40
-    parts = [rank_segments(counts, 3, 2, r, 3) for r in range(3)]
+    parts = [stream_segments(counts, 3, 2, r, 3) for r in range(3)]
     assert [sum(b - a for _, a, b in p) for p in parts] == [13, 13, 13]  # 40 // 3; one sample left out
     sampler = ShardBatches(src.shards, 3, seed=3, buffer_size=5, rank=1, world_size=3, epochs=3)
     assert sampler.batches_per_epoch == 4  # 13 // 3: the rank's tail of 1 is dropped
     full = [(b.epoch, b.index, [it[0] for it in b.items]) for b in sampler]
     resumed = ShardBatches(src.shards, 3, seed=3, buffer_size=5, start=(1, 3), rank=1, world_size=3, epochs=3)
     assert [(b.epoch, b.index, [it[0] for it in b.items]) for b in resumed] == full[7:]
+
+
+def test_the_global_batches_are_the_same_on_one_process_and_on_two_ranks(shards):
+    """With data.shard_streams=2, rank 0's batch b followed by rank 1's is the one-process batch b."""
+    _, out = shards
+    src = open_shard_stream(str(out), "train")
+
+    def names(rank, world, batch, start=(0, 0)):
+        sampler = ShardBatches(src.shards, batch, seed=5, buffer_size=6, start=start, rank=rank, world_size=world,
+                               epochs=2, streams=2)
+        return [[it[0] for it in b.items] for b in sampler]
+
+    one = names(0, 1, 8)
+    ranks = [names(r, 2, 4) for r in (0, 1)]
+    assert len(one) == 2 * 5 and [a + b for a, b in zip(*ranks)] == one
+    assert names(0, 1, 8, start=(1, 2)) == one[7:]  # a 2-rank run resumed on one process continues the order
+    assert len({n for b in one[:5] for n in b}) == 40  # epoch 0: every sample once
+    with pytest.raises(DataError, match="data.shard_streams=2 must be a multiple of the 4 rank"):
+        ShardBatches(src.shards, 2, rank=0, world_size=4, streams=2)
 
 
 def _shard(path, samples):

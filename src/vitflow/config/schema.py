@@ -135,7 +135,10 @@ class DataConfig:
     # (short side, then center crop) on the way in, which gives them the batched path; full = as decoded; or pixels
     cache_resolution: int | Literal["auto", "full"] = "auto"
     access: Literal["random", "stream"] = "random"  # stream: read a tar in order through a shuffle buffer
-    shuffle_buffer: int = 50_000  # images, for access=stream and shards (capped at the dataset size / rank's part)
+    shuffle_buffer: int = 50_000  # images, for access=stream and shards (per stream; capped at its size)
+    # shards: streams an epoch is cut into, each read in order through its own shuffle buffer; auto = one per rank.
+    # Fixed (a multiple of the rank count), the order is the same on any rank count dividing it
+    shard_streams: int | Literal["auto"] = "auto"
     eval_batch_size: int | None = None  # None = the training micro-batch
 
     def validate(self) -> None:
@@ -158,6 +161,8 @@ class DataConfig:
         _check(0 <= self.progressive_ramp[0] <= self.progressive_ramp[1] <= 1, "data.progressive_ramp",
                self.progressive_ramp, "0 <= start <= end <= 1")
         _check(self.shuffle_buffer >= 1, "data.shuffle_buffer", self.shuffle_buffer, ">= 1")
+        _check(self.shard_streams == "auto" or self.shard_streams >= 1, "data.shard_streams", self.shard_streams,
+               ">= 1 or auto")
         for key in ("color_jitter", "mixup_alpha", "cutmix_alpha"):
             _check(getattr(self, key) >= 0, f"data.{key}", getattr(self, key), ">= 0")
         for key in ("random_erasing", "mix_prob", "mix_switch_prob"):

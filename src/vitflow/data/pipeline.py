@@ -224,7 +224,8 @@ def train_loader(source: ImageSource, cfg: DataConfig, image_size: int, batch_si
     aug_seed = seed if world_size == 1 else mix_seed(seed, rank, world_size)
     if isinstance(source, ShardStream):
         loader, per_epoch = shard_loader(source, transform, batch_size, seed, aug_seed, cfg.shuffle_buffer, start,
-                                         rank, world_size, workers, cfg.prefetch)
+                                         rank, world_size, workers, cfg.prefetch,
+                                         None if cfg.shard_streams == "auto" else int(cfg.shard_streams))
     elif cfg.access == "stream":
         if not (isinstance(source, FileSource) and source.spans is not None):
             raise DataError("data.access=stream reads a .tar sequentially; data.path is not a tar")

@@ -1,32 +1,36 @@
-"""Training from WebDataset shards: each rank streams its part of the epoch's shards once,
-sequentially, through a shuffle buffer, and its loader workers decode and augment whole batches.
+"""Training from WebDataset shards: each epoch is cut into streams read sequentially, once,
+through a shuffle buffer each; a rank reads its streams in a background thread and its loader
+workers decode and augment whole batches.
 
-The epoch order is a function of ``(seed, epoch, world_size, batch size)`` only, never of the
-number of loader workers, so a run resumed at ``(epoch, batch)`` sees exactly the batches an
-uninterrupted run would have seen:
+The epoch order is a function of ``(seed, epoch, S, global batch)`` only, never of the number of
+loader workers, nor (for any rank count ``R`` dividing ``S``) of the number of ranks:
 
-1. **Shards**: permuted from ``(seed, epoch)``; their samples (the counts from the index) laid
-   end to end make the epoch's stream of ``N`` samples.
-2. **Ranks**: rank ``r`` of ``R`` takes the contiguous part ``[r P, (r + 1) P)`` of that stream,
-   ``P = N // R`` (so every rank reads about ``1 / R`` of the shards, a shard on a boundary
-   partly; ``N mod R`` samples at the end are left out of the epoch).
-3. **Shuffle buffer**: the rank's part passes through a buffer of ``data.shuffle_buffer``
-   samples seeded from ``(seed, epoch, rank)`` (``tf.data`` semantics, see
-   :func:`~vitflow.data.stream.shuffle_buffer`); the emitted order is cut into batches, and the
-   tail that does not fill a batch (``P mod B`` samples) is dropped, so every rank has
-   ``P // B`` batches. In all, fewer than ``R (B + 1)`` samples an epoch are left out, a
-   different set each epoch as the shards are reshuffled.
-4. **Workers**: a background thread of the rank's main process reads the shards (through
+1. **Shards**: permuted from ``(seed, epoch)``; their samples (counts from the index) laid end to
+   end make the epoch's ``N`` samples.
+2. **Streams**: cut into ``S = data.shard_streams`` (``auto``: one per rank) equal contiguous
+   parts of ``N // S`` samples (a shard on a boundary is read in part by both streams; the
+   ``N mod S`` samples at the end are left out of the epoch).
+3. **Shuffle buffer**: each stream passes through a buffer of ``data.shuffle_buffer`` samples
+   seeded from ``(seed, epoch, stream)`` (``tf.data`` semantics, see
+   :func:`~vitflow.data.stream.shuffle_buffer`); its emitted order is cut into chunks of
+   ``c = global batch / S`` samples and the tail that does not fill a chunk is dropped. In all,
+   fewer than ``S (c + 1)`` samples an epoch are left out, a different set each epoch.
+4. **Ranks**: rank ``r`` reads streams ``r S / R .. (r + 1) S / R - 1``; its batch ``b`` is chunk
+   ``b`` of each, so every rank has ``(N // S) // c`` batches and the ranks' batches ``b``
+   together are the same global batch whatever ``R``: a one-process run with the same
+   ``data.shard_streams`` and global batch sees what ``R`` ranks see, and a resume on another
+   rank count (dividing ``S``) continues the same order.
+5. **Workers**: a background thread of the rank's main process reads its streams (through
    :func:`~vitflow.data.wds.open_stream`) and hands each batch's encoded images to the
    DataLoader, whose workers decode and augment them (randomness seeded from
-   ``(seed, rank, epoch, batch)``); so each shard is read once per epoch, by one rank.
+   ``(seed, rank, epoch, batch)``); each shard is read once per epoch (twice when on a boundary).
 
-Reading order is computed from indices first (as :mod:`vitflow.data.stream` does); bytes are held
-only until their batch is complete (about one buffer: memory ~ ``shuffle_buffer`` x the mean
-sample size). Resuming skips the shards that hold only consumed batches without opening them.
-Samples that cannot be used (no label, no image, cut by a truncated shard, or missing: the shard
-holds fewer samples than its index says) go into their batch's ``bad`` list with their shard and
-key, and are counted in the skipped-images report like unreadable image files.
+The reading order is computed from indices first (as :mod:`vitflow.data.stream` does); bytes are
+held only until their chunk is complete (memory ~ ``shuffle_buffer`` x the mean sample size per
+stream). Resuming at ``(epoch, batch)`` skips the shards that hold only consumed samples without
+opening them. Samples that cannot be used (no label, no image, cut by a truncated shard, or
+missing: the shard holds fewer samples than its index says) go into their batch's ``bad`` list
+with their shard and key, and are counted in the skipped-images report like unreadable images.
 """
 
 from __future__ import annotations
@@ -104,12 +108,12 @@ class ShardBatch:
     items: list
 
 
-def rank_segments(counts: np.ndarray, seed: int, epoch: int, rank: int, world_size: int) -> list[tuple[int, int, int]]:
-    """``(shard, first sample, stop)`` runs making rank ``rank``'s part of ``epoch``'s stream
+def stream_segments(counts: np.ndarray, seed: int, epoch: int, stream: int, streams: int) -> list[tuple[int, int, int]]:
+    """``(shard, first sample, stop)`` runs making stream ``stream``'s part of ``epoch``'s samples
     (steps 1-2 of the module docstring), in reading order."""
     order = np.random.default_rng([seed, epoch, 0x5A4D]).permutation(len(counts))
-    per_rank = int(counts.sum()) // world_size
-    lo, hi = rank * per_rank, (rank + 1) * per_rank
+    per_stream = int(counts.sum()) // streams
+    lo, hi = stream * per_stream, (stream + 1) * per_stream
     segments, pos = [], 0
     for s in order:
         n = int(counts[s])
@@ -124,54 +128,72 @@ class ShardBatches:
     """The batches of one rank, endless (or ``epochs`` long) from ``start = (epoch, batch)``;
     iterated as a DataLoader sampler (a background thread reads ahead ``ahead`` batches).
 
+    Args:
+        batch_size: images per batch of this rank.
+        streams: the streams an epoch is cut into (default: one per rank); rank ``r`` reads
+            streams ``r S / R .. (r + 1) S / R - 1`` and its batch ``b`` is chunk ``b`` of each.
     Raises:
-        DataError: fewer samples than one batch per rank.
+        DataError: ``streams`` not a multiple of ``world_size`` or not dividing the global batch;
+            fewer samples than one batch.
     """
 
     def __init__(self, shards: ShardSet, batch_size: int, seed: int = 0, buffer_size: int = 50_000,
                  start: tuple[int, int] = (0, 0), rank: int = 0, world_size: int = 1, epochs: int | None = None,
-                 ahead: int = 4):
-        self.shards, self.batch_size, self.seed = shards, batch_size, seed
-        self.per_rank = shards.total // world_size
-        self.buffer_size = max(1, min(buffer_size, self.per_rank))
-        self.start, self.rank, self.world_size, self.epochs, self.ahead = start, rank, world_size, epochs, ahead
-        self.batches_per_epoch = self.per_rank // batch_size
+                 ahead: int = 4, streams: int | None = None):
+        streams = streams or world_size
+        if streams % world_size or (batch_size * world_size) % streams:
+            raise DataError(f"data.shard_streams={streams} must be a multiple of the {world_size} rank(s) and divide "
+                            f"the global batch of {batch_size * world_size} images")
+        self.shards, self.batch_size, self.seed, self.streams = shards, batch_size, seed, streams
+        self.mine = range(rank * streams // world_size, (rank + 1) * streams // world_size)
+        self.chunk = batch_size * world_size // streams
+        self.per_stream = shards.total // streams
+        self.buffer_size = max(1, min(buffer_size, self.per_stream))
+        self.start, self.epochs, self.ahead = start, epochs, ahead
+        self.batches_per_epoch = self.per_stream // self.chunk
         if self.batches_per_epoch == 0:
             raise DataError(f"{shards.urls[0]}: {shards.total} samples cannot fill one batch of {batch_size} x "
                             f"{world_size} rank(s); lower train.batch_size")
         self._warned: set[str] = set()
 
-    def batch_of(self, epoch: int, first: int = 0) -> np.ndarray:
-        """For each position of the rank's stream, its batch (``-1``: dropped or before ``first``)
-        times ``batch_size`` plus its slot in the batch."""
-        rng = np.random.default_rng([self.seed, epoch, self.rank, 0x5EED])
-        emitted = np.fromiter(shuffle_buffer(iter(range(self.per_rank)), self.buffer_size, rng), dtype=np.int64,
-                              count=self.per_rank)
-        where = np.full(self.per_rank, -1, dtype=np.int64)
-        keep = emitted[first * self.batch_size:self.batches_per_epoch * self.batch_size]
-        where[keep] = np.arange(first * self.batch_size, first * self.batch_size + len(keep))
+    def slots(self, epoch: int, stream: int, first: int = 0) -> np.ndarray:
+        """For each position of ``stream``'s part, its place in the stream's emitted order
+        (chunk ``k`` is places ``k c .. (k + 1) c - 1``); ``-1``: dropped, or in a chunk before ``first``."""
+        rng = np.random.default_rng([self.seed, epoch, stream, 0x5EED])
+        emitted = np.fromiter(shuffle_buffer(iter(range(self.per_stream)), self.buffer_size, rng), dtype=np.int64,
+                              count=self.per_stream)
+        where = np.full(self.per_stream, -1, dtype=np.int64)
+        keep = emitted[first * self.chunk:self.batches_per_epoch * self.chunk]
+        where[keep] = np.arange(first * self.chunk, first * self.chunk + len(keep))
         return where
 
-    def epoch(self, epoch: int, first: int = 0) -> Iterator[ShardBatch]:
-        """This rank's batches ``first, first + 1, ...`` of ``epoch``, read in stream order."""
-        where, bs = self.batch_of(epoch, first), self.batch_size
+    def chunks(self, epoch: int, stream: int, first: int = 0) -> Iterator[list]:
+        """Chunks ``first, first + 1, ...`` of ``stream`` in ``epoch`` (lists of items), read in order."""
+        where, c = self.slots(epoch, stream, first), self.chunk
         pending: dict[int, list] = {}
+        filled: dict[int, int] = {}
         nxt, pos = first, 0
-        for shard, a, b in rank_segments(self.shards.counts, self.seed, epoch, self.rank, self.world_size):
+        for shard, a, b in stream_segments(self.shards.counts, self.seed, epoch, stream, self.streams):
             slots = where[pos:pos + b - a]
             pos += b - a
             if not (slots >= 0).any():
                 continue  # holds only consumed or dropped samples: not opened
             for j, item in self._read(shard, a, b):
                 slot = int(slots[j - a])
-                if slot >= 0:
-                    pending.setdefault(slot // bs, [None] * bs)[slot % bs] = item
-            while nxt in pending and all(x is not None for x in pending[nxt]):
-                yield ShardBatch(epoch, nxt, pending.pop(nxt))
-                nxt += 1
-        while nxt in pending:  # complete once the stream is read
-            yield ShardBatch(epoch, nxt, pending.pop(nxt))
-            nxt += 1
+                if slot < 0:
+                    continue
+                pending.setdefault(slot // c, [None] * c)[slot % c] = item
+                filled[slot // c] = filled.get(slot // c, 0) + 1
+                while filled.get(nxt) == c:
+                    del filled[nxt]
+                    yield pending.pop(nxt)
+                    nxt += 1
+
+    def epoch(self, epoch: int, first: int = 0) -> Iterator[ShardBatch]:
+        """This rank's batches ``first, first + 1, ...`` of ``epoch``: chunk ``b`` of each of its streams."""
+        streams = [self.chunks(epoch, s, first) for s in self.mine]
+        for b in range(first, self.batches_per_epoch):
+            yield ShardBatch(epoch, b, [item for chunks in streams for item in next(chunks)])
 
     def _read(self, shard: int, a: int, b: int) -> Iterator[tuple[int, Item]]:
         """``(sample index, item)`` for samples ``a .. b - 1`` of ``shard``; every index is given,
@@ -268,10 +290,10 @@ def _identity(batch: dict) -> dict:
 
 def shard_loader(source: ShardStream, transform: Transform, batch_size: int, seed: int, aug_seed: int,
                  buffer_size: int, start: tuple[int, int], rank: int, world_size: int, workers: int,
-                 prefetch: int) -> tuple[torch.utils.data.DataLoader, int]:
+                 prefetch: int, streams: int | None = None) -> tuple[torch.utils.data.DataLoader, int]:
     """``(DataLoader of this rank's training batches, batches per epoch)`` for :func:`train_loader`."""
     sampler = ShardBatches(source.shards, batch_size, seed, buffer_size, start, rank, world_size,
-                           ahead=max(2, prefetch * max(workers, 1)))
+                           ahead=max(2, prefetch * max(workers, 1)), streams=streams)
     kwargs = dict(prefetch_factor=prefetch, persistent_workers=True) if workers else {}
     loader = torch.utils.data.DataLoader(ShardDecode(transform, aug_seed), batch_size=None, sampler=sampler,
                                          num_workers=workers, collate_fn=_identity, generator=torch.Generator(),
