@@ -12,7 +12,8 @@ import torch
 
 from helpers import HYMENOPTERA_TAR, encode, make_folder, need, tar_folder
 from vitflow.cli import main
-from vitflow.data import DataError, open_split
+from vitflow.config import ConfigError, DataConfig
+from vitflow.data import DataError, check_config, open_split
 from vitflow.data.dispatch import source_kind, split_names
 from vitflow.data.transforms import Preprocess, eval_transform, transform_encoded
 from vitflow.data.wds import expand_urls
@@ -190,6 +191,18 @@ def test_sample_without_label_is_skipped_and_named(tmp_path):
     (tmp_path / "classes.txt").write_text("a\nb\n")
     good, bad, reasons = _one_epoch_bad(tmp_path, "x-{0..0}.tar", 4)  # no index: counted by one scan
     assert good == 3 and bad == [f"{tmp_path}/x-0.tar:k1"] and reasons == ["no label file (.cls, .json or .txt)"]
+    (tmp_path / "classes.txt").unlink()  # no class list: the scan's labels (names sorted; indices 0..max)
+    with pytest.raises(DataError, match="x-0.tar: the labels are both class indices .* and class names; put"):
+        open_shard_stream(f"{tmp_path}/x-0.tar", "train")
+    _shard(tmp_path / "y-0.tar", [("k0.png", png), ("k0.cls", b"2"), ("k1.png", png), ("k1.cls", b"0")])
+    assert open_shard_stream(f"{tmp_path}/y-0.tar", "train").classes == ["0", "1", "2"]
+
+
+def test_split_keys_may_be_shard_patterns():
+    cfg = DataConfig(path="/data/wds", train_split="train-{000000..000127}.tar", val_split="val-{000..007}.tar")
+    check_config(cfg)
+    with pytest.raises(ConfigError, match="data.val_split"):
+        check_config(DataConfig(path="/data/wds", val_split="val[:x]"))
 
 
 def test_brace_pattern_matching_nothing_names_the_pattern(tmp_path):

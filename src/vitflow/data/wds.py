@@ -283,10 +283,10 @@ def read_classes(url: str, classes_file: str | None) -> list[str] | None:
     return None
 
 
-def scan_counts(urls: list[str]) -> tuple[np.ndarray, list[str]]:
+def scan_counts(urls: list[str]) -> tuple[np.ndarray, set]:
     """One pass over ``urls`` (labels read, images skipped): the samples of each shard (every key
     group, complete or not, as the streaming reader counts them) and the label values seen
-    (class names, or the indices as strings), sorted."""
+    (class names and indices)."""
     counts, seen = [], set()
     for url in urls:
         n = 0
@@ -298,11 +298,21 @@ def scan_counts(urls: list[str]) -> tuple[np.ndarray, list[str]]:
                 except ValueError:
                     pass
         counts.append(n)
+    return np.asarray(counts, dtype=np.int64), seen
+
+
+def classes_from_labels(seen: set, where: str) -> list[str]:
+    """The class list of a shard set without one: the names seen, sorted, or ``0 .. max`` index.
+
+    Raises:
+        DataError: labels that are indices in some samples and names in others.
+    """
     ints = {v for v in seen if isinstance(v, int)}
     names = sorted(v for v in seen if isinstance(v, str))
-    if ints and not names:
-        names = [str(i) for i in range(max(ints) + 1)]
-    return np.asarray(counts, dtype=np.int64), names
+    if ints and names:
+        raise DataError(f"{where}: the labels are both class indices (.cls) and class names; put classes.txt "
+                        "beside the shards or set data.classes")
+    return names or [str(i) for i in range(max(ints) + 1 if ints else 0)]
 
 
 @dataclass
@@ -332,14 +342,14 @@ def shard_set(urls: list[str], classes_file: str | None = None, classes: list[st
         index_classes = index_classes or k
     classes = classes or read_classes(urls[0], classes_file) or index_classes
     missing = [u for u in urls if os.path.basename(u) not in counts]
-    scanned: list[str] = []
+    scanned: set = set()
     if missing or classes is None:
         todo = missing if classes is not None else urls
         log.info("scanning %d shard(s) for their sample counts%s (write %s with vitflow prepare --format wds to "
                  "skip this)", len(todo), "" if classes is not None else " and class names", INDEX_NAME)
         n, scanned = scan_counts(todo)
         counts.update({os.path.basename(u): int(k) for u, k in zip(todo, n)})
-    classes = classes or scanned
+    classes = classes or classes_from_labels(scanned, urls[0])
     if not classes:
         raise DataError(f"{urls[0]}: no class list: put classes.txt beside the shards or set data.classes")
     return ShardSet(urls, np.asarray([counts[os.path.basename(u)] for u in urls], dtype=np.int64), list(classes))
