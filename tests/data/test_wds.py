@@ -15,7 +15,7 @@ from vitflow.cli import main
 from vitflow.config import ConfigError, DataConfig
 from vitflow.data import DataError, check_config, open_split
 from vitflow.data.dispatch import source_kind, split_names
-from vitflow.data.transforms import Preprocess, eval_transform, transform_encoded
+from vitflow.data.transforms import Preprocess, eval_transform, train_transform, transform_encoded
 from vitflow.data.wds import expand_urls
 from vitflow.data.wdsstream import ShardBatches, ShardDecode, open_shard_stream, shard_loader, stream_segments
 
@@ -91,7 +91,7 @@ def _epoch_samples(out, rank, world, workers, epoch=0, batch=4):
     """(digest, label) of every image rank `rank` trains on in `epoch`, through a DataLoader."""
     src = open_shard_stream(str(out), "train")
     transform = eval_transform(Preprocess(8, 1.0, "bilinear", (0, 0, 0), (1, 1, 1)))
-    loader, per_epoch = shard_loader(src, transform, batch, 0, 0, 16, (epoch, 0), rank, world, workers, 2)
+    loader, per_epoch = shard_loader(src, transform, batch, 0, 16, (epoch, 0), rank, world, workers, 2)
     got, it = [], iter(loader)
     for _ in range(per_epoch):
         b = next(it)
@@ -143,6 +143,12 @@ def test_the_global_batches_are_the_same_on_one_process_and_on_two_ranks(shards)
     ranks = [names(r, 2, 4) for r in (0, 1)]
     assert len(one) == 2 * 5 and [a + b for a, b in zip(*ranks)] == one
     assert names(0, 1, 8, start=(1, 2)) == one[7:]  # a 2-rank run resumed on one process continues the order
+    augment = ShardDecode(train_transform(8, "random_resized_crop", (0.3, 1.0), 0, True, "bilinear", "none", 0.0,
+                                          0.0), seed=5)
+    first = [next(iter(ShardBatches(src.shards, 8 // w, seed=5, buffer_size=6, rank=r, world_size=w, streams=2)))
+             for w in (1, 2) for r in range(w)]
+    single, r0, r1 = (augment[b]["images"] for b in first)
+    assert torch.equal(single, torch.cat([r0, r1]))  # the same crops and flips of the same samples
     assert len({n for b in one[:5] for n in b}) == 40  # epoch 0: every sample once
     with pytest.raises(DataError, match="data.shard_streams=2 must be a multiple of the 4 rank"):
         ShardBatches(src.shards, 2, rank=0, world_size=4, streams=2)

@@ -65,6 +65,16 @@ def open_stream(url: str) -> BinaryIO:
         raise DataError(f"{url}: cannot open shard: {e.strerror or e}") from None
 
 
+def read_range(url: str, offset: int, size: int) -> bytes:
+    """``size`` bytes of the remote ``url`` from ``offset`` (stand-in: the integrator reads them
+    through ``remote.open_random``).
+
+    Raises:
+        DataError: always, in this build.
+    """
+    raise DataError(f"{url}: range reads of remote shards need vitflow.data.remote (not in this build)")
+
+
 def _expand_braces(pattern: str) -> list[str]:
     m = _BRACE.search(pattern)
     if m is None:

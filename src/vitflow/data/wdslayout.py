@@ -33,7 +33,7 @@ from vitflow.data.labels import canonical_split
 from vitflow.data.sources import DataError, ImageSource
 from vitflow.data.splits import parse_split
 from vitflow.data.wds import (INDEX_NAME, expand_urls, has_pattern, is_remote, iter_samples, looks_like_shard,
-                              open_stream, parse_label, read_classes, shard_set)
+                              open_stream, parse_label, read_classes, read_range, shard_set)
 
 log = logging.getLogger(__name__)
 SPLIT_TOKENS = ("train", "val", "valid", "validation", "test")
@@ -113,8 +113,9 @@ def split_urls(path: str, split: str) -> list[str]:
 
 
 class ShardSource(ImageSource):
-    """The samples of a list of local shards, by random access: image member ``i`` is read from
-    ``urls[shard[i]]`` at ``spans[i] = (offset, size)`` (``os.pread``), in shard order.
+    """The samples of a list of shards, by random access: image member ``i`` is read from
+    ``urls[shard[i]]`` at ``spans[i] = (offset, size)`` (``os.pread``; a range read of a remote
+    shard), in shard order.
 
     Built by one pass over the shards reading their headers and labels (image bytes skipped).
     Samples without a label or an image are left out with a warning naming the key (counted in
@@ -137,15 +138,18 @@ class ShardSource(ImageSource):
         s = int(self.shard[i])
         if i in self.errors:
             raise CorruptImageError(self.name(i), self.errors[i])
-        if self._pid != os.getpid():
-            self._fds, self._pid = {}, os.getpid()
-        if s not in self._fds:
+        offset, size = int(self.spans[i, 0]), int(self.spans[i, 1])
+        if is_remote(self.urls[s]):
+            data = read_range(self.urls[s], offset, size)
+        else:
+            if self._pid != os.getpid():
+                self._fds, self._pid = {}, os.getpid()
             try:
-                self._fds[s] = os.open(self.urls[s], os.O_RDONLY)
+                if s not in self._fds:
+                    self._fds[s] = os.open(self.urls[s], os.O_RDONLY)
+                data = os.pread(self._fds[s], size, offset)
             except OSError as e:
                 raise CorruptImageError(self.name(i), f"cannot read: {e}") from None
-        offset, size = int(self.spans[i, 0]), int(self.spans[i, 1])
-        data = os.pread(self._fds[s], size, offset)
         if len(data) != size:
             raise CorruptImageError(self.name(i), f"the shard ends inside this image ({len(data)} of {size} bytes)")
         return data
@@ -165,14 +169,14 @@ class ShardSource(ImageSource):
 
 def open_shard_source(urls: list[str], classes: list[str] | None = None,
                       classes_file: str | None = None) -> ShardSource:
-    """A :class:`ShardSource` over ``urls`` (local shards), labelled with ``classes`` (default:
+    """A :class:`ShardSource` over ``urls`` (uncompressed shards), labelled with ``classes`` (default:
     the shard set's class list).
 
     Raises:
-        DataError: remote shards (random access needs the remote module), no class list, no samples.
+        DataError: compressed shards, no class list, no samples.
     """
-    if any(is_remote(u) for u in urls):
-        raise DataError(f"{urls[0]}: random access to remote shards needs vitflow.data.remote (not in this build)")
+    if any(u.endswith((".gz", ".tgz")) for u in urls):
+        raise DataError(f"{urls[0]}: validation and test shards are read by offset and must be uncompressed tars")
     classes = classes or read_classes(urls[0], classes_file) or shard_set(urls, classes_file).classes
     labels, shard, spans, keys, errors, skipped = [], [], [], [], {}, 0
     for s, url in enumerate(urls):

@@ -23,7 +23,8 @@ loader workers, nor (for any rank count ``R`` dividing ``S``) of the number of r
 5. **Workers**: a background thread of the rank's main process reads its streams (through
    :func:`~vitflow.data.wds.open_stream`) and hands each batch's encoded images to the
    DataLoader, whose workers decode and augment them (randomness seeded from
-   ``(seed, rank, epoch, batch)``); each shard is read once per epoch (twice when on a boundary).
+   ``(seed, epoch, batch, stream)``: a sample draws the same crop and flip on any rank count);
+   each shard is read once per epoch (twice when on a boundary).
 
 The reading order is computed from indices first (as :mod:`vitflow.data.stream` does); bytes are
 held only until their chunk is complete (memory ~ ``shuffle_buffer`` x the mean sample size per
@@ -38,7 +39,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
@@ -106,6 +107,7 @@ class ShardBatch:
     epoch: int
     index: int
     items: list
+    streams: list = field(default_factory=lambda: [0])  # the streams whose chunks make ``items``, in order
 
 
 def stream_segments(counts: np.ndarray, seed: int, epoch: int, stream: int, streams: int) -> list[tuple[int, int, int]]:
@@ -193,7 +195,7 @@ class ShardBatches:
         """This rank's batches ``first, first + 1, ...`` of ``epoch``: chunk ``b`` of each of its streams."""
         streams = [self.chunks(epoch, s, first) for s in self.mine]
         for b in range(first, self.batches_per_epoch):
-            yield ShardBatch(epoch, b, [item for chunks in streams for item in next(chunks)])
+            yield ShardBatch(epoch, b, [item for chunks in streams for item in next(chunks)], list(self.mine))
 
     def _read(self, shard: int, a: int, b: int) -> Iterator[tuple[int, Item]]:
         """``(sample index, item)`` for samples ``a .. b - 1`` of ``shard``; every index is given,
@@ -263,16 +265,19 @@ class ShardBatches:
 class ShardDecode(torch.utils.data.Dataset):
     """Decodes and augments a :class:`ShardBatch` into the batch dict of
     :class:`~vitflow.data.loader.BatchDataset` (``images`` uint8 ``(B, 3, S, S)``, ``labels`` int64
-    ``(B,)``, ``epoch``, ``index``, ``bad``); randomness seeded from ``(seed, epoch, index)``."""
+    ``(B,)``, ``epoch``, ``index``, ``bad``). The randomness of each stream's chunk is seeded from
+    ``(seed, epoch, index, stream)``: a sample draws the same augmentation whatever the rank count."""
 
     def __init__(self, transform: Transform, seed: int):
         self.transform, self.seed = transform, seed
 
     def __getitem__(self, batch: ShardBatch) -> dict:
         images, labels, bad = [], [], []
+        chunk = len(batch.items) // len(batch.streams)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(mix_seed(self.seed, batch.epoch, batch.index))
-            for name, data, label, error in batch.items:
+            for k, (name, data, label, error) in enumerate(batch.items):
+                if k % chunk == 0:
+                    torch.manual_seed(mix_seed(self.seed, batch.epoch, batch.index, batch.streams[k // chunk]))
                 try:
                     if error is not None:
                         raise CorruptImageError(name, error)
@@ -288,14 +293,14 @@ def _identity(batch: dict) -> dict:
     return batch
 
 
-def shard_loader(source: ShardStream, transform: Transform, batch_size: int, seed: int, aug_seed: int,
+def shard_loader(source: ShardStream, transform: Transform, batch_size: int, seed: int,
                  buffer_size: int, start: tuple[int, int], rank: int, world_size: int, workers: int,
                  prefetch: int, streams: int | None = None) -> tuple[torch.utils.data.DataLoader, int]:
     """``(DataLoader of this rank's training batches, batches per epoch)`` for :func:`train_loader`."""
     sampler = ShardBatches(source.shards, batch_size, seed, buffer_size, start, rank, world_size,
                            ahead=max(2, prefetch * max(workers, 1)), streams=streams)
     kwargs = dict(prefetch_factor=prefetch, persistent_workers=True) if workers else {}
-    loader = torch.utils.data.DataLoader(ShardDecode(transform, aug_seed), batch_size=None, sampler=sampler,
+    loader = torch.utils.data.DataLoader(ShardDecode(transform, seed), batch_size=None, sampler=sampler,
                                          num_workers=workers, collate_fn=_identity, generator=torch.Generator(),
                                          **kwargs)
     return loader, sampler.batches_per_epoch
