@@ -13,7 +13,7 @@ import torch
 from helpers import HYMENOPTERA_TAR, encode, make_folder, need, tar_folder
 from vitflow.cli import main
 from vitflow.config import ConfigError, DataConfig
-from vitflow.data import DataError, check_config, open_split
+from vitflow.data import CorruptImageError, DataError, check_config, open_split
 from vitflow.data.dispatch import source_kind, split_names
 from vitflow.data.transforms import Preprocess, eval_transform, train_transform, transform_encoded
 from vitflow.data.wds import expand_urls
@@ -188,6 +188,11 @@ def test_truncated_shard_keeps_its_good_samples_and_counts_the_rest(shards, tmp_
     assert "the shard ends inside this sample (truncated?)" in named[f"{cut}/train-000001.tar:00000010"]
     assert sorted(b.split(":")[-1] for b in bad) == ["#4", "#5", "#6", "00000010"]
     assert named[f"{cut}/train-000001.tar:#6"] == "missing: the shard ends after 4 of 7 samples (truncated?)"
+    held_out = open_split(cut, "train")  # random access (as val/test splits are read): the cut sample is unreadable
+    assert len(held_out) == 11 and held_out.name(10).endswith("train-000001.tar:00000010")
+    held_out.load(9)
+    with pytest.raises(CorruptImageError, match="train-000001.tar:00000010"):
+        held_out.load(10)
 
 
 def test_sample_without_label_is_skipped_and_named(tmp_path):

@@ -171,15 +171,17 @@ def iter_samples(url: str, stream: BinaryIO, read_images: bool = True) -> Iterat
 
     Hidden members (a part starting with ``.``), directories and members of no known extension are
     left out. A shard that ends inside a member yields its last, incomplete sample with
-    ``error`` set and stops (the samples before it are whole). With ``read_images=False`` an image
+    ``error`` set and stops (the samples before it are whole); one that is no tar at all (or empty)
+    yields one such sample. With ``read_images=False`` an image
     member is recorded as ``(data offset, size)`` (seekable streams skip its bytes).
     """
     mode = "r:" if not read_images and stream.seekable() else "r|*"
     current: Sample | None = None
     try:
         tf = tarfile.open(fileobj=stream, mode=mode)
-    except (tarfile.TarError, EOFError) as e:
-        raise DataError(f"{url}: not a tar shard ({e})") from None
+    except (tarfile.TarError, EOFError) as e:  # empty (cut at 0) or not a tar: one bad sample, the rest missing
+        yield Sample("", error=f"not a readable tar shard ({e})")
+        return
     try:
         for m in tf:
             if not m.isfile() or any(p.startswith(".") for p in m.name.split("/")):
@@ -196,7 +198,7 @@ def iter_samples(url: str, stream: BinaryIO, read_images: bool = True) -> Iterat
             else:
                 f = tf.extractfile(m)
                 current.members[ext] = f.read() if f is not None else b""
-    except (tarfile.TarError, EOFError, OSError, DataError) as e:
+    except (tarfile.TarError, EOFError) as e:  # a read error of the store (RemoteError) propagates
         current = current or Sample("?")
         current.error = f"the shard ends inside this sample (truncated?): {e}"
     finally:
