@@ -230,23 +230,28 @@ class ShardBatches:
         except ValueError as e:
             return name, None, -1, str(e)
 
+    @staticmethod
+    def _put(out: queue.Queue, item, stop: threading.Event) -> bool:
+        """Put ``item`` unless the consumer has gone (``stop``); False then."""
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
     def _produce(self, out: queue.Queue, stop: threading.Event) -> None:
         try:
             epoch, first = self.start
-            while (self.epochs is None or epoch < self.epochs) and not stop.is_set():
+            while self.epochs is None or epoch < self.epochs:
                 for batch in self.epoch(epoch, first):
-                    while not stop.is_set():
-                        try:
-                            out.put(batch, timeout=0.1)
-                            break
-                        except queue.Full:
-                            pass
-                    if stop.is_set():
+                    if not self._put(out, batch, stop):
                         return
                 epoch, first = epoch + 1, 0
-            out.put(None)
+            self._put(out, None, stop)
         except BaseException as e:  # handed to the consumer, which raises it
-            out.put(e)
+            self._put(out, e, stop)
 
     def __iter__(self) -> Iterator[ShardBatch]:
         q: queue.Queue = queue.Queue(maxsize=self.ahead)
