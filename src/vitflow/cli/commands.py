@@ -232,10 +232,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from vitflow.data.prepare import prepare
 
     meta = prepare(args.src, args.out, args.format, args.max_side, args.quality, args.workers or os.cpu_count() or 1,
-                   args.force)
+                   args.force, args.shard_size)
     for name, info in meta["splits"].items():
         print(f"{name}: {info['count']} images ({info['kind']}), {info['skipped']} skipped")
-    print(f"packed dataset: {args.out}  (train with data.path={args.out})")
+    what = "WebDataset shards" if args.format == "wds" else "packed dataset"
+    print(f"{what}: {args.out}  (train with data.path={args.out})")
     return 0
 
 

@@ -230,8 +230,9 @@ def _data_and_view_commands(sub) -> None:
     p.add_argument("src", help="image folder, .tar of one, single-label label file, Hugging Face dataset or "
                    "Parquet files, or CIFAR-10/100 python batches folder")
     p.add_argument("out", help="output folder (written as OUT.partial, renamed when complete)")
-    p.add_argument("--format", choices=["auto", "raw", "jpeg"], default="auto",
-                   help="raw uint8 (small fixed-size images) or re-encoded JPEG; auto picks")
+    p.add_argument("--format", choices=["auto", "raw", "jpeg", "wds"], default="auto",
+                   help="raw uint8 (small fixed-size images) or re-encoded JPEG; auto picks; wds: WebDataset shards")
+    p.add_argument("--shard-size", type=int, default=1000, help="wds: samples a shard (default 1000)")
     p.add_argument("--max-side", type=int, help="jpeg: downscale so the longer side is at most N px")
     p.add_argument("--quality", type=int, default=90, help="jpeg quality (default 90)")
     p.add_argument("--workers", type=int, help="processes (default: one per core)")
@@ -243,7 +244,7 @@ def _bench_commands(sub):
     p = sub.add_parser("bench", help="measure throughput against baselines (data, infer)")
     bench = p.add_subparsers(dest="what", required=True)
     b = bench.add_parser("data", help="input pipeline: decode limit, torchvision baseline, vitflow, packed")
-    b.add_argument("--data", required=True, help="image folder or tar (class folders, or a flat folder of images), label file or Hugging Face dataset")
+    b.add_argument("--data", required=True, help="image folder or tar (class folders, or a flat folder of images), label file, Hugging Face dataset or WebDataset shards")
     b.add_argument("--image-size", type=int, default=224)
     b.add_argument("--workers", type=int, default=2)
     b.add_argument("--repeats", type=int, default=3)

@@ -90,8 +90,9 @@ class ModelConfig:
 class DataConfig:
     """Where images come from and how they become batches."""
 
-    # auto: from data.path; labels: a label file; hf: a Hugging Face dataset or Parquet files
-    source: Literal["auto", "digits", "folder", "tar", "packed", "cifar", "labels", "hf"] = "auto"
+    # auto: from data.path; labels: a label file; hf: a Hugging Face dataset or Parquet files;
+    # wds: WebDataset shards (a pattern train-{000000..000127}.tar, a :: list, or a folder of .tar shards)
+    source: Literal["auto", "digits", "folder", "tar", "packed", "cifar", "labels", "hf", "wds"] = "auto"
     # image folder, .tar of one, label file (.csv/.tsv/.jsonl), Hugging Face dataset (save_to_disk folder or
     # Parquet files), packed dataset, or CIFAR python batches
     path: str | None = None
@@ -137,7 +138,10 @@ class DataConfig:
     # (short side, then center crop) on the way in, which gives them the batched path; full = as decoded; or pixels
     cache_resolution: int | Literal["auto", "full"] = "auto"
     access: Literal["random", "stream"] = "random"  # stream: read a tar in order through a shuffle buffer
-    shuffle_buffer: int = 50_000  # images, for access=stream (capped at the dataset size)
+    shuffle_buffer: int = 50_000  # images, for access=stream and shards (per stream; capped at its size)
+    # shards: streams an epoch is cut into, each read in order through its own shuffle buffer; auto = one per rank.
+    # Fixed (a multiple of the rank count), the order is the same on any rank count dividing it
+    shard_streams: int | Literal["auto"] = "auto"
     eval_batch_size: int | None = None  # None = the training micro-batch
     # remote data (s3://, gs://, https://, hf://): a local folder keeping whole shards / files read
     # sequentially, and its size bound (500MB, 20GiB; None = unbounded; least recently used go first)
@@ -169,12 +173,14 @@ class DataConfig:
         _check(0 <= self.progressive_ramp[0] <= self.progressive_ramp[1] <= 1, "data.progressive_ramp",
                self.progressive_ramp, "0 <= start <= end <= 1")
         _check(self.shuffle_buffer >= 1, "data.shuffle_buffer", self.shuffle_buffer, ">= 1")
+        _check(self.shard_streams == "auto" or self.shard_streams >= 1, "data.shard_streams", self.shard_streams,
+               ">= 1 or auto")
         for key in ("color_jitter", "mixup_alpha", "cutmix_alpha"):
             _check(getattr(self, key) >= 0, f"data.{key}", getattr(self, key), ">= 0")
         for key in ("random_erasing", "mix_prob", "mix_switch_prob"):
             _check(0 <= getattr(self, key) <= 1, f"data.{key}", getattr(self, key), "in [0, 1]")
-        _check(self.access == "random" or self.source in ("auto", "tar"), "data.access", self.access,
-               "random unless data.source is a tar")
+        _check(self.access == "random" or self.source in ("auto", "tar", "wds"), "data.access", self.access,
+               "random unless data.source is a tar or shards")
         _check(self.eval_batch_size is None or self.eval_batch_size > 0, "data.eval_batch_size",
                self.eval_batch_size, "> 0")
         _check(len(self.label_separator) > 0, "data.label_separator", self.label_separator, "not empty")

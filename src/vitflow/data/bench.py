@@ -9,7 +9,8 @@ Paths measured (images/s over full passes, same image size, augmentation and wor
   ``ToTensor`` + ``Normalize`` in the workers), on a copy of the images extracted to a temporary
   folder (page cache warm), in a fresh Python process as a user's script;
 - ``vitflow``: vitflow's loader reading the folder or tar in place (no RAM cache), finished by
-  its device pipeline (normalised float32 batches, like the baseline's);
+  its device pipeline (normalised float32 batches, like the baseline's); WebDataset shards are
+  streamed as training streams them (:mod:`vitflow.data.wdsstream`);
 - ``packed``: vitflow's loader on a packed copy (``vitflow prepare``: raw for images <= 64 px,
   else JPEG at ``max_side``);
 - ``folder`` (for a label file or a Hugging Face dataset only): vitflow's loader on the same images
@@ -40,6 +41,7 @@ from vitflow.data.packed import FORMAT, VERSION, open_packed, write_split
 from vitflow.data.pipeline import train_loader
 from vitflow.data.sources import DataError, ImageSource
 from vitflow.data.transforms import resolve_augment
+from vitflow.data.wdsstream import open_shard_stream
 from vitflow.runtime import configure_allocator
 from vitflow.timing import busy_warning
 
@@ -116,7 +118,7 @@ def _baseline(args: str) -> None:
 def vitflow_ips(source: ImageSource, cfg: DataConfig, image_size: int, batch_size: int, passes: int) -> float:
     """vitflow loader + device pipeline (CPU) images/s over ``passes`` epochs."""
     tl = train_loader(source, cfg, image_size, batch_size, seed=0, device=torch.device("cpu"), num_classes=1000)
-    per_epoch = (len(source) // batch_size)
+    per_epoch = tl.batches_per_epoch
     n, t0 = 0, time.perf_counter()
     it = iter(tl)
     for _ in range(passes * per_epoch):
@@ -142,6 +144,7 @@ def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, pa
     configure_allocator()
     source = _open(path)
     table = source_kind(path) in TABLE_KINDS
+    streamed = open_shard_stream(path, "train") if source_kind(path) == "wds" else None  # shards: as training reads
     small = image_size <= 64
     batch_size = batch_size or (256 if small else 64)
     if len(source) < batch_size:
@@ -165,7 +168,7 @@ def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, pa
         decn = decode_limit(source, os.cpu_count() or 1)
         for r in range(repeats):
             results["baseline"].append(baseline_ips(folder, image_size, batch_size, workers, passes, mean, std))
-            results["vitflow"].append(vitflow_ips(source, cfg, image_size, batch_size, passes))
+            results["vitflow"].append(vitflow_ips(streamed or source, cfg, image_size, batch_size, passes))
             results["packed"].append(vitflow_ips(packed, cfg, image_size, batch_size, passes))
             if table:
                 results["folder"].append(vitflow_ips(open_folder_split(folder, "folder", "train"), cfg, image_size,

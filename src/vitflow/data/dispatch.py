@@ -23,6 +23,7 @@ from vitflow.data.remote import is_remote
 from vitflow.data.remote_sources import remote_kind
 from vitflow.data.sources import DataError, ImageSource
 from vitflow.data.splits import Split, parse_split
+from vitflow.data.wdslayout import is_wds, open_wds_split, wds_split_names
 
 TABLE_KINDS = ("labels", "hf")  # kinds whose labels come from a column (and may be multi-label)
 
@@ -36,7 +37,7 @@ def _relabel(src: ImageSource, classes: list[str] | None) -> ImageSource:
 
 def source_kind(path: str | Path | None, source: str = "auto", label: str = "data.path") -> str:
     """The kind of data at ``path``: ``digits``, ``packed``, ``cifar``, ``hf``, ``labels``,
-    ``folder`` or ``tar`` (``source`` when it is not ``auto``, after checking it fits).
+    ``folder``, ``tar`` or ``wds`` (WebDataset shards; ``source`` when it is not ``auto``, after checking it fits).
 
     Raises:
         DataError: ``path`` unset or missing, or not of the kind ``source`` names.
@@ -45,6 +46,8 @@ def source_kind(path: str | Path | None, source: str = "auto", label: str = "dat
         return "digits"
     if path is None:
         raise DataError("data.path is not set: give an image folder, a .tar of one, a label file or a dataset")
+    if source == "wds" or (source == "auto" and is_wds(str(path))):
+        return "wds"  # WebDataset shards: a pattern, list or URL is not a path (see data/wdslayout.py)
     if is_remote(path):  # https://, s3://, ...: see vitflow.data.remote_sources
         return remote_kind(str(path), source, label)
     p = Path(path).expanduser()
@@ -73,6 +76,8 @@ def split_names(path: str | Path | None, source: str = "auto", cfg: DataConfig |
     kind = source_kind(path, source)
     if kind == "digits":
         return ["train"]
+    if kind == "wds":
+        return wds_split_names(str(path))
     p = str(path) if is_remote(path) else Path(path).expanduser()
     if kind == "packed":
         return packed_split_names(p)
@@ -108,8 +113,10 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
             not in ``classes``, or multi-label data that is not a label table.
     """
     cfg = cfg or DataConfig()
-    sp = parse_split(split) if isinstance(split, str) else split
     kind = source_kind(path, source, label)
+    if kind == "wds":  # a split may be a shard pattern, not a split expression
+        return open_wds_split(str(path), split if isinstance(split, str) else split.name, classes, cfg.classes)
+    sp = parse_split(split) if isinstance(split, str) else split
     if cfg.task == "multilabel" and kind not in TABLE_KINDS:
         raise DataError(f"data.task=multilabel needs labels from a label file (.csv, .tsv, .jsonl) or a Hugging Face "
                         f"dataset; {label} is a{'n' if kind[0] in 'aeiou' else ''} {kind} with one class per image")

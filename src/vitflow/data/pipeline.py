@@ -28,11 +28,12 @@ from vitflow.data.balanced import epoch_sampler
 from vitflow.data.cache import CenterCropSource, cache_in_memory, cache_resolution, in_ram, photo_cache_size
 from vitflow.data.decode import CorruptImageError
 from vitflow.data.device import DevicePipeline, Prefetcher
-from vitflow.data.dispatch import open_split, resolve_eval_splits
+from vitflow.data.dispatch import open_split, resolve_eval_splits, source_kind
 from vitflow.data.loader import EpochSampler, make_loader
 from vitflow.data.remote import configure_from as configure_remote
 from vitflow.data.sources import DataError, FileSource, ImageSource
 from vitflow.data.stream import StreamBatches
+from vitflow.data.wdsstream import ShardStream, open_shard_stream, shard_loader
 from vitflow.data.transforms import Preprocess, eval_transform, resolve_augment, train_transform
 from vitflow.runtime import mix_seed
 
@@ -74,7 +75,9 @@ def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
     raise_open_file_limit()
     configure_remote(cfg)  # retries and the local cache of remote data (vitflow.data.remote)
     val_split, test_split = resolve_eval_splits(cfg)
-    train = open_split(cfg.path, cfg.train_split, cfg.source, cfg=cfg)
+    streamed = source_kind(cfg.path, cfg.source) == "wds"  # shards train by streaming (data/wdsstream.py)
+    train = open_shard_stream(str(cfg.path), cfg.train_split, cfg.classes) if streamed else open_split(
+        cfg.path, cfg.train_split, cfg.source, cfg=cfg)
     held_out = {}
     for key, split in (("val_split", val_split), ("test_split", test_split)):
         if split is not None:
@@ -83,7 +86,7 @@ def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
                 raise DataError(f"data.{key}={split!r} selects no images")
     if cfg.max_in_memory > 0:
         crops_resized = resolve_augment(cfg.train_augment, image_size) == "random_resized_crop"
-        if cfg.access == "random":
+        if cfg.access == "random" and not streamed:
             train = _cache(train, cfg, image_size, "train", crops_resized)
         held_out = {k: _cache(v, cfg, image_size, k[:-6], True) for k, v in held_out.items()}
     pp = Preprocess(image_size, cfg.crop_pct, cfg.interpolation, tuple(cfg.mean), tuple(cfg.std))
@@ -140,6 +143,8 @@ def choose_workers(cfg: DataConfig, source: ImageSource, transform, batched: boo
         return int(cfg.num_workers)
     if batched:
         return 0
+    if isinstance(source, ShardStream):  # no random access to probe; photos from shards
+        return min(os.cpu_count() or 1, 8)
     t0, n = time.perf_counter(), min(32, len(source))
     with torch.random.fork_rng(devices=[]):  # the probe's random crops must not move the model's RNG
         for i in range(n):
@@ -220,7 +225,11 @@ def train_loader(source: ImageSource, cfg: DataConfig, image_size: int, batch_si
         cfg.color_jitter, cfg.random_erasing)
     workers = choose_workers(cfg, source, transform, batched)
     aug_seed = seed if world_size == 1 else mix_seed(seed, rank, world_size)
-    if cfg.access == "stream":
+    if isinstance(source, ShardStream):
+        loader, per_epoch = shard_loader(source, transform, batch_size, seed, cfg.shuffle_buffer, start,
+                                         rank, world_size, workers, cfg.prefetch,
+                                         None if cfg.shard_streams == "auto" else int(cfg.shard_streams))
+    elif cfg.access == "stream":
         if not (isinstance(source, FileSource) and source.spans is not None):
             raise DataError("data.access=stream reads a .tar sequentially; data.path is not a tar")
         dataset = StreamBatches(source, transform, batch_size, seed, cfg.shuffle_buffer, start, rank=rank,

@@ -13,9 +13,10 @@ from vitflow.data.decode import CorruptImageError
 from vitflow.data.dispatch import open_split
 from vitflow.data.packed import FORMAT, SPLIT_NAMES, VERSION, is_packed, write_split
 from vitflow.data.sources import DataError, ImageSource
+from vitflow.data.wdsprepare import prepare_shards
 
 
-def _splits_of(src: Path) -> dict[str, ImageSource]:
+def _splits_of(src: str | Path) -> dict[str, ImageSource]:
     if is_cifar_batches(src):
         return {s: cifar_batches_source(src, s) for s in ("train", "test")}
     found: dict[str, ImageSource] = {}
@@ -31,14 +32,15 @@ def _splits_of(src: Path) -> dict[str, ImageSource]:
 
 
 def prepare(src: str | Path, out: str | Path, fmt: str = "auto", max_side: int | None = None, quality: int = 90,
-            workers: int = 1, force: bool = False) -> dict:
+            workers: int = 1, force: bool = False, shard_size: int = 1000) -> dict:
     """Convert an image folder, a tar, a (single-label) label file, a Hugging Face dataset or
     CIFAR-10/100 python batches into a packed dataset.
 
     Args:
         fmt: ``raw`` (uint8 pixels; every image the same size), ``jpeg`` (re-encoded at
             ``quality``, longer side capped at ``max_side``), or ``auto`` (raw when every image of
-            the first 256 is the same size and at most 64 px, else jpeg).
+            the first 256 is the same size and at most 64 px, else jpeg); ``wds``: WebDataset shards of
+            ``shard_size`` samples instead (:mod:`vitflow.data.wdsprepare`; ``force`` does not apply).
         workers: decode/encode processes.
         force: replace an existing packed dataset at ``out``.
     Returns:
@@ -47,6 +49,8 @@ def prepare(src: str | Path, out: str | Path, fmt: str = "auto", max_side: int |
         DataError: ``out`` exists (without ``force``, or not a packed dataset), unreadable source,
         mixed sizes for raw.
     """
+    if fmt == "wds":  # WebDataset shards (data/wdsprepare.py); never replaces a non-empty OUT
+        return prepare_shards(_splits_of(src), out, shard_size, str(src))
     src, out = Path(src), Path(out)
     if out.exists():
         if not force:

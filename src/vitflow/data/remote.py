@@ -256,11 +256,11 @@ def expand_urls(spec: str) -> list[str]:
                 names += sorted(f if SCHEME.match(f) else f"{scheme}://{f}" for f in found)
         missing = [n for n in names if not is_remote(n) and not os.path.isfile(local_path(n))]
         if not names or len(missing) == len(names):
-            raise DataError(f"data.path: pattern {pattern!r} matched no shard")
+            raise DataError(f"data.path: pattern {pattern} matched no shard")
         if missing:
-            raise DataError(f"data.path: pattern {pattern!r}: {len(missing)} of {len(names)} shards missing "
-                            f"(first: {missing[0]})")
+            raise DataError(f"data.path: shard {missing[0]} (from pattern {pattern}) does not exist "
+                            f"({len(missing)} of {len(names)} missing)")
         out += names
     if not out:
-        raise DataError(f"data.path: pattern {spec!r} matched no shard")
+        raise DataError(f"data.path: pattern {spec} matched no shard")
     return out

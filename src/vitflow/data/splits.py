@@ -78,6 +78,8 @@ def check_config(d: DataConfig) -> None:
     for key in ("train_split", "val_split", "test_split"):
         if key != "train_split" and getattr(d, key).lower() in ("auto", "none"):
             continue
+        if ".tar" in getattr(d, key) or "{" in getattr(d, key):
+            continue  # shards: a split given as a shard pattern (data/wdslayout.py)
         try:
             parse_split(getattr(d, key))
         except ValueError as e:

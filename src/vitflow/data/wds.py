@@ -1,0 +1,310 @@
+"""WebDataset shards: URL patterns, the tar-member stream grouped into samples, labels, the
+sample-count index and the class list of a shard set.
+
+A shard is an uncompressed (or gzip-compressed) tar whose members come in groups sharing a
+**key**: the member name up to the first dot of its basename (``a/b/000012.jpg`` and
+``a/b/000012.cls`` are sample ``a/b/000012``), as WebDataset groups them. A sample holds an
+image (``.jpg``, ``.jpeg``, ``.png`` or ``.webp``) and a label: ``.cls`` (an integer class
+index), ``.json`` (``{"label": index or class name}``) or ``.txt`` (a class name), looked up in
+that order.
+
+The shard set's sample counts come from ``shards.json`` beside the shards (the WebDataset
+``wids`` index format, ``{"__kind__": "wids-shard-index-v1", "shardlist": [{"url", "nsamples"}],
+...}``, written by ``vitflow prepare --format wds``); without it one scan of the shards counts
+them (logged). Class names come from ``data.classes``, else ``classes.txt`` (one name a line) or
+``meta.json`` (``{"classes": [...]}``) beside the shards, else the index, else the scan.
+
+Reading goes through :func:`open_stream` and patterns through :func:`expand_urls`: small
+local-only stand-ins for :mod:`vitflow.data.remote` (marked below; the integrator points them at
+it, so local, HTTP and S3 shards take one code path).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tarfile
+from dataclasses import dataclass, field
+from typing import BinaryIO, Iterator
+
+import numpy as np
+
+from vitflow.data.remote import BRACE, is_remote, open_random, open_stream
+from vitflow.data.sources import DataError
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "shards.json"
+INDEX_KIND = "wids-shard-index-v1"
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+LABEL_EXTS = ("cls", "json", "txt")  # in the order a sample's label is looked for
+
+
+def read_range(url: str, offset: int, size: int) -> bytes:
+    """``size`` bytes of the shard ``url`` from ``offset`` (one range request when remote).
+    Raises RemoteError."""
+    return open_random(url).pread(offset, size)
+
+
+def has_pattern(spec: str) -> bool:
+    """True when ``spec`` is a shard pattern or list: braces, ``::`` or a glob naming ``.tar``."""
+    return "::" in spec or bool(BRACE.search(spec)) or (any(c in spec for c in "*?") and ".tar" in spec)
+
+
+def beside(url: str, name: str) -> str:
+    """The URL of file ``name`` in the folder of ``url``."""
+    return url.rsplit("/", 1)[0] + "/" + name if "/" in url else name
+
+
+def read_small(url: str) -> bytes | None:
+    """The bytes of a small optional file (an index, a class list), or ``None`` when absent."""
+    if not is_remote(url) and not os.path.isfile(url.removeprefix("file://")):
+        return None
+    try:
+        with open_stream(url) as f:
+            return f.read()
+    except DataError:
+        return None
+
+
+# ---- members and samples ---------------------------------------------------------------------------------------
+
+def split_key(name: str) -> tuple[str, str]:
+    """``(key, extension)`` of member ``name``: the key is the name up to the first dot of the
+    basename (the folder kept), the extension the rest, lower-cased."""
+    folder, _, base = name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return (folder + "/" + stem if folder else stem), ext.lower()
+
+
+@dataclass
+class Sample:
+    """One key group of a shard: ``members`` maps extension -> bytes (or ``(offset, size)`` in a
+    scan that does not read images); ``error`` says why it is incomplete (truncated shard)."""
+
+    key: str
+    members: dict = field(default_factory=dict)
+    error: str | None = None
+
+    def image_ext(self) -> str | None:
+        return next((e for e in IMAGE_EXTS if e in self.members), None)
+
+
+def iter_samples(url: str, stream: BinaryIO, read_images: bool = True) -> Iterator[Sample]:
+    """The samples of the shard ``url`` in storage order, consecutive members grouped by key.
+
+    Hidden members (a part starting with ``.``), directories and members of no known extension are
+    left out. A shard that ends inside a member yields its last, incomplete sample with
+    ``error`` set and stops (the samples before it are whole); one that is no tar at all (or empty)
+    yields one such sample. With ``read_images=False`` an image
+    member is recorded as ``(data offset, size)`` (seekable streams skip its bytes).
+    """
+    mode = "r:" if not read_images and stream.seekable() else "r|*"
+    current: Sample | None = None
+    try:
+        tf = tarfile.open(fileobj=stream, mode=mode)
+    except (tarfile.TarError, EOFError) as e:  # empty (cut at 0) or not a tar: one bad sample, the rest missing
+        yield Sample("", error=f"not a readable tar shard ({e})")
+        return
+    try:
+        for m in tf:
+            if not m.isfile() or any(p.startswith(".") for p in m.name.split("/")):
+                continue
+            key, ext = split_key(m.name.removeprefix("./"))
+            if ext not in IMAGE_EXTS and ext not in LABEL_EXTS:
+                continue
+            if current is None or key != current.key:
+                if current is not None:
+                    yield current
+                current = Sample(key)
+            if ext in IMAGE_EXTS and not read_images:
+                current.members[ext] = (m.offset_data, m.size)
+            else:
+                f = tf.extractfile(m)
+                current.members[ext] = f.read() if f is not None else b""
+    except (tarfile.TarError, EOFError) as e:  # a read error of the store (RemoteError) propagates
+        current = current or Sample("?")
+        current.error = f"the shard ends inside this sample (truncated?): {e}"
+    finally:
+        tf.close()
+    if current is not None:
+        yield current
+
+
+def parse_label(sample: Sample, classes: list[str] | None) -> int | str:
+    """The class index of ``sample`` (``.cls``, ``.json`` ``{"label": ...}``, or ``.txt``), or
+    the class name when ``classes`` is ``None`` and the label is a name.
+
+    Raises:
+        ValueError: no label member, or one that is not an index < ``len(classes)`` nor one of
+            ``classes`` (the message says which).
+    """
+    ext = next((e for e in LABEL_EXTS if e in sample.members), None)
+    if ext is None:
+        raise ValueError("no label file (.cls, .json or .txt)")
+    raw = sample.members[ext].decode("utf-8", "replace").strip()
+    value: int | str = raw
+    if ext == "json":
+        try:
+            value = json.loads(raw)["label"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f".json label is not {{\"label\": ...}}: {raw[:60]!r}") from None
+    if ext == "cls" or (isinstance(value, str) and ext == "json" and value.strip().lstrip("-").isdigit()):
+        try:
+            value = int(value)
+        except ValueError:
+            raise ValueError(f".cls label {raw[:60]!r} is not an integer") from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if classes is not None and not 0 <= value < len(classes):
+            raise ValueError(f"class index {value} outside 0..{len(classes) - 1}")
+        return value
+    name = str(value).strip()
+    if classes is None:
+        return name
+    try:
+        return classes.index(name)
+    except ValueError:
+        raise ValueError(f"class {name!r} is not in the class list") from None
+
+
+# ---- the index and the class list ------------------------------------------------------------------------------
+
+def write_index(folder: str, counts: dict[str, int], classes: list[str], sizes: dict[str, int] | None = None,
+                name: str | None = None) -> None:
+    """Write ``shards.json`` (wids index format; URLs relative to ``folder``) and ``classes.txt``."""
+    shardlist = [{"url": k, "nsamples": n, **({"filesize": sizes[k]} if sizes else {})} for k, n in counts.items()]
+    index = {"__kind__": INDEX_KIND, "wids_version": 1, "name": name or os.path.basename(folder.rstrip("/")),
+             "shardlist": shardlist, "classes": classes}
+    with open(os.path.join(folder, INDEX_NAME), "w") as f:
+        json.dump(index, f, indent=1)
+    with open(os.path.join(folder, "classes.txt"), "w") as f:
+        f.write("".join(c + "\n" for c in classes))
+
+
+def read_index(url: str) -> tuple[dict[str, int], list[str] | None]:
+    """``({shard basename: samples}, classes or None)`` from the ``shards.json`` beside ``url``
+    (empty when there is none).
+
+    Raises:
+        DataError: an index that is not valid JSON of the wids format (names the file).
+    """
+    where = beside(url, INDEX_NAME)
+    data = read_small(where)
+    if data is None:
+        return {}, None
+    try:
+        index = json.loads(data)
+        counts = {os.path.basename(s["url"]): int(s["nsamples"]) for s in index["shardlist"]}
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{where}: not a shard index ({{\"shardlist\": [{{\"url\", \"nsamples\"}}]}}): {e}") from None
+    return counts, index.get("classes")
+
+
+def read_classes(url: str, classes_file: str | None) -> list[str] | None:
+    """The class names from ``data.classes``, else ``classes.txt`` or ``meta.json`` beside ``url``."""
+    if classes_file:
+        data = read_small(os.path.expanduser(classes_file))
+        if data is None:
+            raise DataError(f"data.classes: {classes_file} does not exist")
+        return [line.strip() for line in data.decode().splitlines() if line.strip()]
+    data = read_small(beside(url, "classes.txt"))
+    if data is not None:
+        return [line.strip() for line in data.decode().splitlines() if line.strip()]
+    data = read_small(beside(url, "meta.json"))
+    if data is not None:
+        try:
+            return list(json.loads(data)["classes"])
+        except (ValueError, KeyError, TypeError):
+            return None
+    return None
+
+
+def scan_counts(urls: list[str]) -> tuple[np.ndarray, set]:
+    """One pass over ``urls`` (labels read, images skipped): the samples of each shard (every key
+    group, complete or not, as the streaming reader counts them) and the label values seen
+    (class names and indices)."""
+    counts, seen = [], set()
+    for url in urls:
+        n = 0
+        with open_stream(url) as f:
+            for s in iter_samples(url, f, read_images=False):
+                n += 1
+                try:
+                    seen.add(parse_label(s, None))
+                except ValueError:
+                    pass
+        counts.append(n)
+    return np.asarray(counts, dtype=np.int64), seen
+
+
+def classes_from_labels(seen: set, where: str) -> list[str]:
+    """The class list of a shard set without one: the names seen, sorted, or ``0 .. max`` index.
+
+    Raises:
+        DataError: labels that are indices in some samples and names in others.
+    """
+    ints = {v for v in seen if isinstance(v, int)}
+    names = sorted(v for v in seen if isinstance(v, str))
+    if ints and names:
+        raise DataError(f"{where}: the labels are both class indices (.cls) and class names; put classes.txt "
+                        "beside the shards or set data.classes")
+    return names or [str(i) for i in range(max(ints) + 1 if ints else 0)]
+
+
+@dataclass
+class ShardSet:
+    """A split's shards: ``urls``, their sample ``counts`` (``int64 (n_shards,)``) and ``classes``."""
+
+    urls: list[str]
+    counts: np.ndarray
+    classes: list[str]
+
+    @property
+    def total(self) -> int:
+        return int(self.counts.sum())
+
+
+def shard_set(urls: list[str], classes_file: str | None = None, classes: list[str] | None = None) -> ShardSet:
+    """The counts and class list of ``urls`` (index beside them, or one logged scan).
+
+    Raises:
+        DataError: no class list anywhere and no labels found by the scan.
+    """
+    counts: dict[str, int] = {}
+    index_classes = None
+    for first in {beside(u, ""): u for u in reversed(urls)}.values():  # one shard of each folder
+        c, k = read_index(first)
+        counts.update(c)
+        index_classes = index_classes or k
+    classes = classes or read_classes(urls[0], classes_file) or index_classes
+    missing = [u for u in urls if os.path.basename(u) not in counts]
+    scanned: set = set()
+    if missing or classes is None:
+        todo = missing if classes is not None else urls
+        log.info("scanning %d shard(s) for their sample counts%s (write %s with vitflow prepare --format wds to "
+                 "skip this)", len(todo), "" if classes is not None else " and class names", INDEX_NAME)
+        n, scanned = scan_counts(todo)
+        counts.update({os.path.basename(u): int(k) for u, k in zip(todo, n)})
+    classes = classes or classes_from_labels(scanned, urls[0])
+    if not classes:
+        raise DataError(f"{urls[0]}: no class list: put classes.txt beside the shards or set data.classes")
+    return ShardSet(urls, np.asarray([counts[os.path.basename(u)] for u in urls], dtype=np.int64), list(classes))
+
+
+def looks_like_shard(path: str, members: int = 16) -> bool:
+    """True when the first ``members`` members of the tar at ``path`` group by key into an image
+    and a label (``.cls``/``.json``/``.txt``): WebDataset members, not a tar of class folders."""
+    try:
+        with open_stream(path) as f, tarfile.open(fileobj=f, mode="r|*") as tf:
+            groups: dict[str, set[str]] = {}
+            for i, m in enumerate(tf):
+                if i == members:
+                    break
+                if m.isfile():
+                    key, ext = split_key(m.name)
+                    groups.setdefault(key, set()).add(ext)
+    except (tarfile.TarError, OSError, EOFError):
+        return False
+    return any(exts & set(IMAGE_EXTS) and exts & set(LABEL_EXTS) for exts in groups.values())
+

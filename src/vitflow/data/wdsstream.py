@@ -1,0 +1,312 @@
+"""Training from WebDataset shards: each epoch is cut into streams read sequentially, once,
+through a shuffle buffer each; a rank reads its streams in a background thread and its loader
+workers decode and augment whole batches.
+
+The epoch order is a function of ``(seed, epoch, S, global batch)`` only, never of the number of
+loader workers, nor (for any rank count ``R`` dividing ``S``) of the number of ranks:
+
+1. **Shards**: permuted from ``(seed, epoch)``; their samples (counts from the index) laid end to
+   end make the epoch's ``N`` samples.
+2. **Streams**: cut into ``S = data.shard_streams`` (``auto``: one per rank) equal contiguous
+   parts of ``N // S`` samples (a shard on a boundary is read in part by both streams; the
+   ``N mod S`` samples at the end are left out of the epoch).
+3. **Shuffle buffer**: each stream passes through a buffer of ``data.shuffle_buffer`` samples
+   seeded from ``(seed, epoch, stream)`` (``tf.data`` semantics, see
+   :func:`~vitflow.data.stream.shuffle_buffer`); its emitted order is cut into chunks of
+   ``c = global batch / S`` samples and the tail that does not fill a chunk is dropped. In all,
+   fewer than ``S (c + 1)`` samples an epoch are left out, a different set each epoch.
+4. **Ranks**: rank ``r`` reads streams ``r S / R .. (r + 1) S / R - 1``; its batch ``b`` is chunk
+   ``b`` of each, so every rank has ``(N // S) // c`` batches and the ranks' batches ``b``
+   together are the same global batch whatever ``R``: a one-process run with the same
+   ``data.shard_streams`` and global batch sees what ``R`` ranks see, and a resume on another
+   rank count (dividing ``S``) continues the same order.
+5. **Workers**: a background thread of the rank's main process reads its streams (through
+   :func:`~vitflow.data.wds.open_stream`) and hands each batch's encoded images to the
+   DataLoader, whose workers decode and augment them (randomness seeded from
+   ``(seed, epoch, batch, stream)``: a sample draws the same crop and flip on any rank count);
+   each shard is read once per epoch (twice when on a boundary).
+
+The reading order is computed from indices first (as :mod:`vitflow.data.stream` does); bytes are
+held only until their chunk is complete (memory ~ ``shuffle_buffer`` x the mean sample size per
+stream). Resuming at ``(epoch, batch)`` skips the shards that hold only consumed samples without
+opening them. Samples that cannot be used (no label, no image, cut by a truncated shard, or
+missing: the shard holds fewer samples than its index says) go into their batch's ``bad`` list
+with their shard and key, and are counted in the skipped-images report like unreadable images.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from vitflow.data.decode import CorruptImageError
+from vitflow.data.loader import stack_images
+from vitflow.data.sources import DataError, ImageSource
+from vitflow.data.splits import parse_split
+from vitflow.data.stream import shuffle_buffer
+from vitflow.data.transforms import Transform, transform_encoded
+from vitflow.data.remote import open_stream
+from vitflow.data.wds import ShardSet, iter_samples, parse_label, shard_set
+from vitflow.data.wdslayout import is_shard_pattern, split_urls
+from vitflow.runtime import mix_seed
+
+log = logging.getLogger(__name__)
+Item = tuple  # (name, encoded bytes or None, label, error or None)
+
+
+class ShardStream(ImageSource):
+    """The training split of a shard set, read only by streaming (:class:`ShardBatches`).
+
+    ``labels`` are ``-1`` (unknown until read); ``len`` is the samples the index counts.
+    """
+
+    streamed = True
+
+    def __init__(self, shards: ShardSet):
+        self.shards, self.classes = shards, shards.classes
+        self.labels = np.full(shards.total, -1, dtype=np.int64)
+
+    def name(self, i: int) -> str:
+        return f"{self.shards.urls[0]}...[{i}]"
+
+    def load(self, i: int) -> torch.Tensor:
+        raise DataError("training shards are read by streaming, not by index")
+
+    def subset(self, idx: np.ndarray) -> "ImageSource":
+        raise DataError("training shards cannot be sliced; give the split as its own shards")
+
+
+def open_shard_stream(path: str, split: str, classes_file: str | None = None) -> ShardStream:
+    """The training split ``split`` (a name or a shard pattern) of the shard set ``path``.
+
+    Raises:
+        DataError: a sliced split expression (``train[:90%]``: make the held-out shards their own
+            split), or see :func:`~vitflow.data.wdslayout.split_urls`.
+    """
+    if not is_shard_pattern(split):
+        sp = parse_split(split)
+        if sp.sliced:
+            raise DataError(f"data.train_split={split!r}: training shards are streamed and cannot be sliced; write "
+                            "the held-out part as shards of its own (a val split)")
+        split = sp.name
+    shards = shard_set(split_urls(path, split), classes_file)
+    log.info("%s: %d shard(s), %d samples, %d classes", split, len(shards.urls), shards.total, len(shards.classes))
+    return ShardStream(shards)
+
+
+@dataclass
+class ShardBatch:
+    """Batch ``index`` of ``epoch``: its samples' ``items`` ``(name, bytes, label, error)``, in
+    batch order, as read by the rank's main process (pickled to a loader worker)."""
+
+    epoch: int
+    index: int
+    items: list
+    streams: list = field(default_factory=lambda: [0])  # the streams whose chunks make ``items``, in order
+
+
+def stream_segments(counts: np.ndarray, seed: int, epoch: int, stream: int, streams: int) -> list[tuple[int, int, int]]:
+    """``(shard, first sample, stop)`` runs making stream ``stream``'s part of ``epoch``'s samples
+    (steps 1-2 of the module docstring), in reading order."""
+    order = np.random.default_rng([seed, epoch, 0x5A4D]).permutation(len(counts))
+    per_stream = int(counts.sum()) // streams
+    lo, hi = stream * per_stream, (stream + 1) * per_stream
+    segments, pos = [], 0
+    for s in order:
+        n = int(counts[s])
+        a, b = max(lo, pos), min(hi, pos + n)
+        if a < b:
+            segments.append((int(s), a - pos, b - pos))
+        pos += n
+    return segments
+
+
+class ShardBatches:
+    """The batches of one rank, endless (or ``epochs`` long) from ``start = (epoch, batch)``;
+    iterated as a DataLoader sampler (a background thread reads ahead ``ahead`` batches).
+
+    Args:
+        batch_size: images per batch of this rank.
+        streams: the streams an epoch is cut into (default: one per rank); rank ``r`` reads
+            streams ``r S / R .. (r + 1) S / R - 1`` and its batch ``b`` is chunk ``b`` of each.
+    Raises:
+        DataError: ``streams`` not a multiple of ``world_size`` or not dividing the global batch;
+            fewer samples than one batch.
+    """
+
+    def __init__(self, shards: ShardSet, batch_size: int, seed: int = 0, buffer_size: int = 50_000,
+                 start: tuple[int, int] = (0, 0), rank: int = 0, world_size: int = 1, epochs: int | None = None,
+                 ahead: int = 4, streams: int | None = None):
+        streams = streams or world_size
+        if streams % world_size or (batch_size * world_size) % streams:
+            raise DataError(f"data.shard_streams={streams} must be a multiple of the {world_size} rank(s) and divide "
+                            f"the global batch of {batch_size * world_size} images")
+        self.shards, self.batch_size, self.seed, self.streams = shards, batch_size, seed, streams
+        self.mine = range(rank * streams // world_size, (rank + 1) * streams // world_size)
+        self.chunk = batch_size * world_size // streams
+        self.per_stream = shards.total // streams
+        self.buffer_size = max(1, min(buffer_size, self.per_stream))
+        self.start, self.epochs, self.ahead = start, epochs, ahead
+        self.batches_per_epoch = self.per_stream // self.chunk
+        if self.batches_per_epoch == 0:
+            raise DataError(f"{shards.urls[0]}: {shards.total} samples cannot fill one batch of {batch_size} x "
+                            f"{world_size} rank(s); lower train.batch_size")
+        self._warned: set[str] = set()
+
+    def slots(self, epoch: int, stream: int, first: int = 0) -> np.ndarray:
+        """For each position of ``stream``'s part, its place in the stream's emitted order
+        (chunk ``k`` is places ``k c .. (k + 1) c - 1``); ``-1``: dropped, or in a chunk before ``first``."""
+        rng = np.random.default_rng([self.seed, epoch, stream, 0x5EED])
+        emitted = np.fromiter(shuffle_buffer(iter(range(self.per_stream)), self.buffer_size, rng), dtype=np.int64,
+                              count=self.per_stream)
+        where = np.full(self.per_stream, -1, dtype=np.int64)
+        keep = emitted[first * self.chunk:self.batches_per_epoch * self.chunk]
+        where[keep] = np.arange(first * self.chunk, first * self.chunk + len(keep))
+        return where
+
+    def chunks(self, epoch: int, stream: int, first: int = 0) -> Iterator[list]:
+        """Chunks ``first, first + 1, ...`` of ``stream`` in ``epoch`` (lists of items), read in order."""
+        where, c = self.slots(epoch, stream, first), self.chunk
+        pending: dict[int, list] = {}
+        filled: dict[int, int] = {}
+        nxt, pos = first, 0
+        for shard, a, b in stream_segments(self.shards.counts, self.seed, epoch, stream, self.streams):
+            slots = where[pos:pos + b - a]
+            pos += b - a
+            if not (slots >= 0).any():
+                continue  # holds only consumed or dropped samples: not opened
+            for j, item in self._read(shard, a, b):
+                slot = int(slots[j - a])
+                if slot < 0:
+                    continue
+                pending.setdefault(slot // c, [None] * c)[slot % c] = item
+                filled[slot // c] = filled.get(slot // c, 0) + 1
+                while filled.get(nxt) == c:
+                    del filled[nxt]
+                    yield pending.pop(nxt)
+                    nxt += 1
+
+    def epoch(self, epoch: int, first: int = 0) -> Iterator[ShardBatch]:
+        """This rank's batches ``first, first + 1, ...`` of ``epoch``: chunk ``b`` of each of its streams."""
+        streams = [self.chunks(epoch, s, first) for s in self.mine]
+        for b in range(first, self.batches_per_epoch):
+            yield ShardBatch(epoch, b, [item for chunks in streams for item in next(chunks)], list(self.mine))
+
+    def _read(self, shard: int, a: int, b: int) -> Iterator[tuple[int, Item]]:
+        """``(sample index, item)`` for samples ``a .. b - 1`` of ``shard``; every index is given,
+        those the shard lacks as an error item."""
+        url, classes, j = self.shards.urls[shard], self.shards.classes, 0
+        with open_stream(url) as f:
+            for s in iter_samples(url, f):
+                if j >= b:
+                    break
+                if j >= a:
+                    yield j, self._item(url, s, classes)
+                j += 1
+        if j < b:
+            if url not in self._warned:
+                self._warned.add(url)
+                log.warning("%s holds %d samples, the index says %d (truncated?)", url, j,
+                            int(self.shards.counts[shard]))
+            for k in range(max(j, a), b):
+                yield k, (f"{url}:#{k}", None, -1, f"missing: the shard ends after {j} of "
+                          f"{int(self.shards.counts[shard])} samples (truncated?)")
+
+    @staticmethod
+    def _item(url: str, s, classes: list[str]) -> Item:
+        name = f"{url}:{s.key}"
+        if s.error is not None:
+            return name, None, -1, s.error
+        ext = s.image_ext()
+        if ext is None:
+            return name, None, -1, "no image member (.jpg, .jpeg, .png or .webp)"
+        try:
+            return name, s.members[ext], parse_label(s, classes), None
+        except ValueError as e:
+            return name, None, -1, str(e)
+
+    @staticmethod
+    def _put(out: queue.Queue, item, stop: threading.Event) -> bool:
+        """Put ``item`` unless the consumer has gone (``stop``); False then."""
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def _produce(self, out: queue.Queue, stop: threading.Event) -> None:
+        try:
+            epoch, first = self.start
+            while self.epochs is None or epoch < self.epochs:
+                for batch in self.epoch(epoch, first):
+                    if not self._put(out, batch, stop):
+                        return
+                epoch, first = epoch + 1, 0
+            self._put(out, None, stop)
+        except BaseException as e:  # handed to the consumer, which raises it
+            self._put(out, e, stop)
+
+    def __iter__(self) -> Iterator[ShardBatch]:
+        q: queue.Queue = queue.Queue(maxsize=self.ahead)
+        stop = threading.Event()
+        thread = threading.Thread(target=self._produce, args=(q, stop), daemon=True, name="vitflow-shards")
+        thread.start()
+        try:
+            while (item := q.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+
+
+class ShardDecode(torch.utils.data.Dataset):
+    """Decodes and augments a :class:`ShardBatch` into the batch dict of
+    :class:`~vitflow.data.loader.BatchDataset` (``images`` uint8 ``(B, 3, S, S)``, ``labels`` int64
+    ``(B,)``, ``epoch``, ``index``, ``bad``). The randomness of each stream's chunk is seeded from
+    ``(seed, epoch, index, stream)``: a sample draws the same augmentation whatever the rank count."""
+
+    def __init__(self, transform: Transform, seed: int):
+        self.transform, self.seed = transform, seed
+
+    def __getitem__(self, batch: ShardBatch) -> dict:
+        images, labels, bad = [], [], []
+        chunk = len(batch.items) // len(batch.streams)
+        with torch.random.fork_rng(devices=[]):
+            for k, (name, data, label, error) in enumerate(batch.items):
+                if k % chunk == 0:
+                    torch.manual_seed(mix_seed(self.seed, batch.epoch, batch.index, batch.streams[k // chunk]))
+                try:
+                    if error is not None:
+                        raise CorruptImageError(name, error)
+                    images.append(transform_encoded(self.transform, data, name))
+                    labels.append(label)
+                except CorruptImageError as e:
+                    bad.append((e.path, e.reason))
+        return {"images": stack_images(images), "labels": torch.tensor(labels, dtype=torch.int64),
+                "epoch": batch.epoch, "index": batch.index, "bad": bad}
+
+
+def _identity(batch: dict) -> dict:
+    return batch
+
+
+def shard_loader(source: ShardStream, transform: Transform, batch_size: int, seed: int,
+                 buffer_size: int, start: tuple[int, int], rank: int, world_size: int, workers: int,
+                 prefetch: int, streams: int | None = None) -> tuple[torch.utils.data.DataLoader, int]:
+    """``(DataLoader of this rank's training batches, batches per epoch)`` for :func:`train_loader`."""
+    sampler = ShardBatches(source.shards, batch_size, seed, buffer_size, start, rank, world_size,
+                           ahead=max(2, prefetch * max(workers, 1)), streams=streams)
+    kwargs = dict(prefetch_factor=prefetch, persistent_workers=True) if workers else {}
+    loader = torch.utils.data.DataLoader(ShardDecode(transform, seed), batch_size=None, sampler=sampler,
+                                         num_workers=workers, collate_fn=_identity, generator=torch.Generator(),
+                                         **kwargs)
+    return loader, sampler.batches_per_epoch
