@@ -158,7 +158,7 @@ def test_expand_urls_braces_lists_globs_and_s3_listing(tmp_path, s3_server):
     assert expand_urls("https://h/s-{8..10}.tar") == ["https://h/s-8.tar", "https://h/s-9.tar", "https://h/s-10.tar"]
     with pytest.raises(DataError, match=r"^data.path: pattern .*/val-\{0..3\}.tar matched no shard$"):
         expand_urls(f"{tmp_path}/val-{{0..3}}.tar")
-    with pytest.raises(DataError, match="2 of 4 shards missing"):
+    with pytest.raises(DataError, match="2 of 4 missing"):
         expand_urls(f"{tmp_path}/train-{{0001..0004}}.tar")
     for p in tmp_path.glob("train-*.tar"):
         s3_upload(*s3_server, p, "shards")
