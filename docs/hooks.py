@@ -64,7 +64,7 @@ def config_reference() -> str:
 
     lines = ["# Configuration reference", "",
              "Every key of a run's configuration, generated from the dataclasses in "
-             "`vitflow/config/schema.py` when the documentation is built. Set a key on the command line "
+             "`vitflow/config/schema.py` (the `data` section: `data_schema.py`) when the documentation is built. Set a key on the command line "
              "(`vitflow train train.batch_size=64`), in a `--config` YAML file (the same sections) or in a "
              "preset. `null` means unset; the type column is what the value is coerced to.", ""]
     root = Config()

@@ -12,18 +12,14 @@ import sys
 
 from vitflow.config import build_config, list_presets, preset_tree, to_yaml
 from vitflow.data import check_config as check_data_config
+from vitflow.cli.deploy import cmd_export, cmd_prune, cmd_quantize
 from vitflow.cli.outputs import chosen, live_report_hook, train_epilogue
+from vitflow.cli.outputs import print_json as _print_json
 from vitflow.data.readers import display_name
 from vitflow.models import check_config as check_model_config
 
 # the layers' config checks, run by every command that builds a config
 CONFIG_CHECKS = {"model": check_model_config, "data": check_data_config}
-
-
-def _print_json(args: argparse.Namespace, obj) -> None:
-    """The ``--json`` result line, on the real stdout (:func:`main` sends every other line of a
-    ``--json`` command to stderr, so that ``vitflow eval RUN --json | jq`` works)."""
-    print(json.dumps(obj), file=getattr(args, "json_stdout", None) or sys.stdout)
 
 
 def _default_preset(args: argparse.Namespace) -> str | None:
@@ -237,83 +233,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         print(f"{name}: {info['count']} images ({info['kind']}), {info['skipped']} skipped")
     what = "WebDataset shards" if args.format == "wds" else "packed dataset"
     print(f"{what}: {args.out}  (train with data.path={args.out})")
-    return 0
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    import torch
-
-    from vitflow.infer.export import export_checkpoint
-
-    if args.format == "hub" and args.tta:
-        raise ValueError("--tta goes with --format onnx (a hub folder holds the plain model)")
-    args.checkpoint = chosen(args)
-    if args.format == "hub":
-        return _export_hub(args)
-    target = args.target or ("gpu" if torch.cuda.is_available() else "cpu")
-    r = export_checkpoint(args.checkpoint, args.output, args.format, args.optimize, target, args.opset,
-                          args.verify_data, args.tolerance, fp16=not args.fp32, tta=args.tta)
-    print(f"exported {r['format']} to {r['path']} ({r['bytes'] / 2**20:.1f} MiB, {r['export_s']:.1f} s)")
-    if r["fused"]:
-        print(f"fused ({target}): " + ", ".join(f"{k} {v}" for k, v in r["fused"].items()))
-    print(f"verified on {r['images']} real images{' with TTA ' + args.tta if args.tta else ''}: {r['summary']}")
-    if args.json:
-        _print_json(args, {k: v for k, v in r.items() if k != "summary"})
-    return 0 if r["ok"] else 1
-
-
-def _export_hub(args: argparse.Namespace) -> int:
-    """``vitflow export RUN --format hub -o DIR``: a hub-style folder timm and vitflow load."""
-    from vitflow.infer.hub_folder import save_hub_folder
-
-    r = save_hub_folder(args.checkpoint, args.output)
-    print(f"wrote {r['path']}: {', '.join(r['files'])} ({r['bytes'] / 2**20:.1f} MiB, timm architecture "
-          f"{r['architecture']}); read back: max |logit diff| {r['max_abs_diff']:.1e}")
-    print(f"load it: timm.create_model(\"local-dir:{r['path']}\", pretrained=True)")
-    if args.json:
-        _print_json(args, r)
-    return 0
-
-
-def cmd_quantize(args: argparse.Namespace) -> int:
-    from vitflow.infer.quantize import AccuracyDropError, quantize_file
-
-    if args.split and not args.data:
-        raise ValueError("--split selects images of --data: give --data PATH too (no top-1 is measured without it)")
-    try:
-        r = quantize_file(args.model, args.output, args.backend, args.dtype, args.data, args.split or "test",
-                          args.max_drop, args.force, per_channel=not args.per_tensor)
-    except AccuracyDropError as e:
-        print(f"refused: {e}", file=sys.stderr)
-        return 1
-    for figure, name in (("top1", "top-1"), ("map", "mAP")):
-        if f"{figure}_before" in r:
-            print(f"{name} on {r['images']} images: {r[f'{figure}_before']:.2%} -> {r[f'{figure}_after']:.2%} "
-                  f"(drop {r['drop_points']:.2f} points, allowed {args.max_drop:g})")
-    ops = ", ".join(f"{k} {v}" for k, v in r.get("ops", {}).items())
-    print(f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB{'; ' + ops if ops else ''})")
-    if args.json:
-        _print_json(args, r)
-    return 0
-
-
-def cmd_prune(args: argparse.Namespace) -> int:
-    from vitflow.infer.prune import prune_checkpoint
-    from vitflow.train.distill import distill_finetune
-
-    r = prune_checkpoint(args.checkpoint, args.output, args.heads, args.mlp, args.data, args.calib_images,
-                         args.finetune_steps, args.batch_size, args.lr, args.alpha, args.temperature,
-                         not args.no_eval, args.eval_split, finetune=distill_finetune)
-    print(f"heads {r['heads_before']} -> {r['heads_after']}, parameters {r['params_before'] / 1e6:.2f} M -> "
-          f"{r['params_after'] / 1e6:.2f} M")
-    if "top1_before" in r:
-        after = f", after fine-tune {r['top1_after']:.2%}" if "top1_after" in r else ""
-        print(f"top-1 {r['top1_before']:.2%} unpruned, {r['top1_pruned']:.2%} pruned{after}")
-    print(f"speed (fp32 eager, same process): batch-32 throughput x{r['speedup_throughput']:.2f}, "
-          f"batch-1 latency x{r['speedup_latency']:.2f} faster")
-    print(f"wrote {r['path']}")
-    if args.json:
-        _print_json(args, r)
     return 0
 
 

@@ -1,11 +1,19 @@
-"""Pieces of the commands' input and output for checkpoint selection and the live report:
+"""Pieces of the commands' input and output: the ``--json`` result line, checkpoint selection and the live report:
 ``--checkpoint best|last|PATH``, the training epilogue (early stopping, the best checkpoint, the
 final report) and the live-report hook training calls after each evaluation."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from typing import Callable
+
+
+def print_json(args: argparse.Namespace, obj) -> None:
+    """The ``--json`` result line, on the real stdout (:func:`main` sends every other line of a
+    ``--json`` command to stderr, so that ``vitflow eval RUN --json | jq`` works)."""
+    print(json.dumps(obj), file=getattr(args, "json_stdout", None) or sys.stdout)
 
 
 def chosen(args: argparse.Namespace) -> str:

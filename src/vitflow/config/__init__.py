@@ -12,13 +12,11 @@ from vitflow.config.build import (
                                   set_key,
                                   to_yaml,
 )
+from vitflow.config.checks import ConfigError
+from vitflow.config.data_schema import IMAGENET_MEAN, IMAGENET_STD, DataConfig
 from vitflow.config.schema import (
                                   DEFAULT_PRESET,
-                                  IMAGENET_MEAN,
-                                  IMAGENET_STD,
                                   Config,
-                                  ConfigError,
-                                  DataConfig,
                                   DistillConfig,
                                   FinetuneConfig,
                                   ModelConfig,
