@@ -81,8 +81,12 @@ class DistEnv:
 
 def init_distributed(device: str = "auto") -> DistEnv:
     """Join the job torchrun started, from its environment (``RANK``, ``WORLD_SIZE``,
-    ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``): NCCL when this rank uses CUDA, else gloo.
-    Without ``WORLD_SIZE > 1``: a single-process :class:`DistEnv`, no process group."""
+    ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; in a task srun started without torchrun,
+    from Slurm's: :func:`vitflow.train.elastic.slurm_env`): NCCL when this rank uses CUDA, else
+    gloo. Without ``WORLD_SIZE > 1``: a single-process :class:`DistEnv`, no process group."""
+    from vitflow.train.elastic import adopt_slurm_env
+
+    adopt_slurm_env()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistEnv()

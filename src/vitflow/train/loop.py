@@ -44,12 +44,14 @@ from vitflow.runtime import (
 from vitflow.train.budget import ProgressiveResizing, TimeBudget
 from vitflow.train.distill import build_criterion
 from vitflow.train.distributed import DistEnv, Parallel, init_distributed, micro_batch, rank_device, shutdown
+from vitflow.train.elastic import apply_launch
 from vitflow.train.ema import ModelEMA
 from vitflow.train.evaluator import RunEvaluator, summary_figures
 from vitflow.train.finetune import FineTuning
-from vitflow.train.guards import NonFiniteGuard, StopSignals
+from vitflow.train.guards import NonFiniteGuard
 from vitflow.train.logging import EpochTracker, Meter, MetricsLog, StallHint, memory_mb
 from vitflow.train.optim import build_optimizer
+from vitflow.train.preempt import Preemption, after_checkpoint
 from vitflow.train.resume import locate_run, restore_model, restore_training
 from vitflow.train.run_dir import open_run_dir
 from vitflow.train.schedules import build_scheduler, schedule_of, warn_long_warmup
@@ -80,6 +82,7 @@ class Trainer:
         self.dist = init_distributed(t.device)
         self.device = rank_device(resolve_device(t.device), self.dist)
         self.precision = _run_precision(t.precision, self.device, self.dist)
+        apply_launch(cfg, lambda flag: self.dist.any(flag, self.device))  # restarts: a stable run_dir, resumed
         self.state, self.run_dir, start_over = locate_run(cfg, self.dist)
         image_size = cfg.model.img_size or model_kwargs(cfg.model.name)["img_size"]
         self.data = open_datasets(cfg.data, image_size)
@@ -102,7 +105,7 @@ class Trainer:
         self.resizing = ProgressiveResizing(cfg.data.progressive_min_size, image_size, cfg.data.progressive_ramp,
                                             self.model.patch_size, self.model.num_prefix_tokens)
         self.last_eval: dict[str, Any] | None = None
-        self.meter, self.stop = Meter(), StopSignals()
+        self.meter, self.stop = Meter(), Preemption()
         self.stall_hint = StallHint(self.loader.describe())
         self._seed_ranks()  # last, so nothing in set-up consumes the model's random stream (dropout, drop-path)
 
@@ -330,6 +333,7 @@ class Trainer:
         self.metrics.write("interrupted", **summary)
         log.warning("%s: checkpoint %s written at step %d; continue with: vitflow resume %s", self.stop.name, path,
                     self.step, self.run_dir)
+        after_checkpoint(self.stop.name, self.dist.is_main)  # SIGUSR1 under Slurm: requeue the job
         return summary
 
     def save(self, records: dict[str, int] | None = None) -> Path | None:
