@@ -52,11 +52,12 @@ class Preemption(StopSignals):
         self.launched = launched(os.environ if environ is None else environ)
 
     def _handle(self, signum, frame) -> None:
-        if self.signum is not None:  # a repeat that is still caught: a launcher's copy, or SIGUSR1
+        if self.signum is not None:  # a repeat: a launcher's copy, or a user insisting
+            if not self.launched and signum != signal.SIGUSR1:
+                signal.signal(signum, self._previous[signum])
+                signal.raise_signal(signum)  # acts as usual: SIGINT raises KeyboardInterrupt, SIGTERM kills
             return
         self.signum = signum
-        if not self.launched and signum != signal.SIGUSR1:
-            signal.signal(signum, self._previous[signum])  # a second one is not caught
         log.warning("received %s: writing a checkpoint after this step on every rank, then exiting%s",
                     signal.Signals(signum).name, "" if self.launched else " (send it again to stop immediately)")
 
