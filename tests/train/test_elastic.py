@@ -51,7 +51,9 @@ def _agents(run_dir: Path, *torchrun_args: str) -> list[subprocess.Popen]:
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test{port}",
            "--local-addr", "127.0.0.1", "--monitor-interval", "0.05", *torchrun_args, "-m", "vitflow", "train",
            f"train.run_dir={run_dir}", *COMMON]
-    env = {**ENV, "OMP_NUM_THREADS": "1"}
+    # each rendezvous round gets a fresh worker store: torchrun's shared one keeps the previous round's
+    # keys, and a restarted rank can read its peer's stale address (gloo: connection refused)
+    env = {**ENV, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     return [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for _ in range(2)]
 
