@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vitflow.train.elastic import adopt_slurm_env
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -84,8 +86,6 @@ def init_distributed(device: str = "auto") -> DistEnv:
     ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; in a task srun started without torchrun,
     from Slurm's: :func:`vitflow.train.elastic.slurm_env`): NCCL when this rank uses CUDA, else
     gloo. Without ``WORLD_SIZE > 1``: a single-process :class:`DistEnv`, no process group."""
-    from vitflow.train.elastic import adopt_slurm_env
-
     adopt_slurm_env()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
