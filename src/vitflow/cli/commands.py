@@ -8,6 +8,7 @@ import csv
 import json
 import logging
 import os
+import signal
 import sys
 
 from vitflow.config import build_config, list_presets, preset_tree, to_yaml
@@ -75,7 +76,7 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"continue with: vitflow resume {r['run_dir']}")
         if args.json:
             _print_json(args, r)
-        return 128 + {"SIGTERM": 15, "SIGINT": 2}[r["interrupted"]]
+        return 128 + int(signal.Signals[r["interrupted"]])  # SIGTERM 143, SIGINT 130, SIGUSR1 138
     by_split = split_results(r)
     for role, result in by_split.items():
         print(f"{role} {headline(result)}")

@@ -26,6 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vitflow.runtime import Precision, resolve_precision
+from vitflow.train.elastic import adopt_slurm_env
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -81,8 +84,10 @@ class DistEnv:
 
 def init_distributed(device: str = "auto") -> DistEnv:
     """Join the job torchrun started, from its environment (``RANK``, ``WORLD_SIZE``,
-    ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``): NCCL when this rank uses CUDA, else gloo.
-    Without ``WORLD_SIZE > 1``: a single-process :class:`DistEnv`, no process group."""
+    ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; in a task srun started without torchrun,
+    from Slurm's: :func:`vitflow.train.elastic.slurm_env`): NCCL when this rank uses CUDA, else
+    gloo. Without ``WORLD_SIZE > 1``: a single-process :class:`DistEnv`, no process group."""
+    adopt_slurm_env()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistEnv()
@@ -211,3 +216,11 @@ def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
     (``--standalone``: a local rendezvous on a free port) of ``python -m vitflow <argv>``."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             "-m", "vitflow", *argv]
+
+
+def run_precision(name: str, device: torch.device, dist: DistEnv) -> Precision:
+    """``train.precision`` resolved for ``device``. ``auto`` on a CPU is a timed choice: rank 0
+    makes it and every rank trains alike."""
+    if name == "auto":
+        name = dist.broadcast(resolve_precision("auto", device).name if dist.is_main else None)
+    return resolve_precision(name, device)

@@ -28,33 +28,25 @@ from vitflow.data import check_config as check_data_config
 from vitflow.data import open_datasets, train_loader
 from vitflow.data.evals import open_evals
 from vitflow.data.remote import RemoteError
-from vitflow.data.sources import FileSource, ImageSource, export_samples
 from vitflow.evaluation import scalar_metrics
 from vitflow.models import check_config as check_model_config
 from vitflow.models import model_args, model_kwargs
 from vitflow.models.pretrained_config import apply_pretrained
-from vitflow.runtime import (
-    Precision,
-    configure_allocator,
-    mix_seed,
-    quiet,
-    resolve_device,
-    resolve_precision,
-    rng_state,
-    set_rng_state,
-)
+from vitflow.runtime import configure_allocator, mix_seed, quiet, resolve_device, rng_state, set_rng_state
 from vitflow.train.budget import ProgressiveResizing, TimeBudget
 from vitflow.train.class_weights import setup_imbalance, write_distribution
 from vitflow.train.distill import build_criterion
-from vitflow.train.distributed import DistEnv, Parallel, init_distributed, micro_batch, rank_device, shutdown
+from vitflow.train.distributed import Parallel, init_distributed, micro_batch, rank_device, run_precision, shutdown
+from vitflow.train.elastic import apply_launch
 from vitflow.train.ema import ModelEMA
 from vitflow.train.evaluator import RunEvaluator, summary_figures
 from vitflow.train.finetune import FineTuning
-from vitflow.train.guards import NonFiniteGuard, StopSignals
+from vitflow.train.guards import NonFiniteGuard
 from vitflow.train.logging import EpochTracker, Meter, MetricsLog, StallHint, memory_mb
 from vitflow.train.optim import build_optimizer
+from vitflow.train.preempt import Preemption, after_checkpoint
 from vitflow.train.resume import locate_run, restore_model, restore_training
-from vitflow.train.run_dir import open_run_dir
+from vitflow.train.run_dir import open_run_dir, write_samples
 from vitflow.train.schedules import build_scheduler, schedule_of, warn_long_warmup
 from vitflow.train.selection import BEST, Selection, after_eval
 from vitflow.train.store_stop import stop_on_store_error
@@ -86,7 +78,8 @@ class Trainer:
             torch.set_num_threads(t.threads)
         self.dist = init_distributed(t.device)
         self.device = rank_device(resolve_device(t.device), self.dist)
-        self.precision = _run_precision(t.precision, self.device, self.dist)
+        self.precision = run_precision(t.precision, self.device, self.dist)
+        apply_launch(cfg, lambda flag: self.dist.any(flag, self.device))  # restarts: a stable run_dir, resumed
         self.state, self.run_dir, start_over = locate_run(cfg, self.dist)
         image_size = cfg.model.img_size or model_kwargs(cfg.model.name)["img_size"]
         self.data = open_datasets(cfg.data, image_size)
@@ -116,7 +109,7 @@ class Trainer:
                                             self.model.patch_size, self.model.num_prefix_tokens)
         self.last_eval: dict[str, Any] | None = None
         self.on_eval: list = []  # callback(trainer, metrics) after each evaluation during training (a sweep's pruning)
-        self.meter, self.stop = Meter(), StopSignals()
+        self.meter, self.stop = Meter(), Preemption()
         self.stall_hint = StallHint(self.loader.describe())
         self._seed_ranks()  # last, so nothing in set-up consumes the model's random stream (dropout, drop-path)
 
@@ -274,7 +267,7 @@ class Trainer:
                    "skipped_images": self.epochs.skips.total, "skipped_steps": self.guard.skipped,
                    "elapsed_s": time.perf_counter() - started, **self.tuning.summary(), **summary_figures(results)}
         shown = self.evaluator.splits[self.evaluator.monitored][1]
-        if self.dist.is_main and (samples := _write_samples(shown, self.run_dir)):
+        if self.dist.is_main and (samples := write_samples(shown, self.run_dir)):
             summary["samples"] = samples
         return summary
 
@@ -355,6 +348,7 @@ class Trainer:
         self.metrics.write("interrupted", **summary)
         log.warning("%s: checkpoint %s written at step %d; continue with: vitflow resume %s", self.stop.name, path,
                     self.step, self.run_dir)
+        after_checkpoint(self.stop.name, self.dist.is_main)  # SIGUSR1 under Slurm: requeue the job
         return summary
 
     def save(self, records: dict[str, int] | None = None, path: Path | None = None) -> Path | None:
@@ -387,24 +381,6 @@ class Trainer:
             raise ckpt.CheckpointWriteError(f"{e}; then continue with: vitflow resume {self.run_dir}") from None
         ckpt.prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
         return path
-
-
-def _run_precision(name: str, device: torch.device, dist: DistEnv) -> Precision:
-    """``train.precision`` resolved for ``device``. ``auto`` on a CPU is a timed choice: rank 0
-    makes it and every rank trains alike."""
-    if name == "auto":
-        name = dist.broadcast(resolve_precision("auto", device).name if dist.is_main else None)
-    return resolve_precision(name, device)
-
-
-def _write_samples(source: ImageSource, run_dir: Path) -> str | None:
-    """For data without image files (the embedded digits, CIFAR batches, packed datasets): a few of
-    ``source``'s images written to ``RUN_DIR/samples``, so that ``vitflow predict`` can be tried at
-    once; returns the folder, or ``None`` when the images are files already."""
-    files = getattr(source, "base", None) or source  # the files behind a RAM cache
-    if isinstance(files, FileSource):
-        return None
-    return str(export_samples(source, run_dir / "samples")[0].parent)
 
 
 def train(cfg: Config, on_eval: Callable[[Path], Any] | None = None) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from vitflow import checkpoint as ckpt
 from vitflow.config import Config, to_yaml
+from vitflow.data.sources import FileSource, ImageSource, export_samples
 from vitflow.rundir import CONFIG, RUN, is_run_dir
 
 log = logging.getLogger(__name__)
@@ -91,3 +92,13 @@ def _write_files(path: Path, cfg: Config) -> None:
     if not is_run_dir(path):
         (path / RUN).write_text(json.dumps({"format": "vitflow-run", "version": 1, "preset": cfg.preset,
                                             "created": dt.datetime.now().isoformat(timespec="seconds")}))
+
+
+def write_samples(source: ImageSource, run_dir: Path) -> str | None:
+    """For data without image files (the embedded digits, CIFAR batches, packed datasets): a few of
+    ``source``'s images written to ``RUN_DIR/samples``, so that ``vitflow predict`` can be tried at
+    once; returns the folder, or ``None`` when the images are files already."""
+    files = getattr(source, "base", None) or source  # the files behind a RAM cache
+    if isinstance(files, FileSource):
+        return None
+    return str(export_samples(source, run_dir / "samples")[0].parent)
