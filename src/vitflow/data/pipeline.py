@@ -226,6 +226,9 @@ def train_loader(source: ImageSource, cfg: DataConfig, image_size: int, batch_si
     workers = choose_workers(cfg, source, transform, batched)
     aug_seed = seed if world_size == 1 else mix_seed(seed, rank, world_size)
     if isinstance(source, ShardStream):
+        if cfg.sampler == "balanced":
+            raise DataError("data.sampler=balanced draws images by class from random access; WebDataset shards are "
+                            "streamed (use train.class_weights=FILE instead)")
         loader, per_epoch = shard_loader(source, transform, batch_size, seed, cfg.shuffle_buffer, start,
                                          rank, world_size, workers, cfg.prefetch,
                                          None if cfg.shard_streams == "auto" else int(cfg.shard_streams))

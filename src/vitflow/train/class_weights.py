@@ -68,6 +68,11 @@ def read_weight_file(path: str | Path, classes: list[str]) -> list[float]:
     return values
 
 
+def labels_known(labels: np.ndarray) -> bool:
+    """False for a split whose labels are read as it streams (WebDataset shards mark them ``-1``)."""
+    return not (np.ndim(labels) == 1 and len(labels) and int(np.min(labels)) < 0)
+
+
 def resolve_class_weights(spec: str, labels: np.ndarray, classes: list[str], task: str = "multiclass"
                           ) -> torch.Tensor | None:
     """``train.class_weights`` as a ``float32 (C,)`` tensor, or ``None`` for ``none``.
@@ -80,6 +85,9 @@ def resolve_class_weights(spec: str, labels: np.ndarray, classes: list[str], tas
     """
     if spec == "none":
         return None
+    if spec == "balanced" and not labels_known(labels):
+        raise ConfigError("train.class_weights=balanced counts the training labels before training, but this data "
+                          "streams them (WebDataset shards): give the weights as a FILE", "train.class_weights")
     counts = class_counts(labels, len(classes))
     if spec != "balanced":
         values = read_weight_file(spec, classes)
@@ -117,7 +125,7 @@ def setup_imbalance(cfg: Config, data, criterion, device: torch.device) -> None:
     what = "none" if weights is None else (
         f"{cfg.train.class_weights} ({'pos_weight ' if data.task == 'multilabel' else ''}min {float(weights.min()):.3g}"
         f", max {float(weights.max()):.3g})")
-    counts = class_counts(data.train.labels, len(data.classes))
+    counts = class_counts(data.train.labels, len(data.classes)) if labels_known(data.train.labels) else [0]
     log.info("imbalanced data: class weights %s; sampler %s; training images per class %d to %d", what,
              cfg.data.sampler, min(counts), max(counts))
     if weights is not None and cfg.data.sampler == "balanced":
@@ -132,7 +140,7 @@ def write_distribution(run_dir: str | Path, data) -> Path:
     splits = {}
     for role, source, expr in (("train", data.train, None), ("val", data.val, data.val_split),
                                ("test", data.test, data.test_split)):
-        if source is not None:
+        if source is not None and labels_known(source.labels):  # streamed shards: known only once read
             splits[role] = {"split": expr, "counts": class_counts(source.labels, len(data.classes))}
     path = Path(run_dir) / DISTRIBUTION_FILE
     tmp = path.with_name(path.name + ".tmp")
