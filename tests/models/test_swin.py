@@ -156,3 +156,20 @@ def test_registry_config_keys_and_other_sizes():
             create_model("swin_cifar_patch2_window4_32", **{key: value})
     with pytest.raises(ValueError, match="unknown argument"):
         create_model("swin_cifar_patch2_window4_32", colour="red")
+
+
+def test_pretrained_file_of_another_window_and_class_count(tmp_path, caplog):
+    """A timm file (window 7, 1000 classes) into a window-8, 5-class model: tables resampled,
+    head fresh, logged; with the same window and classes the load is exact."""
+    ref = _timm("swin_tiny_patch4_window7_224", **SMALL)
+    torch.save(ref.state_dict(), tmp_path / "w.pth")
+    exact = create_model("swin_tiny_patch4_window7_224", pretrained=tmp_path / "w.pth", **SMALL)
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in exact.state_dict().items() if k in ref.state_dict())
+    with caplog.at_level("INFO"):
+        model = create_model("swin_tiny_patch4_window7_224", pretrained=tmp_path / "w.pth", img_size=256,
+                             window_size=8, num_classes=5, **SMALL)
+    assert "head reset: 1000 -> 5" in caplog.text and "window 7 -> 8" in caplog.text
+    table = model.blocks[0].attn.relative_position_bias_table
+    assert table.shape == (225, 1) and model.head.fc.out_features == 5
+    torch.testing.assert_close(model.blocks[0].attn.relative_position_bias_table[112],  # the zero offset
+                               ref.layers[0].blocks[0].attn.relative_position_bias_table[84], atol=0.05, rtol=0)

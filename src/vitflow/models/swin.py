@@ -13,6 +13,8 @@ Inputs of other sizes (multiples of the patch size) run with the windows fixed a
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Sequence
 
 import torch
@@ -22,8 +24,25 @@ from torch.utils.checkpoint import checkpoint
 from vitflow.models.grad_checkpointing import CheckpointPlan
 from vitflow.models.layers import classifier_head
 from vitflow.models.matmul import Linear, check_mode
+from vitflow.models.position import resample_relative_table
 from vitflow.models.swin_block import PatchMerging, SwinBlock
 from vitflow.models.swin_plan import plan_swin_checkpointing
+
+log = logging.getLogger(__name__)
+
+
+def resample_window_tables(sd: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sd`` with every ``relative_position_bias_table`` whose window differs from ``own``'s
+    resampled bicubically over its ``(2w-1) x (2w-1)`` offset plane (timm's
+    ``resize_rel_pos_bias_table`` idea; a load-time call site for the exact resampler of
+    ``vitflow.models.swin_resample``), one log line per table shape change."""
+    out = dict(sd)
+    for key, table in sd.items():
+        if key.endswith("relative_position_bias_table") and key in own and table.shape != own[key].shape:
+            old, new = (math.isqrt(table.shape[0]) + 1) // 2, (math.isqrt(own[key].shape[0]) + 1) // 2
+            log.info("resampling %s for window %d -> %d", key, old, new)
+            out[key] = resample_relative_table(table, (old, old), (new, new), num_prefix_tokens=0)
+    return out
 
 
 class SwinPatchEmbed(nn.Module):
@@ -216,6 +235,20 @@ class SwinTransformer(nn.Module):
         """A fresh ``head.fc`` for ``num_classes`` (0: pooled features)."""
         self.num_classes = num_classes
         self.head.fc = classifier_head(self.num_features, num_classes, self.cpu_bf16_matmul)
+
+    def adapt_state_dict(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Fit a timm-named Swin state_dict to this model before loading (called by
+        :func:`vitflow.models.weights.adapt_state_dict`): a ``head.fc`` of another class count is
+        dropped (the head stays fresh, logged); V1 bias tables of another window size are resampled
+        bicubically over their offset plane (:func:`resample_window_tables`, logged). V2 needs
+        nothing: its position inputs are buffers rebuilt for the model's windows."""
+        sd = dict(sd)
+        own = self.state_dict()
+        head = sd.get("head.fc.weight")
+        if head is not None and (own.get("head.fc.weight") is None or head.shape != own["head.fc.weight"].shape):
+            log.info("head reset: %d -> %d classes", head.shape[0], self.num_classes)
+            sd = {k: v for k, v in sd.items() if not k.startswith("head.fc.")}
+        return resample_window_tables(sd, own)
 
     def attention_maps(self, x: torch.Tensor, layers: int | Sequence[int] | None = None) -> list[torch.Tensor]:
         """Per-block attention placed back on each block's own grid: one float32

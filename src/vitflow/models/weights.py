@@ -161,6 +161,8 @@ def adapt_state_dict(sd: dict[str, torch.Tensor], model: torch.nn.Module) -> dic
     the model does not use (``sincos2d`` / ``relative`` / RoPE); reset a head of another class
     count (dropped here, logged ``head reset: 1000 -> 5 classes``)."""
     sd = dict(sd)
+    if hasattr(model, "adapt_state_dict"):  # a family's own fitting first (Swin: head.fc, window tables)
+        sd = model.adapt_state_dict(sd)
     own = model.state_dict()
     grid = model_grid(model)
     pos = sd.get("pos_embed")
