@@ -149,6 +149,12 @@ def test_registry_config_keys_and_other_sizes():
     model.reset_classifier(3)
     assert model(torch.randn(1, 3, 32, 32)).shape == (1, 3) and model.head.fc.out_features == 3
     assert any("relative_position_bias_table" in n for n in model.no_weight_decay())
+    from vitflow.train.optim import param_groups
+
+    ids = {n: model.layer_id(n) for n, _ in model.named_parameters()}  # layer-wise lr decay over all stages
+    assert ids["patch_embed.proj.weight"] == 0 and ids["layers.1.blocks.1.attn.qkv.weight"] == 4
+    assert ids["layers.1.downsample.reduction.weight"] == 3 and ids["head.fc.weight"] == 7
+    assert len({g["lr_scale"] for g in param_groups(model, 0.05, 1.0, layer_decay=0.5)}) == 8
     for key, value in (("depth", 4), ("num_heads", 2), ("layer_scale_init", 1e-5), ("patch_drop_rate", 0.1),
                        ("distilled", True), ("weight_init", "jax"), ("pos_embed", "sincos2d"),
                        ("attention", "linformer"), ("global_pool", "token")):

@@ -169,6 +169,18 @@ class SwinTransformer(nn.Module):
         ``layers.{i}.blocks.{j}`` names)."""
         return [blk for stage in self.layers for blk in stage.blocks]
 
+    def layer_id(self, name: str) -> int:
+        """Depth of parameter ``name`` for layer-wise lr decay: 0 for the patch embedding,
+        ``k + 1`` for the ``k``-th block over all stages (a stage's patch merging goes with its
+        first block), ``len(blocks) + 1`` for the final norm and the head."""
+        if name.startswith("patch_embed"):
+            return 0
+        parts = name.split(".")
+        if parts[0] != "layers":
+            return len(self.blocks) + 1
+        first = sum(self.depths[:int(parts[1])])
+        return first + (int(parts[3]) if parts[2] == "blocks" else 0) + 1
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W)`` -> NHWC features ``(B, H', W', num_features)`` after the final norm."""
         x = self.patch_embed(x)
