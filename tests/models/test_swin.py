@@ -45,6 +45,11 @@ def test_timm_parity_strict_load_same_logits(name, kw):
     torch.testing.assert_close(ours.forward_head(feats, pre_logits=True),
                                ref.forward_head(ref.forward_features(x), pre_logits=True), atol=1e-5, rtol=0)
     assert want.std() > 0.1
+    if not kw:  # gradients too: the input's, through shifted windows (one gather each way)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ref(xa).square().sum().backward()
+        ours(xb).square().sum().backward()
+        torch.testing.assert_close(xb.grad, xa.grad, atol=1e-5, rtol=1e-4)
 
 
 def _block_model(version):

@@ -73,11 +73,12 @@ class WindowSdpaKernel(AttentionKernel):
 
 def window_probs(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
     """``softmax(q k^T * scale + bias)`` per window: q, k ``(B*nW, H, N, d)``, bias
-    ``(nW or 1, H, N, N)`` -> ``(B*nW, H, N, N)`` in q's dtype."""
+    ``(nW or 1, H, N, N)`` -> ``(B*nW, H, N, N)`` in the promoted dtype of the logits and the
+    bias (a float32 bias keeps bf16 logits' softmax in float32, as timm's; faster on the CPU too)."""
     bw, h, n, _ = q.shape
     nw = bias.shape[0]
     s = (q * scale) @ k.transpose(-2, -1)
-    s = s.view(bw // nw, nw, h, n, n) + bias.to(s.dtype)
+    s = s.view(bw // nw, nw, h, n, n) + bias
     return s.softmax(dim=-1).view(bw, h, n, n)
 
 
@@ -90,7 +91,7 @@ class WindowMathKernel(AttentionKernel):
         p = window_probs(q, k, ctx.bias, scale)
         if ctx.dropout_p > 0.0:
             p = F.dropout(p, p=ctx.dropout_p)
-        return (p @ v).transpose(1, 2).reshape(bw, n, h * d)
+        return (p.to(v.dtype) @ v).transpose(1, 2).reshape(bw, n, h * d)
 
 
 def make_window_kernel(name: str) -> AttentionKernel:
@@ -161,3 +162,40 @@ def window_reverse(windows: torch.Tensor, window: tuple[int, int], h: int, w: in
     c = windows.shape[-1]
     x = windows.view(-1, h // window[0], w // window[1], window[0], window[1], c).transpose(2, 3)
     return x.reshape(-1, h, w, c)
+
+
+def shifted_window_order(grid: tuple[int, int], window: tuple[int, int], shift: tuple[int, int],
+                         device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token permutation of a cyclic shift followed by :func:`window_partition`, for a grid
+    ``(h, w)`` of whole windows: ``order`` (long ``(h*w,)``, the row-major grid index of each
+    window slot) and its inverse. ``x[:, order]`` is ``window_partition(roll(x, -shift))`` in one
+    copy instead of two; ``y[:, inverse]`` undoes it."""
+    h, w = grid
+    pos = torch.arange(h * w, device=device).view(1, h, w, 1)
+    pos = torch.roll(pos, shifts=(-shift[0], -shift[1]), dims=(1, 2))
+    order = window_partition(pos, window).reshape(-1)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(h * w, device=device)
+    return order, inverse
+
+
+class _PermuteTokens(torch.autograd.Function):
+    """``x.index_select(1, order)`` whose backward is the inverse gather (a permutation: no
+    scatter-add needed)."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(1, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(1, inverse), None, None
+
+
+def permute_tokens(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Tokens ``(B, L, C)`` reordered by the permutation ``order`` (``inverse`` its inverse)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _PermuteTokens.apply(x, order, inverse)
+    return x.index_select(1, order)

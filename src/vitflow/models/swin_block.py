@@ -22,9 +22,11 @@ from vitflow.models.swin_attention import (
     WindowContext,
     log_spaced_coords,
     make_window_kernel,
+    permute_tokens,
     prepare_qkv,
     relative_position_index,
     shift_mask,
+    shifted_window_order,
     window_partition,
     window_probs,
     window_reverse,
@@ -143,6 +145,7 @@ class SwinBlock(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self._masks: dict[tuple, torch.Tensor | None] = {}
+        self._orders: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._bias: dict[tuple, tuple[tuple, torch.Tensor]] = {}
 
     def padded(self, h: int, w: int) -> tuple[int, int]:
@@ -178,8 +181,18 @@ class SwinBlock(nn.Module):
         return window_partition(x, self.window), hp, wp
 
     def attend(self, x: torch.Tensor) -> torch.Tensor:
-        """The window attention branch on ``(B, H, W, C)`` -> ``(B, H, W, C)``."""
-        h, w = x.shape[1], x.shape[2]
+        """The window attention branch on ``(B, H, W, C)`` -> ``(B, H, W, C)``. A shifted grid of
+        whole windows is rolled and partitioned in one gather (and back in one), others by
+        roll, padding and reshapes."""
+        b, h, w, c = x.shape
+        if any(self.shift) and self.padded(h, w) == (h, w) and not tracing():
+            key = (h, w, x.device)
+            if key not in self._orders:
+                self._orders[key] = shifted_window_order((h, w), self.window, self.shift, x.device)
+            order, inverse = self._orders[key]
+            windows = permute_tokens(x.reshape(b, h * w, c), order, inverse).view(-1, self.window[0] * self.window[1], c)
+            out = self.attn(windows, self.attn_bias(h, w, x.device)).view(b, h * w, c)
+            return permute_tokens(out, inverse, order).view(b, h, w, c)
         windows, hp, wp = self._shifted_windows(x)
         out = window_reverse(self.attn(windows, self.attn_bias(hp, wp, x.device)), self.window, hp, wp)
         if (hp, wp) != (h, w):
