@@ -57,3 +57,18 @@ def test_pruning_is_refused(swin_run, tmp_path):
     _, summary = swin_run
     with pytest.raises(ValueError, match="swin_cifar_patch2_window4_32 cannot be pruned"):
         prune_checkpoint(summary["checkpoint"], tmp_path / "pruned")
+
+
+def test_attention_figure_on_a_stage_grid(swin_run, tmp_path):
+    """`vitflow attention` on a Swin: the requested block's stage grid, rollout within that stage."""
+    import numpy as np
+    from PIL import Image
+
+    from vitflow.viz.attention import attention_figure
+
+    _, summary = swin_run
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    last = attention_figure(summary["checkpoint"], tmp_path / "a.png", tmp_path / "last.png")
+    first = attention_figure(summary["checkpoint"], tmp_path / "a.png", tmp_path / "first.png", layer=1)
+    assert last["grid"] == [2, 2] and last["heads"] == 12  # 16 px / patch 2 -> 8x8, 4x4, 2x2
+    assert first["grid"] == [8, 8] and first["heads"] == 3 and (tmp_path / "first.png").stat().st_size > 0
