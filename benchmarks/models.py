@@ -5,7 +5,8 @@
 For vit_tiny_patch16_224 and vit_small_patch16_224 (batch 32) and the 32x32 CIFAR variant
 vit_cifar_patch4_32 (dim 192, depth 9, 3 heads, MLP ratio 2, patch 4; batch 64), and for the
 pretrained backbones ``dinov2`` (vit_small_patch14_reg4_dinov2 at 224 px, batch 32) and ``siglip``
-(vit_base_patch16_siglip_224, batch 16) against timm's model of the same name (vit-pytorch has
+(vit_base_patch16_siglip_224, batch 16), and Swin-T ``swin`` (swin_tiny_patch4_window7_224, batch 32,
+window attention through vitflow's ``auto``) against timm's model of the same name (vit-pytorch has
 none: its column reads ``-``, ``null`` in the JSON), in fp32 and bf16 autocast, it measures images/s of
 - training: forward, cross-entropy, backward, AdamW step (lr 1e-4, weight decay 0.05 off norms
   and biases), ``zero_grad``; the optimizer is built as each project's training script builds
@@ -64,6 +65,8 @@ MODEL_SPECS = {  # key: (vitflow variant, batch, classes, input size (None: the 
     # input sizes: DINOv2 at 224 (16x16 patches of 14 px, 4 registers), SigLIP at its native 224
     "dinov2": ("vit_small_patch14_reg4_dinov2", 32, 1000, 224),
     "siglip": ("vit_base_patch16_siglip_224", 16, 1000, None),
+    # hierarchical: Swin-T (shifted 7x7 windows, 4 stages) against timm's model of the same name
+    "swin": ("swin_tiny_patch4_window7_224", 32, 1000, None),
 }
 PLAIN = ("tiny", "small", "cifar")  # plain ViTs: timm's VisionTransformer and vit-pytorch's ViT of the same shape
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -105,7 +108,7 @@ def forward_gflops(name: str, num_classes: int, size: int) -> float:
 
 def build(impl: str, name: str, num_classes: int, size: int) -> torch.nn.Module:
     cfg = MODELS[name]
-    dim, depth, heads = cfg["embed_dim"], cfg["depth"], cfg["num_heads"]
+    dim, depth, heads = cfg["embed_dim"], cfg.get("depth"), cfg["num_heads"]  # (Swin: per-stage depths)
     mlp_ratio = cfg.get("mlp_ratio", 4.0)
     if impl == "vitflow":
         return vitflow.create_model(name, num_classes=num_classes, attention="auto", img_size=size)

@@ -277,8 +277,9 @@ def cmd_lr_schedule(args: argparse.Namespace) -> int:
     from vitflow.viz.curves import plot_schedule
 
     restart = cfg.finetune.probe_end(cfg.train.total_steps) if cfg.finetune.mode == "lp_ft" else 0
-    curve = lr_curve(cfg.optim, cfg.train.total_steps, model_kwargs(cfg.model.name)["depth"], cfg.train.time_budget,
-                     restart)
+    kw = model_kwargs(cfg.model.name)
+    depth = kw.get("depth") or sum(kw.get("depths", ()))  # (Swin: blocks over all stages)
+    curve = lr_curve(cfg.optim, cfg.train.total_steps, depth, cfg.train.time_budget, restart)
     plot_schedule(curve.lrs, args.output, curve.title, curve.lowest_scale)
     for step, lr in curve.landmarks():
         print(f"step {step:>7d}  lr {lr:.3e}")

@@ -22,9 +22,10 @@ from vitflow.models.eva_variants import DINOV3, EVA02
 from vitflow.models.family import ModelFamily
 from vitflow.models.grad_checkpointing import CheckpointPlan
 from vitflow.models.pretrained_variants import PRETRAINED_FAMILIES
+from vitflow.models.swin_variants import SWIN
 from vitflow.models.vit_variants import VIT
 
-FAMILIES: tuple[ModelFamily, ...] = (VIT, *PRETRAINED_FAMILIES, BEIT, EVA02, DINOV3)
+FAMILIES: tuple[ModelFamily, ...] = (VIT, *PRETRAINED_FAMILIES, BEIT, EVA02, DINOV3, SWIN)
 MODELS: dict[str, dict[str, Any]] = {name: args for f in FAMILIES for name, args in f.variants.items()}
 
 

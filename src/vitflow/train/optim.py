@@ -27,7 +27,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float, lr: float = 1.0,
     Weight decay applies to weight matrices / kernels only; norms, biases (all 1-D parameters)
     and the names in ``model.no_weight_decay()`` (position embedding, class token) get none.
     With ``layer_decay = d`` (BEiT-style fine-tuning), a parameter of :func:`layer_id` ``i`` in a
-    model of ``D`` blocks gets learning rate ``lr * d ** (D + 1 - i)``: the head trains at
+    model of ``D`` blocks (a model's own ``layer_id(name)`` if it has one: Swin's stages) gets learning rate ``lr * d ** (D + 1 - i)``: the head trains at
     ``lr``, the embeddings at ``lr * d ** (D + 1)``. Each group records its ``lr_scale``.
 
     Returns:
@@ -41,7 +41,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float, lr: float = 1.0,
         if not p.requires_grad:
             continue
         no_decay = p.ndim <= 1 or name in skip
-        depth_id = layer_id(name, depth) if layer_decay is not None else 0
+        depth_id = (getattr(model, "layer_id", None) or (lambda n: layer_id(n, depth)))(name) if layer_decay is not None \
+            else 0
         scale = layer_decay ** (depth + 1 - depth_id) if layer_decay is not None else 1.0
         group = groups.setdefault((depth_id, no_decay), {"params": [], "weight_decay": 0.0 if no_decay else weight_decay,
                                                          "lr": lr * scale, "lr_scale": scale})
