@@ -175,12 +175,7 @@ class Blocks(nn.Sequential):
         Raises:
             IndexError: a layer index out of range.
         """
-        depth = len(self)
-        wanted = list(range(depth)) if layers is None else [layers] if isinstance(layers, int) else list(layers)
-        for i in wanted:
-            if not -depth <= i < depth:
-                raise IndexError(f"layer {i} out of range for a {depth}-block model")
-        wanted = [i % depth for i in wanted]
+        wanted = wanted_layers(layers, len(self))
         maps: dict[int, torch.Tensor] = {}
         for i, blk in enumerate(self):
             if i > max(wanted):
@@ -200,3 +195,13 @@ class Blocks(nn.Sequential):
         """Checkpoint exactly the blocks ``indices``."""
         for i, blk in enumerate(self):
             blk.grad_checkpointing = i in indices
+
+
+def wanted_layers(layers: int | Sequence[int] | None, depth: int) -> list[int]:
+    """Block indices ``layers`` (one, several, negative from the end, ``None`` = all) of a
+    ``depth``-block model as non-negative indices. Raises IndexError for one out of range."""
+    wanted = list(range(depth)) if layers is None else [layers] if isinstance(layers, int) else list(layers)
+    for i in wanted:
+        if not -depth <= i < depth:
+            raise IndexError(f"layer {i} out of range for a {depth}-block model")
+    return [i % depth for i in wanted]

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from vitflow.models.grad_checkpointing import CheckpointPlan
 from vitflow.models.layers import classifier_head
-from vitflow.models.matmul import Linear, check_mode
+from vitflow.models.matmul import set_gemm_mode
 
 
 class EncoderControls:
@@ -53,10 +53,7 @@ class EncoderControls:
     def set_cpu_bf16_matmul(self, mode: str) -> None:
         """Choose the GEMM of every linear layer under bf16 CPU autocast: ``auto``, ``bf16`` or
         ``fp32`` (:mod:`vitflow.models.matmul`). Raises ValueError for another mode."""
-        self.cpu_bf16_matmul = check_mode(mode)
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.gemm = mode
+        self.cpu_bf16_matmul = set_gemm_mode(self, mode)
 
     def set_grad_checkpointing(self, enable: bool | str | Sequence[int] = True,
                                memory_budget: int | str | None = None) -> None:

@@ -52,6 +52,16 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+def set_gemm_mode(model: nn.Module, mode: str) -> str:
+    """Give every :class:`Linear` of ``model`` the bf16-autocast GEMM ``mode`` (``auto``, ``bf16``,
+    ``fp32``); returns it. Raises ValueError for another mode."""
+    check_mode(mode)
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.gemm = mode
+    return mode
+
+
 def _fp32_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """The forward of :func:`linear_fp32_gemm` without autograd: ``(y bf16, x16, w16)``."""
     x16, w16 = x.to(torch.bfloat16), weight.to(torch.bfloat16)

@@ -20,9 +20,10 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from vitflow.models.block import wanted_layers
 from vitflow.models.grad_checkpointing import CheckpointPlan
 from vitflow.models.layers import classifier_head
-from vitflow.models.matmul import Linear, check_mode
+from vitflow.models.matmul import set_gemm_mode
 from vitflow.models.swin_block import PatchMerging, SwinBlock
 from vitflow.models.swin_plan import plan_swin_checkpointing
 
@@ -199,10 +200,7 @@ class SwinTransformer(nn.Module):
     def set_cpu_bf16_matmul(self, mode: str) -> None:
         """The GEMM of every vitflow linear layer under bf16 CPU autocast (``auto``, ``bf16``,
         ``fp32``; :mod:`vitflow.models.matmul`). Raises ValueError for another mode."""
-        self.cpu_bf16_matmul = check_mode(mode)
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.gemm = mode
+        self.cpu_bf16_matmul = set_gemm_mode(self, mode)
 
     def set_grad_checkpointing(self, enable: bool | str | Sequence[int] = True,
                                memory_budget: int | str | None = None) -> None:
@@ -242,13 +240,7 @@ class SwinTransformer(nn.Module):
         Raises:
             IndexError: a layer index out of range.
         """
-        blocks = self.blocks
-        depth = len(blocks)
-        wanted = list(range(depth)) if layers is None else [layers] if isinstance(layers, int) else list(layers)
-        for i in wanted:
-            if not -depth <= i < depth:
-                raise IndexError(f"layer {i} out of range for a {depth}-block model")
-        wanted = [i % depth for i in wanted]
+        wanted = wanted_layers(layers, len(self.blocks))
         maps, k = {}, 0
         x = self.patch_embed(x)
         for stage in self.layers:
