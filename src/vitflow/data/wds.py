@@ -30,7 +30,7 @@ from typing import BinaryIO, Iterator
 
 import numpy as np
 
-from vitflow.data.remote import BRACE, is_remote, open_random, open_stream
+from vitflow.data.remote import BRACE, RemoteError, is_remote, open_random, open_stream
 from vitflow.data.sources import DataError
 
 log = logging.getLogger(__name__)
@@ -58,14 +58,21 @@ def beside(url: str, name: str) -> str:
 
 
 def read_small(url: str) -> bytes | None:
-    """The bytes of a small optional file (an index, a class list), or ``None`` when absent."""
+    """The bytes of a small optional file (an index, a class list), or ``None`` when absent (404).
+
+    Raises:
+        RemoteError: any other store error (403, unreachable after the retries): a shard set
+            whose index cannot be read is not silently scanned instead.
+    """
     if not is_remote(url) and not os.path.isfile(url.removeprefix("file://")):
         return None
     try:
         with open_stream(url) as f:
             return f.read()
-    except DataError:
-        return None
+    except RemoteError as e:
+        if e.status == 404:
+            return None
+        raise
 
 
 # ---- members and samples ---------------------------------------------------------------------------------------
