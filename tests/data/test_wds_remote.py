@@ -81,6 +81,17 @@ def test_http_and_s3_shards_give_each_rank_x_worker_the_folder_samples_once_per_
         assert per_rank == local, kind  # the same order as from local shards
 
 
+def test_val_split_from_http_shards_is_the_local_one_read_by_one_request_an_image(shards, http_server):
+    _, out = shards
+    base = http_server(out.parent)
+    local, served = open_split(out, VAL), open_split(f"{base}/shards/{TRAIN}", VAL)
+    assert len(local) == len(served) == 8 and served.classes == list(CLASSES)
+    before = base.server.requests
+    for i in range(len(local)):
+        assert served.encoded(i) == local.encoded(i) and served.labels[i] == local.labels[i]
+    assert base.server.requests - before == 2 + len(local)  # one size request a shard, then one GET an image
+
+
 def _train(capsys, run, data, *extra) -> tuple[int, str]:
     """``vitflow train`` from the shards ``data`` (or the command ``extra``) in this process:
     ``(exit code, stderr)``."""
