@@ -3,7 +3,8 @@
 - ``http_server(root) -> base_url``: a threaded HTTP/1.1 static file server over ``root`` with
   Range requests (``206`` / ``416``), which Python's ``http.server`` lacks. The URL is a ``str``
   whose ``.server`` (:class:`RangeServer`) can ``stop()`` and ``start()`` again on the same port
-  (a server dying mid-epoch; by itself after N more requests: ``die_after_requests``), answer the
+  (a server dying mid-epoch; by itself after N more requests, or N more for matching paths:
+  ``die_after_requests``), answer the
   next N requests with an error (``fail_next(2, 503)``),
   refuse paths with 403 (``forbid("x.tar")``) and count requests (``.requests``).
 - ``s3_server -> (endpoint_url, bucket)``: moto in server mode (``ThreadedMotoServer``, one per
@@ -50,7 +51,9 @@ class RangeHandler(SimpleHTTPRequestHandler):
         with ctl.lock:
             ctl.requests += 1
             status = None
-            if ctl.die_after is not None and ctl.requests > ctl.die_after:
+            if ctl.die_after is not None and ctl.die_match in self.path:
+                ctl.die_seen += 1
+            if ctl.die_after is not None and ctl.die_seen > ctl.die_after:
                 ctl.die_after, ctl.dead = None, True
                 threading.Thread(target=ctl.stop, daemon=True).start()
             if ctl.dead:
@@ -117,6 +120,7 @@ class RangeServer:
         self.failures, self.failure_status, self.requests = 0, 503, 0
         self.forbidden: set[str] = set()
         self.die_after: int | None = None
+        self.die_match, self.die_seen = "", 0
         self.dead = False
         self._httpd: ThreadingHTTPServer | None = None
 
@@ -145,9 +149,11 @@ class RangeServer:
         with self.lock:
             self.failures, self.failure_status = n, status
 
-    def die_after_requests(self, n: int) -> None:
-        """Stop (as a killed server) at request ``n + 1``: that one is closed unanswered."""
-        self.die_after = self.requests + n
+    def die_after_requests(self, n: int, matching: str = "") -> None:
+        """Stop (as a killed server) at request ``n + 1`` from now (counting only the requests whose
+        path contains ``matching``, when given): that one is closed unanswered."""
+        with self.lock:
+            self.die_after, self.die_match, self.die_seen = n, matching, 0
 
     def forbid(self, rel: str) -> None:
         """Answer 403 for the file ``rel`` (relative to the root)."""

@@ -1,5 +1,6 @@
-"""Multi-node and elastic training on one machine: two torchrun agents (``--nnodes 2``, c10d
-rendezvous on 127.0.0.1, gloo) equal one process; a worker SIGKILLed under ``--max-restarts 1``
+"""Multi-node and elastic training on one machine, from local WebDataset shards (the digits written
+by ``prepare_shards``, ``data.shard_streams=2`` in every run): two torchrun agents (``--nnodes 2``,
+c10d rendezvous on 127.0.0.1, gloo) equal one process; a worker SIGKILLed under ``--max-restarts 1``
 restarts and ends bit-identical to the uninterrupted run; a 2-process checkpoint resumed by one
 process finishes; SIGTERM / SIGUSR1 (Slurm's warning, with the job's requeue) checkpoint, exit
 with 128 + signal and resume bit-identically."""
@@ -16,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,6 +38,24 @@ COMMON = ["train.batch_size=32", f"train.total_steps={STEPS}", "train.precision=
 # added to every key's score leaves the softmax unchanged), so Adam normalises rounding noise into
 # lr-sized steps that differ between the two runs (measured 7.3e-6): asserted below KEY_BIAS_TOL.
 TOL, KEY_BIAS_TOL = 5e-7, 1e-4
+DATA: list[str] = []  # the shards' data.* overrides, set by the `shards` fixture
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shards(tmp_path_factory):
+    """The digits as shards (train: the preset's 80%, test: the rest; 128 samples a shard); every run
+    of this module reads them (``DATA`` is extended in place), two streams an epoch."""
+    from vitflow.data.digits import digits_source
+    from vitflow.data.wdsprepare import prepare_shards
+
+    digits, out = digits_source(), tmp_path_factory.mktemp("digits") / "shards"
+    cut = len(digits) * 4 // 5
+    prepare_shards({"train": digits.subset(np.arange(cut)), "test": digits.subset(np.arange(cut, len(digits)))},
+                   out, 128)
+    DATA[:] = [f"data.path={out}", "data.source=auto", "data.train_split=train", "data.test_split=test",
+               "data.shard_streams=2"]
+    yield out
+    DATA.clear()
 
 
 def _free_port() -> int:
@@ -50,7 +70,7 @@ def _agents(run_dir: Path, *torchrun_args: str) -> list[subprocess.Popen]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test{port}",
            "--local-addr", "127.0.0.1", "--monitor-interval", "0.05", *torchrun_args, "-m", "vitflow", "train",
-           f"train.run_dir={run_dir}", *COMMON]
+           "--preset", "digits-vit-tiny", f"train.run_dir={run_dir}", *COMMON, *DATA]
     # each rendezvous round gets a fresh worker store: torchrun's shared one keeps the previous round's
     # keys, and a restarted rank can read its peer's stale address (gloo: connection refused)
     env = {**ENV, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -95,7 +115,7 @@ def _assert_same(a: dict, b: dict, atol: float = 0.0) -> None:
 def one_process(tmp_path_factory):
     """The reference: one process, the global batch of 32, checkpoints every 5 steps."""
     run = tmp_path_factory.mktemp("one") / "run"
-    Trainer(digits_config(run, *COMMON)).fit()
+    Trainer(digits_config(run, *COMMON, *DATA)).fit()
     return run
 
 
@@ -149,7 +169,7 @@ def test_two_process_checkpoint_resumed_by_one_process_finishes(one_process, two
     for p in ckpt.list_checkpoints(run):
         if ckpt.load_checkpoint(p)["step"] > 15:
             p.unlink()
-    r = Trainer(digits_config(run, *COMMON, "train.resume=auto")).fit()
+    r = Trainer(digits_config(run, *COMMON, *DATA, "train.resume=auto")).fit()
     assert r["step"] == STEPS
     start = [x for x in read_metrics(run) if x["kind"] == "start"][-1]
     assert start["world_size"] == 1 and start["step"] == 15 and start["resumed_from"].endswith("step-00000015.pt")
@@ -179,7 +199,7 @@ def test_preemption_signal_checkpoints_exits_and_resumes_bit_identical(one_proce
     from vitflow.cli import main
 
     monkeypatch.chdir(tmp_path)
-    args = ["train", *COMMON]
+    args = ["train", "--preset", "digits-vit-tiny", *COMMON, *DATA]  # not the photo plan: the shards are data.path
     if sig == signal.SIGUSR1:
         bin_dir = tmp_path / "bin"
         bin_dir.mkdir()

@@ -30,7 +30,7 @@ from typing import BinaryIO, Iterator
 
 import numpy as np
 
-from vitflow.data.remote import BRACE, is_remote, open_random, open_stream
+from vitflow.data.remote import BRACE, RemoteError, RemoteFile, is_remote, open_random, open_stream
 from vitflow.data.sources import DataError
 
 log = logging.getLogger(__name__)
@@ -41,10 +41,15 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 LABEL_EXTS = ("cls", "json", "txt")  # in the order a sample's label is looked for
 
 
+_SIZES: dict[str, int] = {}  # remote shard sizes, learnt once per process: one request an image, not two
+
+
 def read_range(url: str, offset: int, size: int) -> bytes:
-    """``size`` bytes of the shard ``url`` from ``offset`` (one range request when remote).
-    Raises RemoteError."""
-    return open_random(url).pread(offset, size)
+    """``size`` bytes of the shard ``url`` from ``offset`` (one range request when remote; the
+    shard's size is asked once per process). Raises RemoteError."""
+    if url not in _SIZES:
+        _SIZES[url] = open_random(url).size
+    return RemoteFile(url, size=_SIZES[url]).pread(offset, size)
 
 
 def has_pattern(spec: str) -> bool:
@@ -58,14 +63,21 @@ def beside(url: str, name: str) -> str:
 
 
 def read_small(url: str) -> bytes | None:
-    """The bytes of a small optional file (an index, a class list), or ``None`` when absent."""
+    """The bytes of a small optional file (an index, a class list), or ``None`` when absent (404).
+
+    Raises:
+        RemoteError: any other store error (403, unreachable after the retries): a shard set
+            whose index cannot be read is not silently scanned instead.
+    """
     if not is_remote(url) and not os.path.isfile(url.removeprefix("file://")):
         return None
     try:
         with open_stream(url) as f:
             return f.read()
-    except DataError:
-        return None
+    except RemoteError as e:
+        if e.status == 404:
+            return None
+        raise
 
 
 # ---- members and samples ---------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from vitflow.data.decode import CorruptImageError
+from vitflow.data.decode import CorruptImageError, image_size
 from vitflow.data.loader import stack_images
 from vitflow.data.sources import DataError, ImageSource
 from vitflow.data.splits import parse_split
@@ -98,6 +98,24 @@ def open_shard_stream(path: str, split: str, classes_file: str | None = None) ->
     shards = shard_set(split_urls(path, split), classes_file)
     log.info("%s: %d shard(s), %d samples, %d classes", split, len(shards.urls), shards.total, len(shards.classes))
     return ShardStream(shards)
+
+
+def first_image_sizes(stream: ShardStream, n: int) -> list[tuple[int, int]]:
+    """``(width, height)`` in pixels of up to ``n`` images from the start of ``stream``'s first
+    shard, from their headers: what a training plan samples, without reading the whole split
+    (which a remote shard set would download). Unreadable samples are left out."""
+    url, sizes = stream.shards.urls[0], []
+    with open_stream(url) as f:
+        for s in iter_samples(url, f):
+            ext = s.image_ext()
+            if s.error is None and ext is not None:
+                try:
+                    sizes.append(image_size(s.members[ext], f"{url}:{s.key}"))
+                except CorruptImageError:
+                    pass
+            if len(sizes) >= n:
+                break
+    return sizes
 
 
 @dataclass

@@ -19,6 +19,8 @@ import numpy as np
 from vitflow.config import Config, build_config, to_yaml
 from vitflow.data import DataError, open_split
 from vitflow.data.decode import CorruptImageError
+from vitflow.data.dispatch import source_kind
+from vitflow.data.wdsstream import first_image_sizes, open_shard_stream
 from vitflow.models import model_kwargs
 from vitflow.runtime import resolve_device
 
@@ -41,11 +43,15 @@ class DataProfile:
 
 def profile_data(cfg: Config) -> DataProfile:
     """Open the training split of ``cfg.data`` and read the sizes of up to :data:`SAMPLE` images
-    spread over it (from the encoded headers; decoded sources give their fixed size).
+    spread over it (from the encoded headers; decoded sources give their fixed size). A shard set
+    is not read whole: its counts come from the index and the sizes from its first shard.
 
     Raises:
         DataError: see :func:`vitflow.data.open_split`; no readable image in the sample.
     """
+    if source_kind(cfg.data.path, cfg.data.source) == "wds":  # shards: the index's counts, the first shard's sizes
+        stream = open_shard_stream(str(cfg.data.path), cfg.data.train_split, cfg.data.classes)
+        return _profile(cfg, len(stream), len(stream.classes), first_image_sizes(stream, SAMPLE))
     src = open_split(cfg.data.path, cfg.data.train_split, cfg.data.source, cfg=cfg.data)
     sizes = []
     for i in np.linspace(0, len(src) - 1, min(SAMPLE, len(src))).astype(int):
@@ -53,10 +59,14 @@ def profile_data(cfg: Config) -> DataProfile:
             sizes.append(src.image_size(int(i)))
         except CorruptImageError:
             continue
+    return _profile(cfg, len(src), len(src.classes), sizes)
+
+
+def _profile(cfg: Config, images: int, classes: int, sizes: list[tuple[int, int]]) -> DataProfile:
     if not sizes:
-        raise DataError(f"{cfg.data.path}: no readable image among the {min(SAMPLE, len(src))} sampled")
+        raise DataError(f"{cfg.data.path}: no readable image among the {min(SAMPLE, images)} sampled")
     short, long = np.median([min(s) for s in sizes]), np.median([max(s) for s in sizes])
-    return DataProfile(len(src), len(src.classes), int(short), int(long))
+    return DataProfile(images, classes, int(short), int(long))
 
 
 def _pow2_at_most(x: float) -> int:

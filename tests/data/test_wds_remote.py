@@ -1,0 +1,170 @@
+"""WebDataset shards served by real stores on 127.0.0.1 (tests/servers.py): the HTTP server and
+moto's S3 server. Every rank x worker sees each of the folder's samples once per epoch, as from
+local shards; training from HTTP / S3 shards gives the local run's weights bitwise; a server dying
+mid-epoch stops the run with a checkpoint and one line, and ``vitflow resume`` finishes bitwise;
+an unreachable or forbidden shard is named in one line."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from servers import s3_upload
+
+from helpers import make_folder
+from vitflow import checkpoint as ckpt
+from vitflow.cli import main
+from vitflow.data import open_split, remote
+from vitflow.data.transforms import Preprocess, eval_transform, transform_encoded
+from vitflow.data.wdsstream import open_shard_stream, shard_loader
+
+CLASSES = ("a", "b", "c", "d")
+TRAIN = "train-{000000..000005}.tar"  # 40 samples, 7 a shard
+VAL = "val-{000000..000001}.tar"  # 8 samples
+STEPS = 10  # batch 8 from 40 samples: 5 batches an epoch, two epochs
+
+
+def _digest(image: torch.Tensor) -> str:
+    return hashlib.sha1(image.numpy().tobytes()).hexdigest()
+
+
+@pytest.fixture(autouse=True)
+def quick_retries():
+    remote.configure(retries=2, backoff=0.01)
+    yield
+    remote.configure(retries=5, backoff=1.0)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """A folder (train: 4 classes x 10, val: 4 x 2 images of 8 px) and its shards (7 samples a shard)."""
+    root = tmp_path_factory.mktemp("wdsremote")
+    make_folder(root / "folder", CLASSES, per_class=10, size=8, split="train")
+    make_folder(root / "folder", CLASSES, per_class=2, size=8, split="val", seed=1)
+    assert main(["-q", "prepare", str(root / "folder"), str(root / "shards"), "--format", "wds",
+                 "--shard-size", "7"]) == 0
+    return root / "folder", root / "shards"
+
+
+@pytest.fixture
+def stores(shards, http_server, s3_server):
+    """``{kind: base URL of the shard folder}`` for local, HTTP and S3."""
+    _, out = shards
+    return {"local": str(out), "http": f"{http_server(out.parent)}/shards", "s3": s3_upload(*s3_server, out)}
+
+
+def _epoch(pattern, rank, world, workers, epoch):
+    """(digest, label) of every image rank ``rank`` trains on in ``epoch`` of the shards ``pattern``."""
+    src = open_shard_stream(pattern, "train")
+    transform = eval_transform(Preprocess(8, 1.0, "bilinear", (0, 0, 0), (1, 1, 1)))
+    loader, per_epoch = shard_loader(src, transform, 4, 0, 16, (epoch, 0), rank, world, workers, 2)
+    got, it = [], iter(loader)
+    for _ in range(per_epoch):
+        b = next(it)
+        assert not b["bad"]
+        got += [(_digest(x), int(y)) for x, y in zip(b["images"], b["labels"])]
+    return got
+
+
+def test_http_and_s3_shards_give_each_rank_x_worker_the_folder_samples_once_per_epoch(shards, stores):
+    folder, _ = shards
+    src = open_split(folder, "train")
+    transform = eval_transform(Preprocess(8, 1.0, "bilinear", (0, 0, 0), (1, 1, 1)))
+    expected = sorted((_digest(transform_encoded(transform, src.encoded(i), "")), int(src.labels[i]))
+                      for i in range(len(src)))
+    local = [_epoch(f"{stores['local']}/{TRAIN}", r, 2, 0, 1) for r in (0, 1)]
+    for kind in ("http", "s3"):
+        per_rank = [_epoch(f"{stores[kind]}/{TRAIN}", r, 2, 2, 1) for r in (0, 1)]  # 2 ranks x 2 workers
+        assert [len(p) for p in per_rank] == [20, 20], kind
+        assert sorted(s for p in per_rank for s in p) == expected, kind
+        assert per_rank == local, kind  # the same order as from local shards
+
+
+def test_val_split_from_http_shards_is_the_local_one_read_by_one_request_an_image(shards, http_server):
+    _, out = shards
+    base = http_server(out.parent)
+    local, served = open_split(out, VAL), open_split(f"{base}/shards/{TRAIN}", VAL)
+    assert len(local) == len(served) == 8 and served.classes == list(CLASSES)
+    before = base.server.requests
+    for i in range(len(local)):
+        assert served.encoded(i) == local.encoded(i) and served.labels[i] == local.labels[i]
+    assert base.server.requests - before == 2 + len(local)  # one size request a shard, then one GET an image
+
+
+def _train(capsys, run, data, *extra) -> tuple[int, str]:
+    """``vitflow train`` from the shards ``data`` (or the command ``extra``) in this process:
+    ``(exit code, stderr)``."""
+    code = main(["-q", *(extra or ("train", f"data.path={data}", "data.num_workers=0", "data.shuffle_buffer=16",
+                 "data.hflip=true", "model.img_size=8", "model.drop_rate=0.1", "train.batch_size=8",
+                 f"train.total_steps={STEPS}", f"train.run_dir={run}", "train.precision=fp32", "train.threads=1",
+                 "train.eval_every=0", f"data.val_split={VAL}", "data.remote_retries=2", "data.remote_backoff=0.05"))])
+    return code, capsys.readouterr().err
+
+
+def _weights(run) -> dict:
+    return ckpt.load_checkpoint(ckpt.checkpoint_path(run, STEPS))
+
+
+def _assert_bitwise(a: dict, b: dict) -> None:
+    assert a["data"]["position"] == b["data"]["position"]
+    assert a["model"].keys() == b["model"].keys()
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+
+
+def test_training_from_http_and_s3_shards_equals_training_from_local_shards_bitwise(stores, tmp_path, capsys):
+    runs = {}
+    for kind, base in stores.items():
+        code, err = _train(capsys, tmp_path / kind, f"{base}/{TRAIN}")
+        assert code == 0, err[-2000:]
+        runs[kind] = _weights(tmp_path / kind)
+    assert runs["local"]["data"]["position"] == [1, 5]  # the end of epoch 1
+    _assert_bitwise(runs["local"], runs["http"])
+    _assert_bitwise(runs["local"], runs["s3"])
+
+
+def test_http_server_dying_mid_epoch_stops_with_a_checkpoint_and_resume_finishes_bitwise(shards, http_server,
+                                                                                         tmp_path, capsys):
+    _, out = shards
+    base = http_server(out.parent)
+    data = f"{base}/shards/{TRAIN}"
+    code, err = _train(capsys, tmp_path / "full", data)
+    assert code == 0, err[-2000:]
+    # each shard read is a size request and a GET; the plan reads the first shard, epoch 0 the 6 shards:
+    # die at the 11th shard read, in the middle of epoch 1
+    base.server.die_after_requests(2 * 10, matching="/train-")
+    run = tmp_path / "cut"
+    code, err = _train(capsys, run, data)
+    last = err.strip().splitlines()[-1]
+    assert code == 2, err[-2000:]
+    assert last.startswith(f"error: {base}/shards/train-0000") and " failed after 3 attempts: connection failed (" \
+        in last, last
+    saved = ckpt.list_checkpoints(run)
+    assert len(saved) == 1
+    state = ckpt.load_checkpoint(saved[0])
+    assert 5 < state["step"] < STEPS and state["data"]["position"][0] == 1  # mid-epoch 1
+    assert last.endswith(f"; the run stopped: checkpoint {saved[0]} written at step {state['step']}; when the "
+                         f"store is back, continue with: vitflow resume {run}")
+    base.server.start()
+    code, err = _train(capsys, run, data, "resume", str(run))
+    assert code == 0, err[-2000:]
+    _assert_bitwise(_weights(tmp_path / "full"), _weights(run))
+
+
+def test_forbidden_shard_and_unreachable_server_are_named_in_one_line(shards, http_server, tmp_path, capsys,
+                                                                     caplog):
+    _, out = shards
+    base = http_server(out.parent)
+    base.server.forbid("shards/train-000003.tar")
+    code, err = _train(capsys, tmp_path / "forbidden", f"{base}/shards/{TRAIN}")
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith(f"error: {base}/shards/train-000003.tar: size request failed: HTTP 403 "
+                                         "Forbidden (not retried); the run stopped: checkpoint "), err[-2000:]
+    assert not [r for r in caplog.records if "retry" in r.getMessage()]  # 403: not retried
+    base.server.stop()
+    code, err = _train(capsys, tmp_path / "unreachable", f"{base}/shards/{TRAIN}")
+    assert code == 2 and err.strip().splitlines()[-1].startswith(
+        f"error: {base}/shards/shards.json: size request failed after 3 attempts: connection failed ("), err[-2000:]
+    assert len([r for r in caplog.records if "retry" in r.getMessage()]) == 2  # data.remote_retries=2
+    assert not (tmp_path / "unreachable").exists()
