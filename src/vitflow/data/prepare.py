@@ -11,7 +11,7 @@ from pathlib import Path
 from vitflow.data.cifar import cifar_batches_source, is_cifar_batches
 from vitflow.data.decode import CorruptImageError
 from vitflow.data.dispatch import open_split
-from vitflow.data.packed import FORMAT, SPLIT_NAMES, VERSION, is_packed, write_split
+from vitflow.data.packed import FORMAT, VERSION, is_packed, write_split
 from vitflow.data.sources import DataError, ImageSource
 from vitflow.data.wdsprepare import prepare_shards
 
@@ -22,7 +22,7 @@ def _splits_of(src: str | Path) -> dict[str, ImageSource]:
     found: dict[str, ImageSource] = {}
     train = open_split(src, "train", label="SRC")
     found["train"] = train
-    for name in SPLIT_NAMES[1:]:
+    for name in ("val", "test"):  # val also finds a valid/ or validation/ split (written as val)
         try:
             found[name] = open_split(src, name, classes=train.classes, label="SRC")
         except DataError as e:

@@ -102,8 +102,6 @@ def prepare_shards(splits: dict[str, ImageSource], out: str | Path, shard_size: 
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
-    if "val" in splits:  # valid / validation are the same split found again under its other names
-        splits = {k: v for k, v in splits.items() if k not in ("valid", "validation")}
     counts: dict[str, int] = {}
     meta = {"format": "wds", "source": str(source), "classes": splits["train"].classes, "splits": {}}
     for name, src in splits.items():
