@@ -84,8 +84,8 @@ def token_grid(rows: torch.Tensor, num_prefix_tokens: int, grid: tuple[int, int]
 
 
 def plot_attention(image: torch.Tensor, head_maps: torch.Tensor, rollout: torch.Tensor, out: str | Path,
-                   title: str = "", layer: int = -1) -> Path:
-    """Write a PNG grid: the image, one overlay per head, the rollout overlay.
+                   title: str = "", layer: int = -1, rollout_label: str = "rollout (all layers)") -> Path:
+    """Write a PNG grid: the image, one overlay per head, the rollout overlay (titled ``rollout_label``).
 
     Args:
         image: ``uint8 (3, S, S)`` as fed to the model.
@@ -102,7 +102,7 @@ def plot_attention(image: torch.Tensor, head_maps: torch.Tensor, rollout: torch.
         return F.interpolate(m[None, None].float(), size=size, mode="bilinear", align_corners=False)[0, 0].numpy()
 
     panels = [("image", None)] + [(f"head {h} (layer {layer})", up(m)) for h, m in enumerate(head_maps)]
-    panels.append(("rollout (all layers)", up(rollout)))
+    panels.append((rollout_label, up(rollout)))
     cols = min(len(panels), 5)
     rows = math.ceil(len(panels) / cols)
     fig = Figure(figsize=(2.6 * cols, 2.6 * rows + (0.4 if title else 0)), dpi=110)
@@ -156,6 +156,8 @@ def attention_figure(checkpoint: str | Path, image: str | Path, out: str | Path,
     rollout = token_grid(attention_rollout(maps, head_fusion)[0], p, grid, kind)
     label = predictor.classes[int(idx)]
     title = f"{image.name}: {label} ({float(prob):.1%}); maps: {kind}"
-    path = plot_attention(pixels, heads, rollout, out, title, layer % depth)
+    rolled = "rollout (all layers)" if not hasattr(model, "attention_grid") else \
+        f"rollout (blocks {layer % depth - len(maps) + 1}-{layer % depth}, one stage)"
+    path = plot_attention(pixels, heads, rollout, out, title, layer % depth, rolled)
     return {"image": str(image), "output": str(path), "class": label, "prob": float(prob), "layer": layer % depth,
             "heads": heads.shape[0], "grid": list(grid), "maps": kind}
