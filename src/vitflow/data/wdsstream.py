@@ -21,8 +21,9 @@ loader workers, nor (for any rank count ``R`` dividing ``S``) of the number of r
    ``data.shard_streams`` and global batch sees what ``R`` ranks see, and a resume on another
    rank count (dividing ``S``) continues the same order.
 5. **Workers**: a background thread of the rank's main process reads its streams (through
-   :func:`~vitflow.data.wds.open_stream`) and hands each batch's encoded images to the
-   DataLoader, whose workers decode and augment them (randomness seeded from
+   :func:`~vitflow.data.remote.open_stream`) and hands each batch's encoded images to the
+   DataLoader (for a local shard only their offsets: the thread seeks past the image bytes and the
+   workers read them with ``os.pread``), whose workers decode and augment them (randomness seeded from
    ``(seed, epoch, batch, stream)``: a sample draws the same crop and flip on any rank count);
    each shard is read once per epoch (twice when on a boundary).
 
@@ -37,6 +38,7 @@ with their shard and key, and are counted in the skipped-images report like unre
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -51,7 +53,7 @@ from vitflow.data.sources import DataError, ImageSource
 from vitflow.data.splits import parse_split
 from vitflow.data.stream import shuffle_buffer
 from vitflow.data.transforms import Transform, transform_encoded
-from vitflow.data.remote import open_stream
+from vitflow.data.remote import is_remote, open_stream
 from vitflow.data.wds import ShardSet, iter_samples, parse_label, shard_set
 from vitflow.data.wdslayout import is_shard_pattern, split_urls
 from vitflow.runtime import mix_seed
@@ -220,12 +222,14 @@ class ShardBatches:
         """``(sample index, item)`` for samples ``a .. b - 1`` of ``shard``; every index is given,
         those the shard lacks as an error item."""
         url, classes, j = self.shards.urls[shard], self.shards.classes, 0
+        local = not is_remote(url)  # a local shard's images are read by the workers (os.pread), not shipped
         with open_stream(url) as f:
-            for s in iter_samples(url, f):
+            size = os.fstat(f.fileno()).st_size if local else None
+            for s in iter_samples(url, f, read_images=not local):
                 if j >= b:
                     break
                 if j >= a:
-                    yield j, self._item(url, s, classes)
+                    yield j, self._item(url, s, classes, size)
                 j += 1
         if j < b:
             if url not in self._warned:
@@ -237,15 +241,22 @@ class ShardBatches:
                           f"{int(self.shards.counts[shard])} samples (truncated?)")
 
     @staticmethod
-    def _item(url: str, s, classes: list[str]) -> Item:
+    def _item(url: str, s, classes: list[str], size: int | None = None) -> Item:
+        """The sample's item; its image is the bytes, or for a local shard (``size``: the file's
+        length) ``(path, offset, length)``, read where it is decoded."""
         name = f"{url}:{s.key}"
         if s.error is not None:
             return name, None, -1, s.error
         ext = s.image_ext()
         if ext is None:
             return name, None, -1, "no image member (.jpg, .jpeg, .png or .webp)"
+        data = s.members[ext]
+        if isinstance(data, tuple):
+            if data[0] + data[1] > size:
+                return name, None, -1, "the shard ends inside this sample (truncated?)"
+            data = (url, *data)
         try:
-            return name, s.members[ext], parse_label(s, classes), None
+            return name, data, parse_label(s, classes), None
         except ValueError as e:
             return name, None, -1, str(e)
 
@@ -294,6 +305,22 @@ class ShardDecode(torch.utils.data.Dataset):
 
     def __init__(self, transform: Transform, seed: int):
         self.transform, self.seed = transform, seed
+        self._fds: dict[str, int] = {}
+        self._pid = -1
+
+    def _pread(self, name: str, path: str, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset`` of the local shard ``path`` (the 16 newest shards kept open, per
+        process). Raises CorruptImageError naming the sample when they cannot be read."""
+        if self._pid != os.getpid():
+            self._fds, self._pid = {}, os.getpid()
+        try:
+            if path not in self._fds:
+                if len(self._fds) >= 16:  # shards are read in order: keep the newest few open
+                    os.close(self._fds.pop(next(iter(self._fds))))
+                self._fds[path] = os.open(path.removeprefix("file://"), os.O_RDONLY)
+            return os.pread(self._fds[path], size, offset)
+        except OSError as e:
+            raise CorruptImageError(name, f"cannot read it: {e.strerror or e}") from None
 
     def __getitem__(self, batch: ShardBatch) -> dict:
         images, labels, bad = [], [], []
@@ -305,6 +332,8 @@ class ShardDecode(torch.utils.data.Dataset):
                 try:
                     if error is not None:
                         raise CorruptImageError(name, error)
+                    if isinstance(data, tuple):
+                        data = self._pread(name, *data)
                     images.append(transform_encoded(self.transform, data, name))
                     labels.append(label)
                 except CorruptImageError as e:
