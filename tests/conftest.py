@@ -29,4 +29,4 @@ def digits_run(tmp_path_factory):
     return run, json.loads(out.stdout.strip().splitlines()[-1]), out
 
 
-from servers import http_server, s3_server, _moto_endpoint  # noqa: E402,F401  real HTTP / S3 servers on 127.0.0.1
+from servers import http_server, quick_retries, s3_server, _moto_endpoint  # noqa: E402,F401  real HTTP / S3 servers on 127.0.0.1

@@ -187,6 +187,16 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "A
           "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+@pytest.fixture
+def quick_retries():
+    """Remote reads retried twice, 10 ms apart, for the test (then vitflow's defaults again)."""
+    from vitflow.data import remote
+
+    remote.configure(retries=2, backoff=0.01)
+    yield
+    remote.configure(retries=5, backoff=1.0)
+
+
 @pytest.fixture(scope="session")
 def _moto_endpoint():
     import logging

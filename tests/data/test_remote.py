@@ -23,12 +23,7 @@ from vitflow.data.remote import RemoteError, expand_urls, open_random, open_stre
 from vitflow.data.remote_cache import cache_name, parse_size
 from vitflow.data.sources import DataError
 
-
-@pytest.fixture(autouse=True)
-def quick_retries():
-    remote.configure(retries=2, backoff=0.01)
-    yield
-    remote.configure(retries=5, backoff=1.0)
+pytestmark = pytest.mark.usefixtures("quick_retries")  # tests/servers.py: 2 retries, 10 ms apart
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from servers import s3_upload
 from helpers import make_folder
 from vitflow import checkpoint as ckpt
 from vitflow.cli import main
-from vitflow.data import open_split, remote
+from vitflow.data import open_split
 from vitflow.data.transforms import Preprocess, eval_transform, transform_encoded
 from vitflow.data.wdsstream import open_shard_stream, shard_loader
 
@@ -24,16 +24,11 @@ TRAIN = "train-{000000..000005}.tar"  # 40 samples, 7 a shard
 VAL = "val-{000000..000001}.tar"  # 8 samples
 STEPS = 10  # batch 8 from 40 samples: 5 batches an epoch, two epochs
 
+pytestmark = pytest.mark.usefixtures("quick_retries")  # tests/servers.py: 2 retries, 10 ms apart
+
 
 def _digest(image: torch.Tensor) -> str:
     return hashlib.sha1(image.numpy().tobytes()).hexdigest()
-
-
-@pytest.fixture(autouse=True)
-def quick_retries():
-    remote.configure(retries=2, backoff=0.01)
-    yield
-    remote.configure(retries=5, backoff=1.0)
 
 
 @pytest.fixture(scope="module")
