@@ -6,7 +6,10 @@ from __future__ import annotations
 import csv
 import io
 import os
+import signal
+import subprocess
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -135,3 +138,19 @@ def write_csv(path: Path, rows: list[dict], delimiter: str = ",", columns=("path
         w.writeheader()
         w.writerows(rows)
     return path
+
+
+def kill_at_first_checkpoint(cmd: list[str], run_dir: Path, env: dict) -> list[Path]:
+    """Start ``cmd`` (a ``vitflow train`` writing to ``run_dir``), SIGKILL it as soon as its first
+    checkpoint appears (or after 120 s), check it died of the signal, and return the checkpoints
+    it left (newest last)."""
+    from vitflow import checkpoint as ckpt
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not ckpt.list_checkpoints(run_dir) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    return ckpt.list_checkpoints(run_dir)

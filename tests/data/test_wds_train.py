@@ -3,14 +3,12 @@ bit-identical weights, and the evaluator scores the shards' val split as it scor
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import torch
 
-from helpers import make_folder
+from helpers import kill_at_first_checkpoint, make_folder
 from vitflow import checkpoint as ckpt
 from vitflow.cli import main
 from vitflow.evaluation import split_results
@@ -36,15 +34,7 @@ def test_sigkill_mid_epoch_then_resume_from_shards_matches_uninterrupted_run_bit
     full = tmp_path / "full"  # uninterrupted, in this process (one start-up less)
     assert main(_train_cmd(full, shards, 2 * k, f"train.checkpoint_every={k}")[3:]) == 0
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_train_cmd(killed, shards, 2 * k, f"train.checkpoint_every={k}"), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while not ckpt.list_checkpoints(killed) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
-    first = ckpt.list_checkpoints(killed)
+    first = kill_at_first_checkpoint(_train_cmd(killed, shards, 2 * k, f"train.checkpoint_every={k}"), killed, env)
     assert first and ckpt.load_checkpoint(first[0])["step"] == k
     assert ckpt.load_checkpoint(first[0])["data"]["position"] == [1, 1]  # mid-epoch: epoch 1, next batch 1
     for p in first[1:]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import comparable_records, digits_config, make_folder, snapshot
+from helpers import comparable_records, digits_config, kill_at_first_checkpoint, make_folder, snapshot
 from vitflow import checkpoint as ckpt
 from vitflow.cli import main
 from vitflow.config import build_config
@@ -63,15 +63,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run_bitwise(tmp_path):
     subprocess.run(_train_cmd(full, data, 2 * k, f"train.checkpoint_every={k}"), check=True, env=env,
                    capture_output=True)
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_train_cmd(killed, data, 2 * k, f"train.checkpoint_every={k}"), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while not ckpt.list_checkpoints(killed) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
-    first = ckpt.list_checkpoints(killed)
+    first = kill_at_first_checkpoint(_train_cmd(killed, data, 2 * k, f"train.checkpoint_every={k}"), killed, env)
     assert first and ckpt.load_checkpoint(first[0])["step"] == k
     for p in first[1:]:  # anything written after step k would also be complete: drop it to resume at k
         p.unlink()
