@@ -125,9 +125,9 @@ def setup_imbalance(cfg: Config, data, criterion, device: torch.device) -> None:
     what = "none" if weights is None else (
         f"{cfg.train.class_weights} ({'pos_weight ' if data.task == 'multilabel' else ''}min {float(weights.min()):.3g}"
         f", max {float(weights.max()):.3g})")
-    counts = class_counts(data.train.labels, len(data.classes)) if labels_known(data.train.labels) else [0]
-    log.info("imbalanced data: class weights %s; sampler %s; training images per class %d to %d", what,
-             cfg.data.sampler, min(counts), max(counts))
+    counts = class_counts(data.train.labels, len(data.classes)) if labels_known(data.train.labels) else None
+    log.info("imbalanced data: class weights %s; sampler %s; training images per class %s", what, cfg.data.sampler,
+             f"{min(counts)} to {max(counts)}" if counts else "not known before reading (streamed shards)")
     if weights is not None and cfg.data.sampler == "balanced":
         log.warning("train.class_weights and data.sampler=balanced both correct the imbalance: together they "
                     "over-weight the rare classes")
