@@ -94,3 +94,27 @@ def test_docs_use_the_current_config_key_names(page):
     text = (DOCS / page).read_text()
     old = [k for k in ("model.image_size", "model.layer_scale=", "model.distill_token") if k in text]
     assert page == "troubleshooting.md" or old == []
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_constraints_pin_every_dependency_the_install_command_names():
+    """README's install command is ``pip install -e ".[dev]" -c constraints.txt``: every package that
+    pyproject.toml names (the core and each extra) has an exact pin there, or pip falls back to
+    backtracking through releases (a CI run once spent its 90 minutes doing that)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    named = list(project["dependencies"]) + [req for extra in project["optional-dependencies"].values()
+                                             for req in extra]
+    wanted = {_canonical(re.match(r"[A-Za-z0-9_.-]+", req).group()) for req in named} - {"vitflow"}
+    pins = dict(line.split("==", 1) for line in (ROOT / "constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    pinned = {_canonical(name) for name in pins}
+    assert len(wanted) > 20
+    assert wanted - pinned == set()
+    assert pins["torch"] == "2.14.1" and pins["torchvision"] == "0.29.1"  # the wheels on this machine's disk
+    for path in (ROOT / "README.md", ROOT / ".ci" / "run"):
+        assert 'pip install -e ".[dev]" -c constraints.txt' in path.read_text(), path
