@@ -32,3 +32,16 @@ def test_cpu_gemm_probe_measures_both_gemms_and_leaves_the_rng_alone():
     assert torch.equal(torch.get_rng_state(), state)
     assert set(g) == {"fp32", "bf16"} and all(0.0 < v < 1e6 for v in g.values())  # bf16 emulated: ~1 GFLOP/s
     assert amp.cpu_gemm_gflops() is g  # measured once per process
+
+
+def test_settled_heap_freezes_the_objects_alive_on_entry_and_gives_them_back():
+    import gc
+
+    from vitflow.runtime import settled_heap
+
+    kept = [[] for _ in range(1000)]  # alive on entry (lists: tracked by the collector): frozen
+    with settled_heap():
+        assert gc.get_freeze_count() >= 1000
+        assert not any(o is kept[0] for o in gc.get_objects(2))  # out of the oldest generation's walks
+    assert gc.get_freeze_count() == 0  # a later run's collections see them again
+    assert any(o is kept[0] for o in gc.get_objects(2))

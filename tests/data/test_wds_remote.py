@@ -7,6 +7,7 @@ an unreachable or forbidden shard is named in one line."""
 from __future__ import annotations
 
 import hashlib
+import os
 
 import pytest
 import torch
@@ -163,3 +164,31 @@ def test_forbidden_shard_and_unreachable_server_are_named_in_one_line(shards, ht
         f"error: {base}/shards/shards.json: size request failed after 3 attempts: connection failed ("), err[-2000:]
     assert len([r for r in caplog.records if "retry" in r.getMessage()]) == 2  # data.remote_retries=2
     assert not (tmp_path / "unreachable").exists()
+
+
+def test_http_shards_are_spooled_for_the_workers_and_the_spool_is_emptied(shards, http_server, tmp_path,
+                                                                          monkeypatch):
+    """Remote shards reach the workers as local spool files (offsets, not pickled bytes); a file
+    goes once its batches are decoded, the folder when the stream ends; a SIGKILLed run's folder
+    is removed by the next spool."""
+    from vitflow.data import wdsspool
+
+    monkeypatch.setattr(wdsspool, "spool_root", lambda: tmp_path)
+    dead = tmp_path / f"{wdsspool.PREFIX}999999999-x"  # no such process
+    dead.mkdir()
+    (dead / "00000001.tar").write_bytes(b"left by a killed run")
+    _, out = shards
+    src = open_shard_stream(f"{http_server(out.parent)}/shards/{TRAIN}", "train")
+    transform = eval_transform(Preprocess(8, 1.0, "bilinear", (0, 0, 0), (1, 1, 1)))
+    loader, per_epoch = shard_loader(src, transform, 4, 0, 16, (0, 0), 0, 1, 2, 2)
+    items = next(iter(loader.sampler)).items
+    assert all(isinstance(d, tuple) and d[0].startswith(str(tmp_path)) for _, d, _, _ in items)
+    it, on_disk = iter(loader), []
+    for _ in range(3 * per_epoch):  # three epochs: 6 shards read three times
+        batch = next(it)
+        assert not batch["bad"] and len(batch["labels"]) == 4
+        on_disk.append(len(list(tmp_path.glob(f"{wdsspool.PREFIX}{os.getpid()}-*/*.tar"))))
+    assert not dead.exists()
+    assert 0 < max(on_disk) < 18  # spooled files come and go: never all 18 shard reads of the three epochs
+    loader.sampler.close()  # what TrainLoader.close does (the DataLoader keeps the iteration suspended)
+    assert list(tmp_path.glob(f"{wdsspool.PREFIX}{os.getpid()}-*")) == []

@@ -183,8 +183,11 @@ class TrainLoader:
         return iter(self.loader)
 
     def close(self) -> None:
+        """Stop the prefetch thread and a shard stream's reader (its spool removed)."""
         if self._prefetcher is not None:
             self._prefetcher.close()
+        if callable(close := getattr(getattr(self.loader, "sampler", None), "close", None)):
+            close()
 
     def device_batch(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch of this loader finished on the device: ``(x, targets)``, the model's input (batched

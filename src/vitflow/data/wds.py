@@ -30,6 +30,8 @@ from typing import BinaryIO, Iterator
 
 import numpy as np
 
+from vitflow.data import tarscan
+from vitflow.data.decode import CorruptImageError, image_size
 from vitflow.data.remote import BRACE, RemoteError, RemoteFile, is_remote, open_random, open_stream
 from vitflow.data.sources import DataError
 
@@ -109,21 +111,67 @@ def iter_samples(url: str, stream: BinaryIO, read_images: bool = True) -> Iterat
     Hidden members (a part starting with ``.``), directories and members of no known extension are
     left out. A shard that ends inside a member yields its last, incomplete sample with
     ``error`` set and stops (the samples before it are whole); one that is no tar at all (or empty)
-    yields one such sample. With ``read_images=False`` an image
-    member is recorded as ``(data offset, size)`` (seekable streams skip its bytes).
+    yields one such sample. With ``read_images=False`` an image member is recorded as
+    ``(data offset, size)``; a local file is then scanned through a memory map
+    (:mod:`vitflow.data.tarscan`), its images' bytes never read.
     """
+    mm = None if read_images else tarscan.mapped(stream)
+    if mm is not None:
+        with mm:
+            yield from _grouped(_scanned(mm), read_images)
+        return
     mode = "r:" if not read_images and stream.seekable() else "r|*"
-    current: Sample | None = None
     try:
         tf = tarfile.open(fileobj=stream, mode=mode)
     except (tarfile.TarError, EOFError) as e:  # empty (cut at 0) or not a tar: one bad sample, the rest missing
         yield Sample("", error=f"not a readable tar shard ({e})")
         return
     try:
-        for m in tf:
-            if not m.isfile() or any(p.startswith(".") for p in m.name.split("/")):
+        yield from _grouped(((m.name, m.offset_data, m.size, tf.extractfile(m)) for m in tf if m.isfile()),
+                            read_images)
+    finally:
+        tf.close()
+
+
+class _Span:
+    """A member's data in the memory map, read on demand; one cut by the end of the file raises
+    tarfile.ReadError when read (as tarfile does)."""
+
+    def __init__(self, mm, offset: int, size: int):
+        self.mm, self.offset, self.size = mm, offset, size
+
+    def read(self) -> bytes:
+        if self.offset + self.size > len(self.mm):
+            raise tarfile.ReadError("unexpected end of data")
+        return self.mm[self.offset:self.offset + self.size]
+
+
+def _scanned(mm) -> Iterator[tuple[str, int, int, _Span]]:
+    """:func:`tarscan.scan` members as ``(name, offset, size, data)``; after a member cut by the end
+    of the file, and for a first header that is no tar header (as ``tarfile.open`` does), raises
+    tarfile.ReadError."""
+    first = True
+    try:
+        for name, offset, size in tarscan.scan(mm):
+            first = False
+            yield name, offset, size, _Span(mm, offset, size)
+            if offset + size > len(mm):  # its sample is incomplete, and the last
+                raise tarfile.ReadError("unexpected end of data")
+    except tarfile.TarError as e:
+        if first:
+            raise tarfile.ReadError(f"not a readable tar shard ({e})") from None
+        raise
+
+
+def _grouped(members, read_images: bool) -> Iterator[Sample]:
+    """Samples from ``(name, offset, size, data)`` members (``data``: an object whose ``read()``
+    gives the member's bytes, or ``None``)."""
+    current: Sample | None = None
+    try:
+        for name, offset, size, data in members:
+            if any(p.startswith(".") for p in name.split("/")):
                 continue
-            key, ext = split_key(m.name.removeprefix("./"))
+            key, ext = split_key(name.removeprefix("./"))
             if ext not in IMAGE_EXTS and ext not in LABEL_EXTS:
                 continue
             if current is None or key != current.key:
@@ -131,17 +179,35 @@ def iter_samples(url: str, stream: BinaryIO, read_images: bool = True) -> Iterat
                     yield current
                 current = Sample(key)
             if ext in IMAGE_EXTS and not read_images:
-                current.members[ext] = (m.offset_data, m.size)
+                current.members[ext] = (offset, size)
             else:
-                f = tf.extractfile(m)
-                current.members[ext] = f.read() if f is not None else b""
+                current.members[ext] = data.read() if data is not None else b""
     except (tarfile.TarError, EOFError) as e:  # a read error of the store (RemoteError) propagates
+        if current is None and isinstance(e, tarfile.ReadError) and str(e).startswith("not a readable tar"):
+            yield Sample("", error=str(e))
+            return
         current = current or Sample("?")
         current.error = f"the shard ends inside this sample (truncated?): {e}"
-    finally:
-        tf.close()
     if current is not None:
         yield current
+
+
+def first_image_sizes(url: str, n: int) -> list[tuple[int, int]]:
+    """``(width, height)`` in pixels of up to ``n`` images from the start of the shard ``url``, from
+    their headers: what a training plan samples, without reading the whole split (which a remote
+    shard set would download). Unreadable samples are left out. Raises RemoteError."""
+    sizes = []
+    with open_stream(url) as f:
+        for s in iter_samples(url, f):
+            ext = s.image_ext()
+            if s.error is None and ext is not None:
+                try:
+                    sizes.append(image_size(s.members[ext], f"{url}:{s.key}"))
+                except CorruptImageError:
+                    pass
+            if len(sizes) >= n:
+                break
+    return sizes
 
 
 def parse_label(sample: Sample, classes: list[str] | None) -> int | str:

@@ -20,12 +20,14 @@ loader workers, nor (for any rank count ``R`` dividing ``S``) of the number of r
    together are the same global batch whatever ``R``: a one-process run with the same
    ``data.shard_streams`` and global batch sees what ``R`` ranks see, and a resume on another
    rank count (dividing ``S``) continues the same order.
-5. **Workers**: a background thread of the rank's main process reads its streams (through
-   :func:`~vitflow.data.remote.open_stream`) and hands each batch's encoded images to the
-   DataLoader (for a local shard only their offsets: the thread seeks past the image bytes and the
-   workers read them with ``os.pread``), whose workers decode and augment them (randomness seeded from
-   ``(seed, epoch, batch, stream)``: a sample draws the same crop and flip on any rank count);
-   each shard is read once per epoch (twice when on a boundary).
+5. **Workers**: a background thread of the rank's main process reads its streams and hands
+   each batch's images to the DataLoader as ``(file, offset, size)``: it parses a shard's tar
+   headers and seeks past the image bytes, which the loader workers read with ``os.pread`` where
+   they decode and augment them (randomness seeded from ``(seed, epoch, batch, stream)``: a sample
+   draws the same crop and flip on any rank count). A remote shard is first copied to a local
+   spool file (:mod:`vitflow.data.wdsspool`: one sequential download, deleted once its samples
+   are decoded); a gzip-compressed one is decompressed as a stream and its images' bytes are
+   handed over instead. Each shard is read once per epoch (twice when on a boundary).
 
 The reading order is computed from indices first (as :mod:`vitflow.data.stream` does); bytes are
 held only until their chunk is complete (memory ~ ``shuffle_buffer`` x the mean sample size per
@@ -37,6 +39,8 @@ with their shard and key, and are counted in the skipped-images report like unre
 
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
 import os
 import queue
@@ -47,18 +51,20 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from vitflow.data.decode import CorruptImageError, image_size
+from vitflow.data.decode import CorruptImageError
 from vitflow.data.loader import stack_images
 from vitflow.data.sources import DataError, ImageSource
 from vitflow.data.splits import parse_split
 from vitflow.data.stream import shuffle_buffer
 from vitflow.data.transforms import Transform, transform_encoded
-from vitflow.data.remote import is_remote, open_stream
+from vitflow.data.remote import is_remote, local_path, open_stream
 from vitflow.data.wds import ShardSet, iter_samples, parse_label, shard_set
+from vitflow.data.wdsspool import Spool
 from vitflow.data.wdslayout import is_shard_pattern, split_urls
 from vitflow.runtime import mix_seed
 
 log = logging.getLogger(__name__)
+PARSED_MAX_SAMPLES = 2_000_000  # local shards' parsed samples a stream keeps (~200 bytes each)
 Item = tuple  # (name, encoded bytes or None, label, error or None)
 
 
@@ -102,24 +108,6 @@ def open_shard_stream(path: str, split: str, classes_file: str | None = None) ->
     return ShardStream(shards)
 
 
-def first_image_sizes(stream: ShardStream, n: int) -> list[tuple[int, int]]:
-    """``(width, height)`` in pixels of up to ``n`` images from the start of ``stream``'s first
-    shard, from their headers: what a training plan samples, without reading the whole split
-    (which a remote shard set would download). Unreadable samples are left out."""
-    url, sizes = stream.shards.urls[0], []
-    with open_stream(url) as f:
-        for s in iter_samples(url, f):
-            ext = s.image_ext()
-            if s.error is None and ext is not None:
-                try:
-                    sizes.append(image_size(s.members[ext], f"{url}:{s.key}"))
-                except CorruptImageError:
-                    pass
-            if len(sizes) >= n:
-                break
-    return sizes
-
-
 @dataclass
 class ShardBatch:
     """Batch ``index`` of ``epoch``: its samples' ``items`` ``(name, bytes, label, error)``, in
@@ -155,6 +143,8 @@ class ShardBatches:
         batch_size: images per batch of this rank.
         streams: the streams an epoch is cut into (default: one per rank); rank ``r`` reads
             streams ``r S / R .. (r + 1) S / R - 1`` and its batch ``b`` is chunk ``b`` of each.
+        lag: batches the consumer may still be decoding after asking for the next one (the
+            DataLoader's ``prefetch_factor x workers``, plus one): how long spooled shards are kept.
     Raises:
         DataError: ``streams`` not a multiple of ``world_size`` or not dividing the global batch;
             fewer samples than one batch.
@@ -162,7 +152,7 @@ class ShardBatches:
 
     def __init__(self, shards: ShardSet, batch_size: int, seed: int = 0, buffer_size: int = 50_000,
                  start: tuple[int, int] = (0, 0), rank: int = 0, world_size: int = 1, epochs: int | None = None,
-                 ahead: int = 4, streams: int | None = None):
+                 ahead: int = 4, streams: int | None = None, lag: int = 2):
         streams = streams or world_size
         if streams % world_size or (batch_size * world_size) % streams:
             raise DataError(f"data.shard_streams={streams} must be a multiple of the {world_size} rank(s) and divide "
@@ -172,12 +162,15 @@ class ShardBatches:
         self.chunk = batch_size * world_size // streams
         self.per_stream = shards.total // streams
         self.buffer_size = max(1, min(buffer_size, self.per_stream))
-        self.start, self.epochs, self.ahead = start, epochs, ahead
+        self.start, self.epochs, self.ahead, self.lag = start, epochs, ahead, lag
         self.batches_per_epoch = self.per_stream // self.chunk
         if self.batches_per_epoch == 0:
             raise DataError(f"{shards.urls[0]}: {shards.total} samples cannot fill one batch of {batch_size} x "
                             f"{world_size} rank(s); lower train.batch_size")
         self._warned: set[str] = set()
+        self._parsed: dict[tuple, list] = {}  # local shards' items, by (path, size, mtime): parsed once
+        self._parsed_samples = 0
+        self._active: list[tuple[threading.Event, Spool]] = []  # the running iterations' stop flags and spools
 
     def slots(self, epoch: int, stream: int, first: int = 0) -> np.ndarray:
         """For each position of ``stream``'s part, its place in the stream's emitted order
@@ -190,8 +183,9 @@ class ShardBatches:
         where[keep] = np.arange(first * self.chunk, first * self.chunk + len(keep))
         return where
 
-    def chunks(self, epoch: int, stream: int, first: int = 0) -> Iterator[list]:
-        """Chunks ``first, first + 1, ...`` of ``stream`` in ``epoch`` (lists of items), read in order."""
+    def chunks(self, epoch: int, stream: int, first: int, spool: Spool) -> Iterator[list]:
+        """Chunks ``first, first + 1, ...`` of ``stream`` in ``epoch`` (lists of items), read in
+        order; each kept item of a spooled shard holds its file."""
         where, c = self.slots(epoch, stream, first), self.chunk
         pending: dict[int, list] = {}
         filled: dict[int, int] = {}
@@ -201,10 +195,12 @@ class ShardBatches:
             pos += b - a
             if not (slots >= 0).any():
                 continue  # holds only consumed or dropped samples: not opened
-            for j, item in self._read(shard, a, b):
+            for j, item in self._read(shard, a, b, spool):
                 slot = int(slots[j - a])
                 if slot < 0:
                     continue
+                if isinstance(item[1], tuple):
+                    spool.hold(item[1][0])
                 pending.setdefault(slot // c, [None] * c)[slot % c] = item
                 filled[slot // c] = filled.get(slot // c, 0) + 1
                 while filled.get(nxt) == c:
@@ -212,25 +208,20 @@ class ShardBatches:
                     yield pending.pop(nxt)
                     nxt += 1
 
-    def epoch(self, epoch: int, first: int = 0) -> Iterator[ShardBatch]:
+    def epoch(self, epoch: int, first: int, spool: Spool) -> Iterator[ShardBatch]:
         """This rank's batches ``first, first + 1, ...`` of ``epoch``: chunk ``b`` of each of its streams."""
-        streams = [self.chunks(epoch, s, first) for s in self.mine]
+        streams = [self.chunks(epoch, s, first, spool) for s in self.mine]
         for b in range(first, self.batches_per_epoch):
             yield ShardBatch(epoch, b, [item for chunks in streams for item in next(chunks)], list(self.mine))
 
-    def _read(self, shard: int, a: int, b: int) -> Iterator[tuple[int, Item]]:
+    def _read(self, shard: int, a: int, b: int, spool: Spool) -> Iterator[tuple[int, Item]]:
         """``(sample index, item)`` for samples ``a .. b - 1`` of ``shard``; every index is given,
         those the shard lacks as an error item."""
-        url, classes, j = self.shards.urls[shard], self.shards.classes, 0
-        local = not is_remote(url)  # a local shard's images are read by the workers (os.pread), not shipped
-        with open_stream(url) as f:
-            size = os.fstat(f.fileno()).st_size if local else None
-            for s in iter_samples(url, f, read_images=not local):
-                if j >= b:
-                    break
-                if j >= a:
-                    yield j, self._item(url, s, classes, size)
-                j += 1
+        url, j = self.shards.urls[shard], 0
+        for item in self._items(url, b, spool):
+            if j >= a:
+                yield j, item
+            j += 1
         if j < b:
             if url not in self._warned:
                 self._warned.add(url)
@@ -240,10 +231,40 @@ class ShardBatches:
                 yield k, (f"{url}:#{k}", None, -1, f"missing: the shard ends after {j} of "
                           f"{int(self.shards.counts[shard])} samples (truncated?)")
 
+    def _items(self, url: str, stop: int, spool: Spool) -> Iterator[Item]:
+        """The items of samples ``0 .. stop - 1`` of shard ``url`` (fewer when it holds fewer), in
+        order. Images are ``(file, offset, size)`` (a remote shard spooled first), bytes for a
+        compressed shard. A local shard read to its end is kept (up to :data:`PARSED_MAX_SAMPLES`
+        samples in all) and not parsed again while its size and mtime are unchanged."""
+        compressed = url.endswith((".gz", ".tgz"))
+        key = None
+        if not compressed and not is_remote(url):
+            st = os.stat(local_path(url))
+            key = (url, st.st_size, st.st_mtime_ns)
+            if key in self._parsed:
+                yield from itertools.islice(self._parsed[key], stop)
+                return
+        path = url if compressed or key is not None else spool.fetch(url)
+        items: list = []
+        try:
+            with open_stream(url) if compressed else open(local_path(path), "rb") as f:
+                size = None if compressed else os.fstat(f.fileno()).st_size
+                for s in iter_samples(url, f, read_images=compressed):
+                    if len(items) >= stop:
+                        return  # not read to its end: not kept
+                    items.append(self._item(url, s, self.shards.classes, size, path))
+                    yield items[-1]
+        finally:
+            if path != url:
+                spool.done_reading(path)
+        if key is not None and self._parsed_samples + len(items) <= PARSED_MAX_SAMPLES:
+            self._parsed[key] = items
+            self._parsed_samples += len(items)
+
     @staticmethod
-    def _item(url: str, s, classes: list[str], size: int | None = None) -> Item:
-        """The sample's item; its image is the bytes, or for a local shard (``size``: the file's
-        length) ``(path, offset, length)``, read where it is decoded."""
+    def _item(url: str, s, classes: list[str], size: int | None = None, path: str | None = None) -> Item:
+        """The sample's item; its image is the bytes, or ``(path, offset, length)`` in the local file
+        ``path`` (the shard or its spooled copy, ``size`` bytes long), read where it is decoded."""
         name = f"{url}:{s.key}"
         if s.error is not None:
             return name, None, -1, s.error
@@ -254,7 +275,7 @@ class ShardBatches:
         if isinstance(data, tuple):
             if data[0] + data[1] > size:
                 return name, None, -1, "the shard ends inside this sample (truncated?)"
-            data = (url, *data)
+            data = (path or url, *data)
         try:
             return name, data, parse_label(s, classes), None
         except ValueError as e:
@@ -271,11 +292,11 @@ class ShardBatches:
                 pass
         return False
 
-    def _produce(self, out: queue.Queue, stop: threading.Event) -> None:
+    def _produce(self, out: queue.Queue, stop: threading.Event, spool: Spool) -> None:
         try:
             epoch, first = self.start
             while self.epochs is None or epoch < self.epochs:
-                for batch in self.epoch(epoch, first):
+                for batch in self.epoch(epoch, first, spool):
                     if not self._put(out, batch, stop):
                         return
                 epoch, first = epoch + 1, 0
@@ -284,17 +305,33 @@ class ShardBatches:
             self._put(out, e, stop)
 
     def __iter__(self) -> Iterator[ShardBatch]:
+        """The batches, read ahead by a background thread; a batch's spooled files are released
+        ``lag`` batches after it is handed over (the spool is removed when iteration ends)."""
         q: queue.Queue = queue.Queue(maxsize=self.ahead)
-        stop = threading.Event()
-        thread = threading.Thread(target=self._produce, args=(q, stop), daemon=True, name="vitflow-shards")
+        stop, spool = threading.Event(), Spool(self.lag)
+        self._active.append((stop, spool))
+        thread = threading.Thread(target=self._produce, args=(q, stop, spool), daemon=True, name="vitflow-shards")
         thread.start()
+        handed: collections.deque = collections.deque()
         try:
             while (item := q.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
+                handed.append([d[0] for _, d, _, _ in item.items if isinstance(d, tuple)])
+                if len(handed) > self.lag:
+                    spool.release(handed.popleft())
         finally:
             stop.set()
+            spool.close()
+            self._active.remove((stop, spool))
+
+    def close(self) -> None:
+        """Stop the reader threads of the iterations still running and remove their spools (an
+        iteration that the DataLoader keeps suspended, as its persistent workers do)."""
+        for stop, spool in list(self._active):
+            stop.set()
+            spool.close()
 
 
 class ShardDecode(torch.utils.data.Dataset):
@@ -305,26 +342,31 @@ class ShardDecode(torch.utils.data.Dataset):
 
     def __init__(self, transform: Transform, seed: int):
         self.transform, self.seed = transform, seed
-        self._fds: dict[str, int] = {}
-        self._pid = -1
 
-    def _pread(self, name: str, path: str, offset: int, size: int) -> bytes:
-        """``size`` bytes at ``offset`` of the local shard ``path`` (the 16 newest shards kept open, per
-        process). Raises CorruptImageError naming the sample when they cannot be read."""
-        if self._pid != os.getpid():
-            self._fds, self._pid = {}, os.getpid()
+    @staticmethod
+    def _pread(fds: dict[str, int], name: str, path: str, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset`` of the local file ``path`` (opened once a batch, in ``fds``:
+        a spooled shard deleted after its batches holds no memory in a worker). Raises
+        CorruptImageError naming the sample when they cannot be read."""
         try:
-            if path not in self._fds:
-                if len(self._fds) >= 16:  # shards are read in order: keep the newest few open
-                    os.close(self._fds.pop(next(iter(self._fds))))
-                self._fds[path] = os.open(path.removeprefix("file://"), os.O_RDONLY)
-            return os.pread(self._fds[path], size, offset)
+            if path not in fds:
+                fds[path] = os.open(local_path(path), os.O_RDONLY)
+            return os.pread(fds[path], size, offset)
         except OSError as e:
             raise CorruptImageError(name, f"cannot read it: {e.strerror or e}") from None
 
     def __getitem__(self, batch: ShardBatch) -> dict:
-        images, labels, bad = [], [], []
+        images, labels, bad, fds = [], [], [], {}
         chunk = len(batch.items) // len(batch.streams)
+        try:
+            self._decode(batch, chunk, fds, images, labels, bad)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return {"images": stack_images(images), "labels": torch.tensor(labels, dtype=torch.int64),
+                "epoch": batch.epoch, "index": batch.index, "bad": bad}
+
+    def _decode(self, batch: ShardBatch, chunk: int, fds: dict, images: list, labels: list, bad: list) -> None:
         with torch.random.fork_rng(devices=[]):
             for k, (name, data, label, error) in enumerate(batch.items):
                 if k % chunk == 0:
@@ -333,13 +375,11 @@ class ShardDecode(torch.utils.data.Dataset):
                     if error is not None:
                         raise CorruptImageError(name, error)
                     if isinstance(data, tuple):
-                        data = self._pread(name, *data)
+                        data = self._pread(fds, name, *data)
                     images.append(transform_encoded(self.transform, data, name))
                     labels.append(label)
                 except CorruptImageError as e:
                     bad.append((e.path, e.reason))
-        return {"images": stack_images(images), "labels": torch.tensor(labels, dtype=torch.int64),
-                "epoch": batch.epoch, "index": batch.index, "bad": bad}
 
 
 def _identity(batch: dict) -> dict:
@@ -351,7 +391,8 @@ def shard_loader(source: ShardStream, transform: Transform, batch_size: int, see
                  prefetch: int, streams: int | None = None) -> tuple[torch.utils.data.DataLoader, int]:
     """``(DataLoader of this rank's training batches, batches per epoch)`` for :func:`train_loader`."""
     sampler = ShardBatches(source.shards, batch_size, seed, buffer_size, start, rank, world_size,
-                           ahead=max(2, prefetch * max(workers, 1)), streams=streams)
+                           ahead=max(2, prefetch * max(workers, 1)), streams=streams,
+                           lag=(prefetch if workers else 1) * max(workers, 1) + 1)
     kwargs = dict(prefetch_factor=prefetch, persistent_workers=True) if workers else {}
     loader = torch.utils.data.DataLoader(ShardDecode(transform, seed), batch_size=None, sampler=sampler,
                                          num_workers=workers, collate_fn=_identity, generator=torch.Generator(),

@@ -32,7 +32,7 @@ from vitflow.evaluation import scalar_metrics
 from vitflow.models import check_config as check_model_config
 from vitflow.models import model_args, model_kwargs
 from vitflow.models.pretrained_config import apply_pretrained
-from vitflow.runtime import configure_allocator, mix_seed, quiet, resolve_device, rng_state, set_rng_state
+from vitflow.runtime import configure_allocator, mix_seed, quiet, resolve_device, rng_state, set_rng_state, settled_heap
 from vitflow.train.budget import ProgressiveResizing, TimeBudget
 from vitflow.train.class_weights import setup_imbalance, write_distribution
 from vitflow.train.distill import build_criterion
@@ -236,7 +236,8 @@ class Trainer:
                            test_images=len(self.data.test or ()), **self.tuning.summary(),
                            resumed_from=self.state["path"] if self.state else None)
         try:
-            with self.stop, logging_redirect_tqdm():  # log lines above the progress bar, not inside it
+            # log lines above the progress bar, not inside it; the set-up's objects out of the collector's walks
+            with self.stop, logging_redirect_tqdm(), settled_heap():
                 try:
                     images_seen, train_time = self._loop(budget)
                 except RemoteError as e:  # the store stayed unreachable: checkpoint, then one line

@@ -20,7 +20,8 @@ from vitflow.config import Config, build_config, to_yaml
 from vitflow.data import DataError, open_split
 from vitflow.data.decode import CorruptImageError
 from vitflow.data.dispatch import source_kind
-from vitflow.data.wdsstream import first_image_sizes, open_shard_stream
+from vitflow.data.wds import first_image_sizes
+from vitflow.data.wdsstream import open_shard_stream
 from vitflow.models import model_kwargs
 from vitflow.runtime import resolve_device
 
@@ -51,7 +52,7 @@ def profile_data(cfg: Config) -> DataProfile:
     """
     if source_kind(cfg.data.path, cfg.data.source) == "wds":  # shards: the index's counts, the first shard's sizes
         stream = open_shard_stream(str(cfg.data.path), cfg.data.train_split, cfg.data.classes)
-        return _profile(cfg, len(stream), len(stream.classes), first_image_sizes(stream, SAMPLE))
+        return _profile(cfg, len(stream), len(stream.classes), first_image_sizes(stream.shards.urls[0], SAMPLE))
     src = open_split(cfg.data.path, cfg.data.train_split, cfg.data.source, cfg=cfg.data)
     sizes = []
     for i in np.linspace(0, len(src) - 1, min(SAMPLE, len(src))).astype(int):
