@@ -116,6 +116,19 @@ def test_ranks_x_workers_see_every_folder_sample_once_per_epoch(shards):
     assert [d for d, _, _ in epochs[0][1]] != [d for d, _, _ in epochs[1][1]]  # reshuffled each epoch
 
 
+def test_gzip_compressed_local_shards_stream_the_same_samples(shards, tmp_path):
+    import gzip
+
+    _, out = shards
+    for f in out.iterdir():
+        if f.name.startswith("train-"):
+            (tmp_path / f"{f.name}.gz").write_bytes(gzip.compress(f.read_bytes()))
+    (tmp_path / "classes.txt").write_bytes((out / "classes.txt").read_bytes())
+    plain = _epoch_samples(f"{out}/train-{{000000..000005}}.tar", 0, 1, 2, batch=8)
+    assert len(plain) == 40
+    assert _epoch_samples(f"{tmp_path}/train-{{000000..000005}}.tar.gz", 0, 1, 2, batch=8) == plain
+
+
 def test_rank_parts_tail_and_resume_position(shards):
     _, out = shards
     src = open_shard_stream(str(out), "train")

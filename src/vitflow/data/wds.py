@@ -115,12 +115,13 @@ def iter_samples(url: str, stream: BinaryIO, read_images: bool = True) -> Iterat
     ``(data offset, size)``; a local file is then scanned through a memory map
     (:mod:`vitflow.data.tarscan`), its images' bytes never read.
     """
-    mm = None if read_images else tarscan.mapped(stream)
+    compressed = url.endswith((".gz", ".tgz"))  # offsets then count in the decompressed stream
+    mm = None if read_images or compressed else tarscan.mapped(stream)
     if mm is not None:
         with mm:
             yield from _grouped(_scanned(mm), read_images)
         return
-    mode = "r:" if not read_images and stream.seekable() else "r|*"
+    mode = "r:" if not read_images and not compressed and stream.seekable() else "r|*"
     try:
         tf = tarfile.open(fileobj=stream, mode=mode)
     except (tarfile.TarError, EOFError) as e:  # empty (cut at 0) or not a tar: one bad sample, the rest missing
