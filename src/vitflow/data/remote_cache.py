@@ -47,6 +47,14 @@ def cache_name(url: str) -> str:
     return f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{basename(url)[-80:]}"
 
 
+def download(src, out) -> None:
+    """Copy the remote file ``src`` (a :class:`~vitflow.data.remote.RemoteFile`: ``size``,
+    ``pread``) into the open binary file ``out``, ``STREAM_BLOCK`` bytes a (retried) request, in
+    order. Raises RemoteError."""
+    for start in range(0, src.size, STREAM_BLOCK):
+        out.write(src.pread(start, STREAM_BLOCK))
+
+
 def cached_copy(url: str, cache_dir: str, max_size: int | None, src) -> Path:
     """The local copy of ``url`` in ``cache_dir`` (created), downloaded first when absent through
     ``src`` (a :class:`~vitflow.data.remote.RemoteFile` of ``url``: ``size``, ``pread``).
@@ -64,8 +72,7 @@ def cached_copy(url: str, cache_dir: str, max_size: int | None, src) -> Path:
     tmp = folder / f".{path.name}.{os.getpid()}.partial"
     try:
         with open(tmp, "wb") as out:
-            for start in range(0, src.size, STREAM_BLOCK):
-                out.write(src.pread(start, STREAM_BLOCK))
+            download(src, out)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)  # atomic: the name appears only for a complete file

@@ -23,8 +23,7 @@ def _number(field: bytes) -> int:
     """A header number: octal digits (NUL/space padded), or base-256 when the first byte has
     its high bit set (GNU, for sizes >= 8 GiB). Raises tarfile.HeaderError."""
     if field[0] & 0x80:
-        value = int.from_bytes(field[1:], "big") | ((field[0] & 0x7F) << (8 * (len(field) - 1)))
-        return value
+        return int.from_bytes(field[1:], "big") | ((field[0] & 0x7F) << (8 * (len(field) - 1)))
     digits = field.split(b"\0", 1)[0].strip()
     try:
         return int(digits, 8) if digits else 0

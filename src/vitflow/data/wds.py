@@ -54,6 +54,11 @@ def read_range(url: str, offset: int, size: int) -> bytes:
     return RemoteFile(url, size=_SIZES[url]).pread(offset, size)
 
 
+def is_compressed(url: str) -> bool:
+    """True for a gzip-compressed shard (``.tar.gz``, ``.tgz``): readable only as a stream."""
+    return url.endswith((".gz", ".tgz"))
+
+
 def has_pattern(spec: str) -> bool:
     """True when ``spec`` is a shard pattern or list: braces, ``::`` or a glob naming ``.tar``."""
     return "::" in spec or bool(BRACE.search(spec)) or (any(c in spec for c in "*?") and ".tar" in spec)
@@ -115,7 +120,7 @@ def iter_samples(url: str, stream: BinaryIO, read_images: bool = True) -> Iterat
     ``(data offset, size)``; a local file is then scanned through a memory map
     (:mod:`vitflow.data.tarscan`), its images' bytes never read.
     """
-    compressed = url.endswith((".gz", ".tgz"))  # offsets then count in the decompressed stream
+    compressed = is_compressed(url)  # offsets then count in the decompressed stream
     mm = None if read_images or compressed else tarscan.mapped(stream)
     if mm is not None:
         with mm:
@@ -132,6 +137,10 @@ def iter_samples(url: str, stream: BinaryIO, read_images: bool = True) -> Iterat
                             read_images)
     finally:
         tf.close()
+
+
+class _NotATar(tarfile.ReadError):
+    """The first header of a scanned file is no tar header (what ``tarfile.open`` refuses)."""
 
 
 class _Span:
@@ -160,7 +169,7 @@ def _scanned(mm) -> Iterator[tuple[str, int, int, _Span]]:
                 raise tarfile.ReadError("unexpected end of data")
     except tarfile.TarError as e:
         if first:
-            raise tarfile.ReadError(f"not a readable tar shard ({e})") from None
+            raise _NotATar(f"not a readable tar shard ({e})") from None
         raise
 
 
@@ -184,7 +193,7 @@ def _grouped(members, read_images: bool) -> Iterator[Sample]:
             else:
                 current.members[ext] = data.read() if data is not None else b""
     except (tarfile.TarError, EOFError) as e:  # a read error of the store (RemoteError) propagates
-        if current is None and isinstance(e, tarfile.ReadError) and str(e).startswith("not a readable tar"):
+        if isinstance(e, _NotATar):
             yield Sample("", error=str(e))
             return
         current = current or Sample("?")

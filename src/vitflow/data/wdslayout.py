@@ -33,7 +33,7 @@ from vitflow.data.labels import canonical_split
 from vitflow.data.sources import DataError, ImageSource
 from vitflow.data.splits import parse_split
 from vitflow.data.remote import expand_urls, is_remote, open_stream
-from vitflow.data.wds import (INDEX_NAME, has_pattern, iter_samples, looks_like_shard, parse_label, read_classes,
+from vitflow.data.wds import (INDEX_NAME, has_pattern, is_compressed, iter_samples, looks_like_shard, parse_label, read_classes,
                               read_range, shard_set)
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ def open_shard_source(urls: list[str], classes: list[str] | None = None,
     Raises:
         DataError: compressed shards, no class list, no samples.
     """
-    if any(u.endswith((".gz", ".tgz")) for u in urls):
+    if any(is_compressed(u) for u in urls):
         raise DataError(f"{urls[0]}: validation and test shards are read by offset and must be uncompressed tars")
     classes = classes or read_classes(urls[0], classes_file) or shard_set(urls, classes_file).classes
     labels, shard, spans, keys, errors, skipped = [], [], [], [], {}, 0

@@ -31,7 +31,7 @@ import weakref
 from pathlib import Path
 
 from vitflow.data.remote import SETTINGS, STREAM_BLOCK, RemoteFile
-from vitflow.data.remote_cache import cached_copy
+from vitflow.data.remote_cache import cached_copy, download
 from vitflow.data.sources import DataError
 
 log = logging.getLogger(__name__)
@@ -119,8 +119,7 @@ class Spool:
             self._holds.setdefault(path, 0)
         try:
             with open(path, "wb") as out:
-                for start in range(0, src.size, STREAM_BLOCK):
-                    out.write(src.pread(start, STREAM_BLOCK))
+                download(src, out)
         except BaseException:
             self.done_reading(path)
             raise
@@ -150,11 +149,6 @@ class Spool:
         if self._holds.get(path, 1) <= 0 and path not in self._reading:
             del self._holds[path]
             Path(path).unlink(missing_ok=True)
-
-    def files(self) -> list[str]:
-        """The spooled files now on disk (held or being read)."""
-        with self._lock:
-            return sorted(self._holds)
 
     def close(self) -> None:
         """Remove the spool folder and everything in it."""

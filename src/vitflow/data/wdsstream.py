@@ -58,7 +58,7 @@ from vitflow.data.splits import parse_split
 from vitflow.data.stream import shuffle_buffer
 from vitflow.data.transforms import Transform, transform_encoded
 from vitflow.data.remote import is_remote, local_path, open_stream
-from vitflow.data.wds import ShardSet, iter_samples, parse_label, shard_set
+from vitflow.data.wds import ShardSet, is_compressed, iter_samples, parse_label, shard_set
 from vitflow.data.wdsspool import Spool
 from vitflow.data.wdslayout import is_shard_pattern, split_urls
 from vitflow.runtime import mix_seed
@@ -236,7 +236,7 @@ class ShardBatches:
         order. Images are ``(file, offset, size)`` (a remote shard spooled first), bytes for a
         compressed shard. A local shard read to its end is kept (up to :data:`PARSED_MAX_SAMPLES`
         samples in all) and not parsed again while its size and mtime are unchanged."""
-        compressed = url.endswith((".gz", ".tgz"))
+        compressed = is_compressed(url)
         key = None
         if not compressed and not is_remote(url):
             st = os.stat(local_path(url))
