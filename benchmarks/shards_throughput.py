@@ -89,6 +89,7 @@ def stall(data: str, args, run: Path) -> tuple[float, float]:
         "data.val_split=train-{000000..000000}.tar",  # one shard, evaluated once at the end (a run needs one)
         "model.name=vit_tiny_patch16_224", f"model.img_size={args.image_size}", "data.train_augment=random_resized_crop",
         f"data.num_workers={args.workers}", f"train.batch_size={args.batch_size}", f"train.total_steps={args.steps}",
+        f"optim.warmup_steps={max(1, args.steps // 10)}",
         f"train.log_every={args.log_every}", "train.eval_every=0", "train.checkpoint_every=0", f"train.run_dir={run}",
         f"train.device={args.device}", "data.remote_retries=2"])
     Trainer(cfg).fit()

@@ -69,7 +69,22 @@ class RangeHandler(SimpleHTTPRequestHandler):
         if status is not None:
             self.send_error(status)
             return True
-        return False
+        return self.command == "GET" and self._cut(ctl)
+
+    def _cut(self, ctl: "RangeServer") -> bool:
+        """``cut_next``: the whole file announced, its first bytes sent, the connection closed."""
+        with ctl.lock:
+            keep, ctl.cut = ctl.cut, None
+        path = self.translate_path(self.path)
+        if keep is None or not os.path.isfile(path):
+            return False
+        self.send_response(200)
+        self.send_header("Content-Length", str(os.path.getsize(path)))
+        self.end_headers()
+        with open(path, "rb") as f:
+            self.wfile.write(f.read(keep))
+        self.close_connection = True
+        return True
 
     def do_HEAD(self) -> None:
         if not self._control():
@@ -116,6 +131,7 @@ class RangeServer:
         self.forbidden: set[str] = set()
         self.die_after: int | None = None
         self.die_match, self.die_seen = "", 0
+        self.cut: int | None = None
         self.dead = False
         self._httpd: ThreadingHTTPServer | None = None
 
@@ -149,6 +165,11 @@ class RangeServer:
         path contains ``matching``, when given): that one is closed unanswered."""
         with self.lock:
             self.die_after, self.die_match, self.die_seen = n, matching, 0
+
+    def cut_next(self, keep: int) -> None:
+        """Answer the next GET with the whole file's length but only its first ``keep`` bytes."""
+        with self.lock:
+            self.cut = keep
 
     def forbid(self, rel: str) -> None:
         """Answer 403 for the file ``rel`` (relative to the root)."""

@@ -20,7 +20,7 @@ from vitflow.data import remote
 from vitflow.data.dispatch import open_split
 from vitflow.data.prepare import prepare
 from vitflow.data.remote import RemoteError, expand_urls, open_random, open_stream, read_bytes
-from vitflow.data.remote_cache import cache_name, parse_size
+from vitflow.data.remote_cache import cache_name, download, parse_size
 from vitflow.data.sources import DataError
 
 pytestmark = pytest.mark.usefixtures("quick_retries")  # tests/servers.py: 2 retries, 10 ms apart
@@ -104,6 +104,22 @@ def test_two_503s_then_success_is_retried_and_logged(store, http_server, caplog)
     assert [m.split(" failed")[0] for m in retries[:2]] == [f"{base}/photos.tar: read of bytes 5000-5299"] * 2
     assert len(retries) >= 3 and all("(HTTP 503 Service Unavailable); retry" in m for m in retries)
     assert base.server.failures == 0
+
+
+def test_download_is_checked_against_the_size_and_a_cut_body_is_fetched_again(store, http_server, s3_server,
+                                                                               tmp_path, caplog):
+    base, local = http_server(store), (store / "photos.tar").read_bytes()
+    base.server.cut_next(len(local) // 3)  # the connection closes after a third of the announced bytes
+    with caplog.at_level(logging.WARNING, "vitflow.data"):
+        assert download(f"{base}/photos.tar", tmp_path / "http.tar") == len(local)
+    assert (tmp_path / "http.tar").read_bytes() == local and base.server.cut is None
+    assert any(r.getMessage().startswith(f"{base}/photos.tar: download failed") and "retry 1 of" in r.getMessage()
+               for r in caplog.records)
+    url = s3_upload(*s3_server, store / "photos.tar")
+    assert download(url, tmp_path / "s3.tar") == len(local) and (tmp_path / "s3.tar").read_bytes() == local
+    base.server.stop()
+    with pytest.raises(RemoteError, match=rf"^{base}/photos.tar: (size request|download) failed after 3 attempts"):
+        download(f"{base}/photos.tar", tmp_path / "gone.tar")
 
 
 def test_403_and_404_fail_at_once_with_one_line_naming_the_url(store, http_server, caplog):

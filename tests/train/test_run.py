@@ -226,7 +226,7 @@ def test_time_budget_is_kept_with_ema_and_patch_dropout(tmp_path):
     """The schedule is fitted to the budget with time kept for the final evaluations (timed, not
     guessed: eval runs all tokens while training runs half of them)."""
     r = Trainer(digits_config(tmp_path / "run", "train.time_budget=8s", "train.total_steps=100000", "train.ema_decay=0.99",
-                       "model.patch_drop_rate=0.5", "train.log_every=10")).fit()
+                       "model.patch_drop_rate=0.5", "train.log_every=1")).fit()
     assert 6.0 < r["elapsed_s"] < 9.0 and 50 < r["step"] < 100000
     lrs = [x["lr"] for x in read_metrics(tmp_path / "run" / "metrics.jsonl") if x["kind"] == "train"]
-    assert lrs[-1] < 0.1 * max(lrs)  # the cosine ran to (nearly) its end within the budget
+    assert lrs[-1] < 0.1 * max(lrs)  # the cosine ran to (nearly) its end (logged every step: the last record is the last step)

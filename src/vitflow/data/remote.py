@@ -146,7 +146,7 @@ def open_stream(url: str, cache_dir: str | None = None) -> BinaryIO:
         return open(local_path(url), "rb")
     cache_dir = cache_dir or SETTINGS.cache_dir
     if cache_dir:
-        return open(cached_copy(url, cache_dir, SETTINGS.cache_max_size, RemoteFile(url, STREAM_BLOCK)), "rb")
+        return open(cached_copy(url, cache_dir, SETTINGS.cache_max_size), "rb")
     return io.BufferedReader(RemoteFile(url, STREAM_BLOCK), buffer_size=1 << 16)
 
 

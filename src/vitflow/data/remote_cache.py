@@ -16,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from vitflow.data.remote_store import STREAM_BLOCK, basename
+from vitflow.data.remote_store import basename, file_size, filesystem, with_retries
 
 log = logging.getLogger(__name__)
 STALE_PARTIAL = 24 * 3600  # seconds
@@ -47,17 +47,26 @@ def cache_name(url: str) -> str:
     return f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{basename(url)[-80:]}"
 
 
-def download(src, out) -> None:
-    """Copy the remote file ``src`` (a :class:`~vitflow.data.remote.RemoteFile`: ``size``,
-    ``pread``) into the open binary file ``out``, ``STREAM_BLOCK`` bytes a (retried) request, in
-    order. Raises RemoteError."""
-    for start in range(0, src.size, STREAM_BLOCK):
-        out.write(src.pread(start, STREAM_BLOCK))
+def download(url: str, path: str | Path) -> int:
+    """Copy the remote file ``url`` into the local file ``path`` (created or overwritten): one
+    streamed request through the store's ``get_file`` (fsspec), checked against the file's size
+    and, on a transient error, retried from the start as :func:`~vitflow.data.remote_store.with_retries`
+    says. Returns the bytes written. Raises RemoteError."""
+    fs, size = filesystem(url), file_size(url)
+
+    def get() -> int:
+        fs.get_file(url, str(path))
+        got = os.path.getsize(path)
+        if got != size:
+            raise ConnectionError(f"short read: {got} of {size} bytes")
+        return got
+
+    return with_retries(url, "download", get)
 
 
-def cached_copy(url: str, cache_dir: str, max_size: int | None, src) -> Path:
-    """The local copy of ``url`` in ``cache_dir`` (created), downloaded first when absent through
-    ``src`` (a :class:`~vitflow.data.remote.RemoteFile` of ``url``: ``size``, ``pread``).
+def cached_copy(url: str, cache_dir: str, max_size: int | None) -> Path:
+    """The local copy of ``url`` in ``cache_dir`` (created), downloaded first (:func:`download`)
+    when absent.
 
     Raises:
         RemoteError: the download failed (nothing is left under the final name).
@@ -71,14 +80,13 @@ def cached_copy(url: str, cache_dir: str, max_size: int | None, src) -> Path:
         return path
     tmp = folder / f".{path.name}.{os.getpid()}.partial"
     try:
-        with open(tmp, "wb") as out:
-            download(src, out)
-            out.flush()
-            os.fsync(out.fileno())
+        size = download(url, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: the name appears only for a complete file
     finally:
         tmp.unlink(missing_ok=True)
-    log.debug("cached %s as %s (%d bytes)", url, path, src.size)
+    log.debug("cached %s as %s (%d bytes)", url, path, size)
     evict(folder, max_size, keep=path)
     return path
 

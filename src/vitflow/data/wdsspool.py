@@ -2,10 +2,10 @@
 are in use, so that loader workers read the image bytes where they decode them (``os.pread``)
 instead of receiving them pickled through the DataLoader's queues.
 
-The reader thread of :class:`~vitflow.data.wdsstream.ShardBatches` downloads a remote shard
-sequentially (:data:`~vitflow.data.remote.STREAM_BLOCK` bytes a request, each retried) into the
-spool folder, parses its tar headers there as it parses a local shard (seeking past the images),
-and hands out ``(spooled path, offset, size)`` per image. Each item holds its file; a batch
+The reader thread of :class:`~vitflow.data.wdsstream.ShardBatches` downloads a remote shard in
+one streamed request (:func:`~vitflow.data.remote_cache.download`, retried) into the spool
+folder, parses its tar headers there as it parses a local shard (seeking past the images), and
+hands out ``(spooled path, offset, size)`` per image. Each item holds its file; a batch
 releases its items' holds :attr:`Spool.lag` batches after the sampler gave it to the DataLoader
 (by then the DataLoader has had it decoded: it keeps at most ``prefetch_factor x workers`` batches
 outstanding), and a file is deleted once it has been read through and no item holds it. Peak
@@ -30,7 +30,7 @@ import threading
 import weakref
 from pathlib import Path
 
-from vitflow.data.remote import SETTINGS, STREAM_BLOCK, RemoteFile
+from vitflow.data.remote import SETTINGS
 from vitflow.data.remote_cache import cached_copy, download
 from vitflow.data.sources import DataError
 
@@ -108,8 +108,7 @@ class Spool:
         """A local file holding the shard ``url`` (downloaded now, or the ``data.cache_dir`` copy).
         Until :meth:`done_reading`, the file is kept whatever the holds. Raises RemoteError."""
         if SETTINGS.cache_dir:
-            return str(cached_copy(url, SETTINGS.cache_dir, SETTINGS.cache_max_size, RemoteFile(url, STREAM_BLOCK)))
-        src = RemoteFile(url, STREAM_BLOCK)
+            return str(cached_copy(url, SETTINGS.cache_dir, SETTINGS.cache_max_size))
         with self._lock:
             self._serial += 1
             serial = self._serial
@@ -118,8 +117,7 @@ class Spool:
             self._reading.add(path)
             self._holds.setdefault(path, 0)
         try:
-            with open(path, "wb") as out:
-                download(src, out)
+            download(url, path)
         except BaseException:
             self.done_reading(path)
             raise

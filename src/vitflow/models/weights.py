@@ -108,8 +108,9 @@ def read_state_dict(path: str | Path, known_layout: bool = False) -> dict[str, t
     known layout are returned as they are, or refused with ``known_layout=True``.
 
     Raises:
-        FileNotFoundError: no such file. ValueError: not a readable weights file (a pickle holding
-        objects other than tensors is refused), or weights of an unknown layout.
+        FileNotFoundError: no such file.
+        ValueError: not a readable weights file (a pickle holding objects other than tensors is
+            refused), or weights of an unknown layout.
     """
     path = Path(path)
     if not path.is_file():
@@ -208,9 +209,10 @@ def load_pretrained(model: torch.nn.Module, spec: str | Path) -> None:
     initialisation (logged); every other tensor must match by name and shape.
 
     Raises:
-        FileNotFoundError: no such file or folder. ValueError: unreadable or unknown weights, a
-        snapshot without weights, a hub name neither cached nor reachable, or weights that do not
-        fit (naming the key and both shapes; a snapshot's config that disagrees with its weights).
+        FileNotFoundError: no such file or folder.
+        ValueError: unreadable or unknown weights, a snapshot without weights, a hub name neither
+            cached nor reachable, or weights that do not fit (naming the key and both shapes; a
+            snapshot's config that disagrees with its weights).
     """
     pre = resolve_pretrained(spec)
     sd = adapt_state_dict(read_state_dict(pre.weights, known_layout=True), model)
