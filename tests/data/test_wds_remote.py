@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -192,3 +194,33 @@ def test_http_shards_are_spooled_for_the_workers_and_the_spool_is_emptied(shards
     assert 0 < max(on_disk) < 18  # spooled files come and go: never all 18 shard reads of the three epochs
     loader.sampler.close()  # what TrainLoader.close does (the DataLoader keeps the iteration suspended)
     assert list(tmp_path.glob(f"{wdsspool.PREFIX}{os.getpid()}-*")) == []
+
+
+def test_a_prefetched_shard_is_downloaded_once_and_taken_by_the_fetch(shards, http_server, tmp_path):
+    """Spool.prefetch starts the next shard's download; fetch waits for it (no second request);
+    a failed prefetch is raised by its fetch; close cancels what was not fetched."""
+    from vitflow.data.remote import RemoteError
+    from vitflow.data.wdsspool import Spool
+
+    _, out = shards
+    base = http_server(out.parent)
+    first, second = (f"{base}/shards/train-{i:06d}.tar" for i in range(2))
+    spool = Spool(lag=1, root=tmp_path)
+    spool.prefetch(first)
+    spool.prefetch(first)  # already on its way: not asked twice
+    path = spool.fetch(first)
+    requests = base.server.requests
+    assert Path(path).read_bytes() == (out / "train-000000.tar").read_bytes()
+    assert Path(spool.fetch(second)).read_bytes() == (out / "train-000001.tar").read_bytes()
+    assert base.server.requests == requests + 2  # the second, not prefetched: its HEAD and GET now
+    base.server.forbid("shards/train-000002.tar")
+    spool.prefetch(f"{base}/shards/train-000002.tar")
+    with pytest.raises(RemoteError, match="403"):
+        spool.fetch(f"{base}/shards/train-000002.tar")
+    spool.prefetch(second)
+    spool.close()
+    deadline = time.monotonic() + 10  # a download under way when the spool closed removes its own file
+    while list(tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not list(tmp_path.iterdir())
+

@@ -5,7 +5,8 @@ instead of receiving them pickled through the DataLoader's queues.
 The reader thread of :class:`~vitflow.data.wdsstream.ShardBatches` downloads a remote shard in
 one streamed request (:func:`~vitflow.data.remote_cache.download`, retried) into the spool
 folder, parses its tar headers there as it parses a local shard (seeking past the images), and
-hands out ``(spooled path, offset, size)`` per image. Each item holds its file; a batch
+hands out ``(spooled path, offset, size)`` per image; while it reads one shard, the next shard
+of the stream downloads in the background (:meth:`Spool.prefetch`). Each item holds its file; a batch
 releases its items' holds :attr:`Spool.lag` batches after the sampler gave it to the DataLoader
 (by then the DataLoader has had it decoded: it keeps at most ``prefetch_factor x workers`` batches
 outstanding), and a file is deleted once it has been read through and no item holds it. Peak
@@ -28,6 +29,7 @@ import shutil
 import tempfile
 import threading
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from vitflow.data.remote import SETTINGS
@@ -89,6 +91,8 @@ class Spool:
         self._reading: set[str] = set()
         self._lock = threading.Lock()
         self._serial, self._closed = 0, False
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: dict[str, Future] = {}  # prefetched downloads by URL
         _OPEN.add(self)
 
     @property
@@ -105,10 +109,27 @@ class Spool:
             return self._folder
 
     def fetch(self, url: str) -> str:
-        """A local file holding the shard ``url`` (downloaded now, or the ``data.cache_dir`` copy).
-        Until :meth:`done_reading`, the file is kept whatever the holds. Raises RemoteError."""
+        """A local file holding the shard ``url``: the download :meth:`prefetch` started (waited
+        for), else one made now, or the ``data.cache_dir`` copy. Until :meth:`done_reading`, the
+        file is kept whatever the holds. Raises RemoteError."""
         if SETTINGS.cache_dir:
             return str(cached_copy(url, SETTINGS.cache_dir, SETTINGS.cache_max_size))
+        with self._lock:
+            started = self._ahead.pop(url, None)
+        return started.result() if started is not None else self._download(url)
+
+    def prefetch(self, url: str) -> None:
+        """Start downloading ``url`` in the background (one download at a time), so that the
+        next :meth:`fetch` of it finds it ready: a stream reading one shard downloads the next.
+        A failure is raised by that fetch."""
+        with self._lock:
+            if SETTINGS.cache_dir or url in self._ahead or self._closed:
+                return
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="vitflow-spool")
+            self._ahead[url] = self._pool.submit(self._download, url)
+
+    def _download(self, url: str) -> str:
         with self._lock:
             self._serial += 1
             serial = self._serial
@@ -121,6 +142,10 @@ class Spool:
         except BaseException:
             self.done_reading(path)
             raise
+        finally:
+            if self._closed:  # closed during a prefetch: leave nothing behind
+                Path(path).unlink(missing_ok=True)
+                shutil.rmtree(Path(path).parent, ignore_errors=True)
         return path
 
     def hold(self, path: str) -> None:
@@ -154,6 +179,9 @@ class Spool:
             folder, self._folder, self._closed = self._folder, None, True
             self._holds.clear()
             self._reading.clear()
+            pool, self._pool, self._ahead = self._pool, None, {}
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)  # a running download fails on the removed folder
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -25,9 +25,9 @@ loader workers, nor (for any rank count ``R`` dividing ``S``) of the number of r
    headers and seeks past the image bytes, which the loader workers read with ``os.pread`` where
    they decode and augment them (randomness seeded from ``(seed, epoch, batch, stream)``: a sample
    draws the same crop and flip on any rank count). A remote shard is first copied to a local
-   spool file (:mod:`vitflow.data.wdsspool`: one sequential download, deleted once its samples
-   are decoded); a gzip-compressed one is decompressed as a stream and its images' bytes are
-   handed over instead. Each shard is read once per epoch (twice when on a boundary).
+   spool file (:mod:`vitflow.data.wdsspool`: downloaded while the stream reads the shard before
+   it, deleted once its samples are decoded); a gzip-compressed one is decompressed as a stream
+   and its images' bytes handed over. Each shard is read once per epoch (twice on a boundary).
 
 The reading order is computed from indices first (as :mod:`vitflow.data.stream` does); bytes are
 held only until their chunk is complete (memory ~ ``shuffle_buffer`` x the mean sample size per
@@ -187,14 +187,14 @@ class ShardBatches:
         """Chunks ``first, first + 1, ...`` of ``stream`` in ``epoch`` (lists of items), read in
         order; each kept item of a spooled shard holds its file."""
         where, c = self.slots(epoch, stream, first), self.chunk
-        pending: dict[int, list] = {}
-        filled: dict[int, int] = {}
-        nxt, pos = first, 0
+        pending, filled = {}, {}  # chunk -> its items so far / their count
+        reads, pos, nxt = [], 0, first  # reads: the segments holding samples still to give (others unopened)
         for shard, a, b in stream_segments(self.shards.counts, self.seed, epoch, stream, self.streams):
-            slots = where[pos:pos + b - a]
+            reads += [(shard, a, b, where[pos:pos + b - a])] if (where[pos:pos + b - a] >= 0).any() else []
             pos += b - a
-            if not (slots >= 0).any():
-                continue  # holds only consumed or dropped samples: not opened
+        for k, (shard, a, b, slots) in enumerate(reads):
+            if k + 1 < len(reads) and is_remote(url := self.shards.urls[reads[k + 1][0]]) and not is_compressed(url):
+                spool.prefetch(url)  # the next shard downloads while this one is read
             for j, item in self._read(shard, a, b, spool):
                 slot = int(slots[j - a])
                 if slot < 0:
