@@ -215,6 +215,10 @@ def test_s3_errors_are_sorted_into_transient_and_permanent_as_s3fs_raises_them()
     assert s3("AccessDenied", 403)[:2] == (403, False)
     assert s3("NoSuchKey", 404)[:2] == (404, False)
     assert _classify(EndpointConnectionError(endpoint_url="http://x"), "s3://b/k")[1]
+    import aiohttp  # a keep-alive connection the server closed mid-answer: transient, retried
+
+    assert _classify(aiohttp.ServerDisconnectedError(), "http://x/k.tar")[:2] == (None, True)
+    assert _classify(ValueError("odd"), "http://x/k.tar")[:2] == (None, False)
     e = RemoteError("s3://b/k: failed", "s3://b/k", 503, True)
     import pickle
 

@@ -130,8 +130,8 @@ def test_http_server_dying_mid_epoch_stops_with_a_checkpoint_and_resume_finishes
     code, err = _train(capsys, tmp_path / "full", data)
     assert code == 0, err[-2000:]
     # each shard read is a size request and a GET; the plan reads the first shard, epoch 0 the 6 shards:
-    # die at the 11th shard read, in the middle of epoch 1
-    base.server.die_after_requests(2 * 10, matching="/train-")
+    # die at the 12th shard read (the 11th is read, the 12th downloads ahead of it), in the middle of epoch 1
+    base.server.die_after_requests(2 * 11, matching="/train-")
     run = tmp_path / "cut"
     code, err = _train(capsys, run, data)
     last = err.strip().splitlines()[-1]

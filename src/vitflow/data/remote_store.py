@@ -156,7 +156,8 @@ def _classify(e: BaseException, url: str) -> tuple[int | None, bool, str]:
     if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
         return None, True, f"timed out ({type(e).__name__})"
     name = type(e).__name__
-    if isinstance(e, (OSError, ConnectionError)) or "Connect" in name or "Connection" in name or "Payload" in name:
+    kinds = " ".join(c.__name__ for c in type(e).__mro__)  # aiohttp's ServerDisconnectedError is a ...ConnectionError
+    if isinstance(e, (OSError, ConnectionError)) or "Connect" in kinds or "Payload" in kinds:
         return None, True, f"connection failed ({name}: {str(e) or 'no detail'})"
     return None, False, f"{name}: {e}"
 

@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 from vitflow.data.remote import SETTINGS
@@ -91,7 +91,6 @@ class Spool:
         self._reading: set[str] = set()
         self._lock = threading.Lock()
         self._serial, self._closed = 0, False
-        self._pool: ThreadPoolExecutor | None = None
         self._ahead: dict[str, Future] = {}  # prefetched downloads by URL
         _OPEN.add(self)
 
@@ -119,15 +118,20 @@ class Spool:
         return started.result() if started is not None else self._download(url)
 
     def prefetch(self, url: str) -> None:
-        """Start downloading ``url`` in the background (one download at a time), so that the
-        next :meth:`fetch` of it finds it ready: a stream reading one shard downloads the next.
-        A failure is raised by that fetch."""
+        """Start downloading ``url`` in a background (daemon) thread, so that the next
+        :meth:`fetch` of it finds it ready: a stream reading one shard downloads the next. A
+        failure is raised by that fetch."""
         with self._lock:
             if SETTINGS.cache_dir or url in self._ahead or self._closed:
                 return
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="vitflow-spool")
-            self._ahead[url] = self._pool.submit(self._download, url)
+            started = self._ahead[url] = Future()
+        threading.Thread(target=self._run, args=(url, started), daemon=True, name="vitflow-spool").start()
+
+    def _run(self, url: str, started: Future) -> None:
+        try:
+            started.set_result(self._download(url))
+        except BaseException as e:  # noqa: BLE001 - handed to the fetch that takes it
+            started.set_exception(e)
 
     def _download(self, url: str) -> str:
         with self._lock:
@@ -179,9 +183,7 @@ class Spool:
             folder, self._folder, self._closed = self._folder, None, True
             self._holds.clear()
             self._reading.clear()
-            pool, self._pool, self._ahead = self._pool, None, {}
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)  # a running download fails on the removed folder
+            self._ahead = {}  # a download under way ends on the removed folder, or removes its file
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
 
