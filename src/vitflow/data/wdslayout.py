@@ -33,8 +33,8 @@ from vitflow.data.labels import canonical_split
 from vitflow.data.sources import DataError, ImageSource
 from vitflow.data.splits import parse_split
 from vitflow.data.remote import expand_urls, is_remote, open_stream
-from vitflow.data.wds import (INDEX_NAME, has_pattern, is_compressed, iter_samples, looks_like_shard, parse_label, read_classes,
-                              read_range, shard_set)
+from vitflow.data.wds import (INDEX_NAME, has_pattern, is_compressed, iter_samples, looks_like_shard, parse_label,
+                              read_classes, read_range, shard_set)
 
 log = logging.getLogger(__name__)
 SPLIT_TOKENS = ("train", "val", "valid", "validation", "test")

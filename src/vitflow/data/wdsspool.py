@@ -6,12 +6,12 @@ The reader thread of :class:`~vitflow.data.wdsstream.ShardBatches` downloads a r
 one streamed request (:func:`~vitflow.data.remote_cache.download`, retried) into the spool
 folder, parses its tar headers there as it parses a local shard (seeking past the images), and
 hands out ``(spooled path, offset, size)`` per image; while it reads one shard, the next shard
-of the stream downloads in the background (:meth:`Spool.prefetch`). Each item holds its file; a batch
-releases its items' holds :attr:`Spool.lag` batches after the sampler gave it to the DataLoader
+of the stream downloads in the background (:meth:`Spool.prefetch`). Each item holds its file; a
+batch releases its items' holds :attr:`Spool.lag` batches after the sampler gave it to the DataLoader
 (by then the DataLoader has had it decoded: it keeps at most ``prefetch_factor x workers`` batches
 outstanding), and a file is deleted once it has been read through and no item holds it. Peak
-spool size is about the shards whose samples sit in the shuffle buffer, plus one per stream being
-read, plus ``lag`` batches.
+spool size is about the shards whose samples sit in the shuffle buffer, plus two per stream (the
+one being read, the next downloading), plus ``lag`` batches.
 
 The folder is ``/dev/shm`` (memory) when it has :data:`SHM_MIN_FREE` bytes free, else the system
 temporary folder; it is named ``vitflow-spool-<pid>-*`` and removed when the stream ends; folders
@@ -32,9 +32,10 @@ import weakref
 from concurrent.futures import Future
 from pathlib import Path
 
-from vitflow.data.remote import SETTINGS
+from vitflow.data.remote import SETTINGS, is_remote
 from vitflow.data.remote_cache import cached_copy, download
 from vitflow.data.sources import DataError
+from vitflow.data.wds import is_compressed
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +121,12 @@ class Spool:
     def prefetch(self, url: str) -> None:
         """Start downloading ``url`` in a background (daemon) thread, so that the next
         :meth:`fetch` of it finds it ready: a stream reading one shard downloads the next. A
-        failure is raised by that fetch."""
+        failure is raised by that fetch. Shards that are not spooled (local, gzip-compressed, or
+        read from ``data.cache_dir``) are left alone."""
+        if not is_remote(url) or is_compressed(url) or SETTINGS.cache_dir:
+            return
         with self._lock:
-            if SETTINGS.cache_dir or url in self._ahead or self._closed:
+            if url in self._ahead or self._closed:
                 return
             started = self._ahead[url] = Future()
         threading.Thread(target=self._run, args=(url, started), daemon=True, name="vitflow-spool").start()

@@ -190,11 +190,12 @@ class ShardBatches:
         pending, filled = {}, {}  # chunk -> its items so far / their count
         reads, pos, nxt = [], 0, first  # reads: the segments holding samples still to give (others unopened)
         for shard, a, b in stream_segments(self.shards.counts, self.seed, epoch, stream, self.streams):
-            reads += [(shard, a, b, where[pos:pos + b - a])] if (where[pos:pos + b - a] >= 0).any() else []
-            pos += b - a
+            slots, pos = where[pos:pos + b - a], pos + b - a
+            if (slots >= 0).any():
+                reads.append((shard, a, b, slots))
         for k, (shard, a, b, slots) in enumerate(reads):
-            if k + 1 < len(reads) and is_remote(url := self.shards.urls[reads[k + 1][0]]) and not is_compressed(url):
-                spool.prefetch(url)  # the next shard downloads while this one is read
+            if k + 1 < len(reads):
+                spool.prefetch(self.shards.urls[reads[k + 1][0]])  # the next shard downloads while this one is read
             for j, item in self._read(shard, a, b, spool):
                 slot = int(slots[j - a])
                 if slot < 0:
@@ -236,8 +237,7 @@ class ShardBatches:
         order. Images are ``(file, offset, size)`` (a remote shard spooled first), bytes for a
         compressed shard. A local shard read to its end is kept (up to :data:`PARSED_MAX_SAMPLES`
         samples in all) and not parsed again while its size and mtime are unchanged."""
-        compressed = is_compressed(url)
-        key = None
+        compressed, key = is_compressed(url), None
         if not compressed and not is_remote(url):
             st = os.stat(local_path(url))
             key = (url, st.st_size, st.st_mtime_ns)
