@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import HYMENOPTERA_TAR, IMAGENET_TAR, need, write_csv
+from helpers import CIFAR_TAR, HYMENOPTERA_TAR, IMAGENET_TAR, need, write_csv
 from vitflow.cli.commands import CONFIG_CHECKS
 from vitflow.config import build_config
+from vitflow.models import create_model, model_args
 from vitflow.train import train
 from vitflow.train.plan import DataProfile, is_planned, plan_overrides, planned_config, resolve_plan, size_warnings
 
@@ -34,6 +35,18 @@ def test_plan_on_a_cpu_keeps_64_tokens_and_scales_the_batch_and_lr_with_the_data
     assert resolved["train.eval_every"] == resolved["train.checkpoint_every"] == 140
     kept = {k for k, _, _ in plan_overrides(DataProfile(245, 2, 375, 500), "cpu", {"model.img_size"})}
     assert "model.img_size" not in kept and "model.patch_size" in kept  # the user's key is never planned
+
+
+def test_a_named_swin_keeps_its_own_sizes_and_position_encoding(tmp_path: Path):
+    plan = {k: v for k, v, _ in plan_overrides(DataProfile(245, 2, 375, 500), "cpu", {"model.name"}, "swin")}
+    assert "model.img_size" not in plan and "model.patch_size" not in plan and plan["model.pos_embed"] == "learned"
+    # end to end on the CIFAR JPEG tar: the preset's ViT-only sin-cos positions are not handed to the Swin,
+    # and the model is built with the variant's patch 2 (a 16 x 16 grid), not the plan's 4
+    cfg = planned_config(["model.name=swin_cifar_patch2_window4_32", f"data.path={need(CIFAR_TAR)}",
+                          f"train.run_dir={tmp_path / 'run'}"], CONFIG_CHECKS)
+    assert (cfg.model.img_size, cfg.model.patch_size, cfg.model.pos_embed) == (None, None, "learned")
+    model = create_model(**model_args(cfg.model, 10))
+    assert tuple(model.patch_embed.proj.weight.shape) == (96, 3, 2, 2)
 
 
 def test_is_planned_only_without_a_preset_or_config_and_with_a_path():

@@ -22,7 +22,7 @@ from vitflow.data.decode import CorruptImageError
 from vitflow.data.dispatch import source_kind
 from vitflow.data.wds import first_image_sizes
 from vitflow.data.wdsstream import open_shard_stream
-from vitflow.models import model_kwargs
+from vitflow.models import family_of, model_kwargs
 from vitflow.runtime import resolve_device
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,8 @@ def _pow2_at_most(x: float) -> int:
     return 2 ** max(0, int(math.floor(math.log2(max(x, 1)))))
 
 
-def plan_overrides(profile: DataProfile, device: str, set_by_user: set[str]) -> list[tuple[str, object, str]]:
+def plan_overrides(profile: DataProfile, device: str, set_by_user: set[str],
+                   family: str = "vit") -> list[tuple[str, object, str]]:
     """The planned ``(key, value, why)`` for the keys the user did not set (``set_by_user``).
 
     On a CPU the plan keeps about 64 tokens per image (an 8 x 8 grid: 64 px with patch 8, or
@@ -83,9 +84,27 @@ def plan_overrides(profile: DataProfile, device: str, set_by_user: set[str]) -> 
     128 that gives at least 4 batches per epoch. Learning rate: the CIFAR recipe's 2e-3 at batch
     256 scaled with the square root of the batch (AdamW). Steps: 100 epochs below 20,000 images,
     else 30, between 300 and 20,000 steps, warmup 5%.
+
+    A model the user named from another ``family`` than the plain ViT (a Swin) keeps its own
+    input size, patch size and position encoding: its windows are sized for them.
     """
-    plan: list[tuple[str, object, str]] = []
     gpu = device.startswith("cuda")
+    plan = _size_plan(profile, gpu) if family == "vit" else [
+        ("model.pos_embed", "learned", f"a {family} model: its own position encoding, input size and patch size")]
+    if gpu and profile.images >= 20_000:
+        plan.append(("model.name", "vit_small_patch16_224", f"{profile.images} images: ViT-Small"))
+    elif gpu:
+        plan.append(("model.name", "vit_tiny_patch16_224", f"{profile.images} images: ViT-Tiny"))
+    batch = min(128, _pow2_at_most(profile.images / 4))
+    plan.append(("train.batch_size", batch, f"{profile.images} images: at least 4 batches per epoch, at most 128"))
+    plan.append(("optim.lr", "by_batch", "2e-3 at batch 256, scaled with the square root of the batch (AdamW)"))
+    epochs = 100 if profile.images < 20_000 else 30
+    plan.append(("train.total_steps", f"epochs:{epochs}", f"{epochs} epochs of {profile.images} images"))
+    return [p for p in plan if p[0] not in set_by_user]
+
+
+def _size_plan(profile: DataProfile, gpu: bool) -> list[tuple[str, object, str]]:
+    """The planned ``model.img_size`` and ``model.patch_size`` of a ViT (see :func:`plan_overrides`)."""
     native = profile.short_side
     if gpu:
         size, patch = 224, 16
@@ -97,17 +116,7 @@ def plan_overrides(profile: DataProfile, device: str, set_by_user: set[str]) -> 
         size, patch = 64, 8
         why = (f"CPU: 64 px in 8-px patches keeps 64 tokens per image (attention cost grows with the square of the "
                f"tokens); the images' median short side is {native} px")
-    plan += [("model.img_size", size, why), ("model.patch_size", patch, "see model.img_size")]
-    if gpu and profile.images >= 20_000:
-        plan.append(("model.name", "vit_small_patch16_224", f"{profile.images} images: ViT-Small"))
-    elif gpu:
-        plan.append(("model.name", "vit_tiny_patch16_224", f"{profile.images} images: ViT-Tiny"))
-    batch = min(128, _pow2_at_most(profile.images / 4))
-    plan.append(("train.batch_size", batch, f"{profile.images} images: at least 4 batches per epoch, at most 128"))
-    plan.append(("optim.lr", "by_batch", "2e-3 at batch 256, scaled with the square root of the batch (AdamW)"))
-    epochs = 100 if profile.images < 20_000 else 30
-    plan.append(("train.total_steps", f"epochs:{epochs}", f"{epochs} epochs of {profile.images} images"))
-    return [p for p in plan if p[0] not in set_by_user]
+    return [("model.img_size", size, why), ("model.patch_size", patch, "see model.img_size")]
 
 
 def resolve_plan(plan: list[tuple[str, object, str]], cfg_batch: int, images: int) -> list[tuple[str, object, str]]:
@@ -160,7 +169,8 @@ def planned_config(overrides: list[str], checks, preset: str = PHOTO_PRESET) -> 
     profile = profile_data(base)
     log.info("plan: %d training images of %d classes, median %dx%d px", profile.images, profile.classes,
              profile.long_side, profile.short_side)
-    plan = plan_overrides(profile, resolve_device(base.train.device).type, set_by_user)
+    family = "vit" if base.model.name == "auto" else family_of(base.model.name).name
+    plan = plan_overrides(profile, resolve_device(base.train.device).type, set_by_user, family)
     fixed = [f"{k}={v}" for k, v, _ in plan if not isinstance(v, str) or ":" not in v and v != "by_batch"]
     batch = build_config(preset, overrides=fixed + overrides, checks=checks).train.batch_size
     plan = [p for p in resolve_plan(plan, batch, profile.images) if p[0] not in set_by_user]
