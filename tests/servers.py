@@ -1,12 +1,14 @@
 """Real storage servers on 127.0.0.1 for the tests (imported by ``conftest.py``):
 
 - ``http_server(root) -> base_url``: a threaded HTTP/1.1 static file server over ``root`` with
-  Range requests (``206`` / ``416``), which Python's ``http.server`` lacks. The URL is a ``str``
-  whose ``.server`` (:class:`RangeServer`) can ``stop()`` and ``start()`` again on the same port
-  (a server dying mid-epoch; by itself after N more requests, or N more for matching paths:
-  ``die_after_requests``), answer the
-  next N requests with an error (``fail_next(2, 503)``),
-  refuse paths with 403 (``forbid("x.tar")``) and count requests (``.requests``).
+  Range requests (``206`` / ``416``), which Python's ``http.server`` lacks, file bodies sent by
+  ``sendfile(2)`` as production servers send them. The URL is a ``str`` whose ``.server``
+  (:class:`RangeServer`) can ``stop()`` and ``start()`` again on the same port (a server dying
+  mid-epoch; by itself after N more requests, or N more for matching paths:
+  ``die_after_requests``), answer the next N requests with an error (``fail_next(2, 503)``),
+  cut the next body short (``cut_next``), redirect a path (``redirect("a.tar", "/b.tar")``),
+  refuse paths with 403 (``forbid("x.tar")``), count requests (``.requests``) and keep the last
+  ``Authorization`` header (``.last_authorization``).
 - ``s3_server -> (endpoint_url, bucket)``: moto in server mode (``ThreadedMotoServer``, one per
   session) with a fresh bucket per test, fake credentials and ``AWS_ENDPOINT_URL`` set in the
   environment (children started with ``os.environ`` inherit them); :func:`s3_upload` copies files.
@@ -50,6 +52,7 @@ class RangeHandler(SimpleHTTPRequestHandler):
         ctl: RangeServer = self.server.control  # type: ignore[attr-defined]
         with ctl.lock:
             ctl.requests += 1
+            ctl.last_authorization = self.headers.get("Authorization")
             status = None
             if ctl.die_after is not None and ctl.die_match in self.path:
                 ctl.die_seen += 1
@@ -63,6 +66,13 @@ class RangeHandler(SimpleHTTPRequestHandler):
                 status = ctl.failure_status
             elif self.path.split("?")[0].lstrip("/") in ctl.forbidden:
                 status = 403
+            redirect = ctl.redirects.get(self.path.split("?")[0].lstrip("/"))
+        if status is None and redirect is not None:
+            self.send_response(302)
+            self.send_header("Location", redirect)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return True
         if status == -1:  # the server dies: this connection closes unanswered, the next are refused
             self.close_connection = True
             return True
@@ -95,9 +105,17 @@ class RangeHandler(SimpleHTTPRequestHandler):
             return
         path = self.translate_path(self.path)
         m = RANGE.match(self.headers.get("Range", "").strip())
-        if not os.path.isfile(path) or m is None:
+        if not os.path.isfile(path) or (m is None and self.headers.get("Range")):
             return super().do_GET()
         size = os.path.getsize(path)
+        if m is None:  # the whole file, by sendfile(2) as below
+            self.send_response(200)
+            self.send_header("Content-Type", self.guess_type(path))
+            self.send_header("Content-Length", str(size))
+            self.end_headers()
+            with open(path, "rb") as f:
+                self.connection.sendfile(f, 0, size)
+            return
         first, last = m.groups()
         start, end = (size - int(last), size - 1) if first == "" else (int(first), min(int(last or size - 1), size - 1))
         if start < 0 or start >= size or end < start:
@@ -129,6 +147,8 @@ class RangeServer:
         self.lock = threading.Lock()
         self.failures, self.failure_status, self.requests = 0, 503, 0
         self.forbidden: set[str] = set()
+        self.redirects: dict[str, str] = {}
+        self.last_authorization: str | None = None  # the Authorization header of the last request
         self.die_after: int | None = None
         self.die_match, self.die_seen = "", 0
         self.cut: int | None = None
@@ -170,6 +190,10 @@ class RangeServer:
         """Answer the next GET with the whole file's length but only its first ``keep`` bytes."""
         with self.lock:
             self.cut = keep
+
+    def redirect(self, rel: str, location: str) -> None:
+        """Answer requests for ``rel`` (relative to the root) with ``302 Found`` to ``location``."""
+        self.redirects[rel.lstrip("/")] = location
 
     def forbid(self, rel: str) -> None:
         """Answer 403 for the file ``rel`` (relative to the root)."""

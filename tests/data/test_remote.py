@@ -5,6 +5,7 @@ in one line naming the URL."""
 
 from __future__ import annotations
 
+import base64
 import logging
 import tarfile
 from pathlib import Path
@@ -21,6 +22,8 @@ from vitflow.data.dispatch import open_split
 from vitflow.data.prepare import prepare
 from vitflow.data.remote import RemoteError, expand_urls, open_random, open_stream, read_bytes
 from vitflow.data.remote_cache import cache_name, download, parse_size
+from vitflow.data.remote_http import MAX_REDIRECTS, get_file
+from vitflow.data.remote_store import with_retries
 from vitflow.data.sources import DataError
 
 pytestmark = pytest.mark.usefixtures("quick_retries")  # tests/servers.py: 2 retries, 10 ms apart
@@ -120,6 +123,28 @@ def test_download_is_checked_against_the_size_and_a_cut_body_is_fetched_again(st
     base.server.stop()
     with pytest.raises(RemoteError, match=rf"^{base}/photos.tar: (size request|download) failed after 3 attempts"):
         download(f"{base}/photos.tar", tmp_path / "gone.tar")
+
+
+def test_http_download_follows_redirects_sends_basic_auth_and_retries_a_503(store, http_server, tmp_path, caplog):
+    base, local = http_server(store), (store / "photos.tar").read_bytes()
+    base.server.redirect("moved/photos.tar", "/photos.tar")  # a relative Location, resolved against the URL
+    assert download(f"{base}/moved/photos.tar", tmp_path / "moved.tar") == len(local)
+    assert (tmp_path / "moved.tar").read_bytes() == local
+    port = base.rsplit(":", 1)[1]
+    assert get_file(f"http://ann:p%40ss@127.0.0.1:{port}/photos.tar", tmp_path / "auth.tar") == len(local)
+    assert base.server.last_authorization == "Basic " + base64.b64encode(b"ann:p@ss").decode()
+    base.server.fail_next(1, 503)  # the GET's answer: retried (with_retries) like any transient error
+    url = f"{base}/photos.tar"
+    with caplog.at_level(logging.WARNING, "vitflow.data"):
+        assert with_retries(url, "download", lambda: get_file(url, tmp_path / "again.tar")) == len(local)
+    assert [r.getMessage() for r in caplog.records if "retry" in r.getMessage()][0].startswith(
+        f"{url}: download failed (HTTP 503 Service Unavailable); retry 1 of 2")
+    base.server.redirect("a.tar", "/b.tar")
+    base.server.redirect("b.tar", "/a.tar")
+    with pytest.raises(RemoteError) as e:
+        with_retries(f"{base}/a.tar", "download", lambda: get_file(f"{base}/a.tar", tmp_path / "loop.tar"))
+    assert str(e.value) == (f"{base}/a.tar: download failed: HTTPStatusError: HTTP 302 Found: more than "
+                            f"{MAX_REDIRECTS} redirects (not retried)")
 
 
 def test_403_and_404_fail_at_once_with_one_line_naming_the_url(store, http_server, caplog):

@@ -4,6 +4,7 @@ per-epoch order over ranks x workers, exact resume of the order, and bad input."
 import hashlib
 import io
 import json
+import shutil
 import tarfile
 
 import numpy as np
@@ -61,10 +62,19 @@ def test_prepare_writes_shards_index_and_classes_and_never_overwrites(shards, tm
     keep = tmp_path / "busy"
     keep.mkdir()
     (keep / "mine.txt").write_text("x")
-    with pytest.raises(DataError, match="busy exists and is not empty"):
-        from vitflow.data.prepare import prepare
+    from vitflow.data.prepare import prepare
+    with pytest.raises(DataError, match="busy exists and is not empty; pass --force"):
         prepare(folder, keep, "wds", shard_size=7)
+    with pytest.raises(DataError, match="busy exists and is not a folder of shards with their shards.json; refusing"):
+        prepare(folder, keep, "wds", shard_size=7, force=True)
     assert [p.name for p in keep.iterdir()] == ["mine.txt"]
+    again = shutil.copytree(out, tmp_path / "again")  # shards written before: --force replaces them, whole
+    prepare(folder, again, "wds", shard_size=16, force=True)
+    assert sorted(p.name for p in again.iterdir()) == ["classes.txt", "shards.json", "train-000000.tar",
+                                                        "train-000001.tar", "train-000002.tar", "val-000000.tar"]
+    with pytest.raises(DataError, match=r"^--shard-size 7 applies to --format wds only \(the format is jpeg\)$"):
+        prepare(folder, tmp_path / "packed", "jpeg", shard_size=7)
+    assert not (tmp_path / "packed").exists()
 
 
 def test_auto_detection_and_splits(shards, tmp_path):

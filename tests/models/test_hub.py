@@ -76,6 +76,7 @@ def test_bare_file_and_timm_snapshot(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="vitflow.models.weights"):
         load_pretrained(model, str(folder))
     assert "head reset: 10 -> 5 classes" in caplog.text
+    assert "keep their initialisation" not in caplog.text  # the head was in the file: reset, not absent
     assert torch.equal(model.blocks[1].mlp.fc2.weight, src.blocks[1].mlp.fc2.weight)
     x = torch.randn(2, 3, 16, 16)
     assert torch.allclose(model.forward_features(x), src.forward_features(x), atol=1e-6)

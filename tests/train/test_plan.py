@@ -64,6 +64,11 @@ def test_size_warnings_name_the_tokens_and_the_upsampling():
     assert any("model.img_size=224 is over twice the images' median short side (64 px)" in w for w in warnings)
     assert size_warnings(build_config(overrides=["model.img_size=32", "model.patch_size=4"]),
                          DataProfile(100, 2, 32, 32)) == []
+    # a Swin's window attention grows linearly with the tokens: no patch-size advice, only the upsampling
+    swin = build_config(overrides=["model.name=swin_tiny_patch4_window7_224", "model.pos_embed=learned",
+                                   "train.device=cpu"])
+    assert [w.split(":")[0] for w in size_warnings(swin, DataProfile(100, 2, 64, 64))] == [
+        "model.img_size=224 is over twice the images' median short side (64 px)"]
 
 
 def test_hymenoptera_photos_train_planned_on_the_batched_path(tmp_path: Path, caplog):

@@ -232,11 +232,11 @@ def _data_and_view_commands(sub) -> None:
     p.add_argument("out", help="output folder (written as OUT.partial, renamed when complete)")
     p.add_argument("--format", choices=["auto", "raw", "jpeg", "wds"], default="auto",
                    help="raw uint8 (small fixed-size images) or re-encoded JPEG; auto picks; wds: WebDataset shards")
-    p.add_argument("--shard-size", type=int, default=1000, help="wds: samples a shard (default 1000)")
+    p.add_argument("--shard-size", type=int, help="wds: samples a shard (default 1000)")
     p.add_argument("--max-side", type=int, help="jpeg: downscale so the longer side is at most N px")
     p.add_argument("--quality", type=int, default=90, help="jpeg quality (default 90)")
     p.add_argument("--workers", type=int, help="processes (default: one per core)")
-    p.add_argument("--force", action="store_true", help="replace an existing packed dataset at OUT")
+    p.add_argument("--force", action="store_true", help="replace an existing packed dataset (wds: shard folder) at OUT")
 
 
 def _bench_commands(sub):

@@ -32,7 +32,7 @@ def _splits_of(src: str | Path) -> dict[str, ImageSource]:
 
 
 def prepare(src: str | Path, out: str | Path, fmt: str = "auto", max_side: int | None = None, quality: int = 90,
-            workers: int = 1, force: bool = False, shard_size: int = 1000) -> dict:
+            workers: int = 1, force: bool = False, shard_size: int | None = None) -> dict:
     """Convert an image folder, a tar, a (single-label) label file, a Hugging Face dataset or
     CIFAR-10/100 python batches into a packed dataset.
 
@@ -40,17 +40,19 @@ def prepare(src: str | Path, out: str | Path, fmt: str = "auto", max_side: int |
         fmt: ``raw`` (uint8 pixels; every image the same size), ``jpeg`` (re-encoded at
             ``quality``, longer side capped at ``max_side``), or ``auto`` (raw when every image of
             the first 256 is the same size and at most 64 px, else jpeg); ``wds``: WebDataset shards of
-            ``shard_size`` samples instead (:mod:`vitflow.data.wdsprepare`; ``force`` does not apply).
+            ``shard_size`` samples (default 1000) instead (:mod:`vitflow.data.wdsprepare`).
         workers: decode/encode processes.
-        force: replace an existing packed dataset at ``out``.
+        force: replace an existing packed dataset (``wds``: shard folder) at ``out``.
     Returns:
         The ``meta.json`` contents.
     Raises:
-        DataError: ``out`` exists (without ``force``, or not a packed dataset), unreadable source,
-        mixed sizes for raw.
+        DataError: ``out`` exists (without ``force``, or not a packed dataset / shard folder),
+        unreadable source, mixed sizes for raw, ``shard_size`` given for another format than ``wds``.
     """
-    if fmt == "wds":  # WebDataset shards (data/wdsprepare.py); never replaces a non-empty OUT
-        return prepare_shards(_splits_of(src), out, shard_size, str(src))
+    if fmt == "wds":  # WebDataset shards (data/wdsprepare.py)
+        return prepare_shards(_splits_of(src), out, 1000 if shard_size is None else shard_size, str(src), force)
+    if shard_size is not None:
+        raise DataError(f"--shard-size {shard_size} applies to --format wds only (the format is {fmt})")
     src, out = Path(src), Path(out)
     if out.exists():
         if not force:

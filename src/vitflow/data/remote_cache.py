@@ -16,6 +16,7 @@ import os
 import re
 from pathlib import Path
 
+from vitflow.data.remote_http import get_file as http_get_file, is_http
 from vitflow.data.remote_store import basename, file_size, filesystem, with_retries
 
 log = logging.getLogger(__name__)
@@ -49,13 +50,17 @@ def cache_name(url: str) -> str:
 
 def download(url: str, path: str | Path) -> int:
     """Copy the remote file ``url`` into the local file ``path`` (created or overwritten): one
-    streamed request through the store's ``get_file`` (fsspec), checked against the file's size
-    and, on a transient error, retried from the start as :func:`~vitflow.data.remote_store.with_retries`
-    says. Returns the bytes written. Raises RemoteError."""
+    streamed request (HTTP(S): :func:`vitflow.data.remote_http.get_file`; other stores: their
+    fsspec ``get_file``), checked against the file's size and, on a transient error, retried
+    from the start as :func:`~vitflow.data.remote_store.with_retries` says. Returns the bytes
+    written. Raises RemoteError."""
     fs, size = filesystem(url), file_size(url)
 
     def get() -> int:
-        fs.get_file(url, str(path))
+        if is_http(url):
+            http_get_file(url, path)
+        else:
+            fs.get_file(url, str(path))
         got = os.path.getsize(path)
         if got != size:
             raise ConnectionError(f"short read: {got} of {size} bytes")

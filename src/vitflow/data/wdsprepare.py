@@ -6,7 +6,8 @@ the split's order: ``KKKKKKKK.<jpg|png|webp>`` (the image's bytes as stored; oth
 decoded-pixel sources re-encoded as PNG) and ``KKKKKKKK.cls`` (the class index as text), where
 the key is the sample's number in the split. Beside them ``classes.txt`` and ``shards.json``
 (the sample count of every shard, wids index format). Written to ``OUT.partial`` and renamed
-when complete; an existing non-empty ``OUT`` is never replaced.
+when complete; an existing non-empty ``OUT`` is replaced only with ``--force`` and only when it
+holds nothing but shards and their index (what this module writes).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 
 from vitflow.data.decode import CorruptImageError, image_size
 from vitflow.data.sources import DataError, ImageSource
-from vitflow.data.wds import write_index
+from vitflow.data.wds import INDEX_NAME, read_index, write_index
 
 log = logging.getLogger(__name__)
 _MAGIC = ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG\r\n\x1a\n", "png"))
@@ -83,19 +84,37 @@ def write_split_shards(source: ImageSource, folder: Path, split: str, shard_size
     return counts, skipped
 
 
-def prepare_shards(splits: dict[str, ImageSource], out: str | Path, shard_size: int, source: str = "") -> dict:
-    """Write every split of ``splits`` as shards in ``out`` (see the module docstring).
+def is_shard_folder(folder: Path) -> bool:
+    """True when ``folder`` holds nothing but a ``shards.json`` index, ``classes.txt`` and the
+    shards the index lists (what :func:`prepare_shards` writes)."""
+    try:
+        listed = set(read_index(str(folder / INDEX_NAME))[0])
+        names = {p.name for p in folder.iterdir()}
+    except (DataError, OSError):
+        return False
+    return INDEX_NAME in names and names <= listed | {INDEX_NAME, "classes.txt"}
+
+
+def prepare_shards(splits: dict[str, ImageSource], out: str | Path, shard_size: int, source: str = "",
+                   force: bool = False) -> dict:
+    """Write every split of ``splits`` as shards in ``out`` (see the module docstring); with
+    ``force``, shards written before at ``out`` (:func:`is_shard_folder`) are replaced.
 
     Returns:
         ``{"format": "wds", "classes", "splits": {name: {"count", "shards", "skipped"}}}``.
     Raises:
-        DataError: ``out`` exists and is not an empty folder; ``shard_size`` < 1; a multi-label source.
+        DataError: ``out`` exists and is not an empty folder (with ``force``: and not a shard
+            folder); ``shard_size`` < 1; a multi-label source.
     """
     out = Path(out)
     if shard_size < 1:
         raise DataError(f"--shard-size {shard_size}: give at least 1 sample a shard")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise DataError(f"{out} exists and is not empty; refusing to write shards into it")
+        if not force:
+            raise DataError(f"{out} exists and is not empty; pass --force to replace shards written there before")
+        if not is_shard_folder(out):
+            raise DataError(f"{out} exists and is not a folder of shards with their shards.json; refusing to "
+                            "replace it")
     if any(np.asarray(s.labels).ndim != 1 for s in splits.values()):
         raise DataError("shards hold one class a sample (.cls); the source is multi-label")
     partial = out.with_name(out.name + ".partial")
@@ -111,6 +130,6 @@ def prepare_shards(splits: dict[str, ImageSource], out: str | Path, shard_size: 
     write_index(str(partial), counts, list(meta["classes"]), {k: os.path.getsize(partial / k) for k in counts},
                 out.name)
     if out.exists():
-        out.rmdir()  # empty, checked above
+        shutil.rmtree(out)  # empty, or (force) a shard folder: checked above
     partial.rename(out)
     return meta

@@ -215,7 +215,8 @@ def load_pretrained(model: torch.nn.Module, spec: str | Path) -> None:
             snapshot's config that disagrees with its weights).
     """
     pre = resolve_pretrained(spec)
-    sd = adapt_state_dict(read_state_dict(pre.weights, known_layout=True), model)
+    read = read_state_dict(pre.weights, known_layout=True)
+    sd = adapt_state_dict(read, model)
     own = model.state_dict()
     params = {n for n, _ in model.named_parameters()}
     new = [k for k in own if k not in sd and (k not in params or any(s in k for s in _NEW_OK))]
@@ -231,8 +232,9 @@ def load_pretrained(model: torch.nn.Module, spec: str | Path) -> None:
         shapes = [f"{k}: file {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}" for k in mismatched]
         raise ValueError(f"weights in {pre.weights} do not fit this model{_depth_hint(sd, own)}: "
                          f"missing={missing[:5]} unexpected={unexpected[:5]} mismatched={shapes[:5]}")
-    if new:
-        log.info("%d tensors not in %s keep their initialisation (e.g. %s)", len(new), pre.weights, new[0])
+    absent = [k for k in new if k not in read]  # the others were dropped by adapt_state_dict, which logged it
+    if absent:
+        log.info("%d tensors not in %s keep their initialisation (e.g. %s)", len(absent), pre.weights, absent[0])
     model.load_state_dict({**{k: own[k] for k in new}, **sd}, strict=True)
 
 

@@ -138,15 +138,17 @@ def resolve_plan(plan: list[tuple[str, object, str]], cfg_batch: int, images: in
 
 def size_warnings(cfg: Config, profile: DataProfile) -> list[str]:
     """Warnings when the input is far above what the images hold: over 256 tokens per image on a
-    CPU, or an input size over twice the images' median short side (upsampled pixels carry no
-    detail, and cost ``(size / patch)^2`` tokens). None for ``model.name=auto`` (the weights'
-    architecture is known only once they are read)."""
+    CPU for a model with global attention (a Swin attends within fixed windows: its cost grows
+    linearly with the tokens), or an input size over twice the images' median short side
+    (upsampled pixels carry no detail, and cost ``(size / patch)^2`` tokens). None for
+    ``model.name=auto`` (the weights' architecture is known only once they are read)."""
     if cfg.model.name == "auto":
         return []
     out, defaults = [], model_kwargs(cfg.model.name)
     image, patch_size = cfg.model.img_size or defaults["img_size"], cfg.model.patch_size or defaults["patch_size"]
     tokens = (image // patch_size) ** 2
-    if tokens > 256 and not cfg.train.device.startswith("cuda"):
+    windowed = family_of(cfg.model.name).name == "swin"
+    if tokens > 256 and not windowed and not cfg.train.device.startswith("cuda"):
         better = max(patch_size, image // 8)
         out.append(f"{tokens} tokens per image ({image} px in {patch_size}-px patches) on a CPU: attention cost grows "
                    f"with the square of the tokens; model.patch_size={better} would give {(image // better) ** 2}")
