@@ -110,8 +110,9 @@ class RangeHandler(SimpleHTTPRequestHandler):
         size = os.path.getsize(path)
         if m is None:  # the whole file, by sendfile(2) as below
             self.send_response(200)
-            self.send_header("Content-Type", self.guess_type(path))
+            self.send_header("Content-type", self.guess_type(path))  # the headers of a HEAD (send_head)
             self.send_header("Content-Length", str(size))
+            self.send_header("Last-Modified", self.date_time_string(os.path.getmtime(path)))
             self.end_headers()
             with open(path, "rb") as f:
                 self.connection.sendfile(f, 0, size)

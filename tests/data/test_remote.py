@@ -147,6 +147,20 @@ def test_http_download_follows_redirects_sends_basic_auth_and_retries_a_503(stor
                             f"{MAX_REDIRECTS} redirects (not retried)")
 
 
+def test_http_download_encodes_names_and_keeps_credentials_across_a_same_origin_redirect(http_server, tmp_path):
+    root = tmp_path / "served"
+    root.mkdir()
+    body = bytes(range(256)) * 12
+    (root / "a b ä.tar").write_bytes(body)
+    base = http_server(root)
+    assert download(f"{base}/a b ä.tar", tmp_path / "x.tar") == len(body)  # sent as /a%20b%20%C3%A4.tar
+    assert (tmp_path / "x.tar").read_bytes() == body
+    port = base.rsplit(":", 1)[1]
+    base.server.redirect("old.tar", f"http://127.0.0.1:{port}/a%20b%20%C3%A4.tar")  # absolute, same origin
+    assert get_file(f"http://ann:pw@127.0.0.1:{port}/old.tar", tmp_path / "y.tar") == len(body)
+    assert base.server.last_authorization == "Basic " + base64.b64encode(b"ann:pw").decode()
+
+
 def test_403_and_404_fail_at_once_with_one_line_naming_the_url(store, http_server, caplog):
     base = http_server(store)
     base.server.forbid("photos.tar")

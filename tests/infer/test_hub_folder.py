@@ -124,6 +124,26 @@ def test_timm_named_variants(tmp_path, name, extra):
         assert (read_hub_folder(tmp_path / "hub").model(x) - want).abs().max() <= 1e-6
 
 
+def test_a_swin_timm_has_no_name_for_is_its_tiny_swin_with_explicit_sizes(tmp_path):
+    """vitflow's 32x32 Swin (patch 2, window 4, three stages, MLP ratio 2): config.json names timm's
+    swin_tiny_patch4_window7_224 with the sizes that differ, and timm's model built from it gives
+    the checkpoint's logits; vitflow reads the folder back, also without its own ``vitflow`` key."""
+    ckpt = fake_checkpoint(tmp_path, "swin_cifar_patch2_window4_32", depth=None)
+    r = save_hub_folder(ckpt, tmp_path / "hub")
+    config = json.loads((tmp_path / "hub" / "config.json").read_text())
+    assert r["architecture"] == config["architecture"] == "swin_tiny_patch4_window7_224"
+    assert config["model_args"] == {"img_size": 32, "num_classes": 3, "patch_size": 2, "window_size": 4,
+                                    "depths": [2, 2, 2], "num_heads": [3, 6, 12], "mlp_ratio": 2.0}
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model_from_checkpoint(load_checkpoint(ckpt))(x)
+    assert (timm_logits(tmp_path / "hub", x) - want).abs().max() <= 1e-5
+    del config["vitflow"]
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        assert (read_hub_folder(tmp_path / "hub").model(x) - want).abs().max() <= 1e-6
+
+
 def test_models_timm_cannot_rebuild_are_refused(tmp_path, capsys):
     ckpt = fake_checkpoint(tmp_path, "vit_tiny_patch16_224", pos_embed="sincos2d")
     assert main(["export", str(ckpt), "--format", "hub", "-o", str(tmp_path / "hub")]) == 2

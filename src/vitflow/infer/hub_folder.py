@@ -39,6 +39,9 @@ from vitflow.models.timm_args import timm_overrides, vitflow_kwargs
 CONFIG_NAME, WEIGHTS_NAME, CARD_NAME = "config.json", "model.safetensors", "README.md"
 
 
+SWIN_BASE, SWIN_V2_BASE = "swin_tiny_patch4_window7_224", "swinv2_tiny_window8_256"  # timm builds any Swin from these
+
+
 def is_hub_folder(path: str | Path) -> bool:
     """A folder holding a ``config.json`` (a hub-style model folder or snapshot)."""
     return Path(path).is_dir() and (Path(path) / CONFIG_NAME).is_file()
@@ -53,10 +56,11 @@ def timm_model_args(model_args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     ``num_heads``, ``mlp_ratio``, ``qkv_bias``, ``class_token``, ``global_pool``, ``init_values``),
     so that variants timm has no name for (``vit_digits_patch2_8``) build too; the architecture is
     the vitflow name when timm knows it (checked when timm is installed). The other families
-    (DeiT III, DINOv2, CLIP, SigLIP, BEiT, EVA-02, DINOv3) are registered under timm's names with
-    timm's configurations: the name, ``img_size``, ``num_classes`` and every size that differs
+    (DeiT III, DINOv2, CLIP, SigLIP, BEiT, EVA-02, DINOv3, Swin) are registered under timm's names
+    with timm's configurations: the name, ``img_size``, ``num_classes`` and every size that differs
     from the variant (e.g. ``depth``), in timm's argument names
-    (:func:`vitflow.models.timm_args.timm_overrides`).
+    (:func:`vitflow.models.timm_args.timm_overrides`); a Swin variant timm has no name for
+    (``swin_cifar_patch2_window4_32``) is :data:`SWIN_BASE` with the sizes that differ from it.
 
     Raises:
         ValueError: a model timm cannot build with these weights (naming the key): pruned blocks,
@@ -68,8 +72,11 @@ def timm_model_args(model_args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     kw = model_kwargs(name, **args)
     family = family_of(name)
     if family.name != "vit":
+        arch = name
+        if family.name == "swin" and not _timm_knows(name):  # vitflow's own Swin: its structure, explicitly
+            arch = SWIN_V2_BASE if name.startswith("swinv2") else SWIN_BASE
         out = {"img_size": kw["img_size"], "num_classes": kw.get("num_classes", 1000)}
-        return name, {**out, **timm_overrides(name, family.variants[name], kw)}
+        return arch, {**out, **timm_overrides(arch, family.variants[arch], kw)}
     refusals = {"block_heads": kw.get("block_heads") is not None, "block_mlp_hidden": kw.get("block_mlp_hidden") is not None,
                 "pos_embed": kw.get("pos_embed", "learned") != "learned",
                 "attention": kw.get("attention", "sdpa") not in (*EXACT_BACKENDS, "auto")}

@@ -28,7 +28,7 @@ from vitflow.models.attention import EXACT_BACKENDS
 TIMM_NAMES = {"layer_scale_init": "init_values"}  # vitflow name -> timm name, where they differ
 VITFLOW_NAMES = {v: k for k, v in TIMM_NAMES.items()}
 SHARED = ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio",
-          "qkv_bias", "global_pool", "class_token", "layer_scale_init")
+          "qkv_bias", "global_pool", "class_token", "layer_scale_init", "depths", "window_size")  # (Swin: per stage)
 # no effect on the function an eval-mode model computes from loaded weights
 NEUTRAL = ("drop_rate", "attn_drop_rate", "drop_path_rate", "patch_drop_rate", "weight_init", "grad_checkpointing",
            "grad_checkpointing_budget", "cpu_bf16_matmul", "attn_block_size", "attn_window", "linformer_k",
