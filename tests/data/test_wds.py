@@ -4,6 +4,7 @@ per-epoch order over ranks x workers, exact resume of the order, and bad input."
 import hashlib
 import io
 import json
+import logging
 import shutil
 import tarfile
 
@@ -218,7 +219,7 @@ def test_truncated_shard_keeps_its_good_samples_and_counts_the_rest(shards, tmp_
         held_out.load(10)
 
 
-def test_sample_without_label_is_skipped_and_named(tmp_path):
+def test_sample_without_label_is_skipped_and_named(tmp_path, caplog):
     png = encode(np.zeros((8, 8, 3), np.uint8))
     _shard(tmp_path / "x-0.tar", [("k0.png", png), ("k0.cls", b"0"), ("k1.png", png),
                                   ("k2.png", png), ("k2.txt", b"b"), ("k3.png", png), ("k3.json", b'{"label": 1}')])
@@ -229,7 +230,10 @@ def test_sample_without_label_is_skipped_and_named(tmp_path):
     with pytest.raises(DataError, match="x-0.tar: the labels are both class indices .* and class names; put"):
         open_shard_stream(f"{tmp_path}/x-0.tar", "train")
     _shard(tmp_path / "y-0.tar", [("k0.png", png), ("k0.cls", b"2"), ("k1.png", png), ("k1.cls", b"0")])
-    assert open_shard_stream(f"{tmp_path}/y-0.tar", "train").classes == ["0", "1", "2"]
+    with caplog.at_level(logging.INFO, "vitflow.data"):
+        assert open_shard_stream(f"{tmp_path}/y-0.tar", "train").classes == ["0", "1", "2"]
+    assert f"{tmp_path}/y-0.tar: no class list beside the shards; 3 classes from the scanned labels: 0, 1, 2 (put " \
+        "classes.txt" in caplog.text
 
 
 def test_split_keys_may_be_shard_patterns():

@@ -374,7 +374,9 @@ def shard_set(urls: list[str], classes_file: str | None = None, classes: list[st
                  "skip this)", len(todo), "" if classes is not None else " and class names", INDEX_NAME)
         n, scanned = scan_counts(todo)
         counts.update({os.path.basename(u): int(k) for u, k in zip(todo, n)})
-    classes = classes or classes_from_labels(scanned, urls[0])
+    if classes is None and (classes := classes_from_labels(scanned, urls[0])):
+        log.info("%s: no class list beside the shards; %d classes from the scanned labels: %s (put classes.txt beside "
+                 "them to name them)", urls[0], len(classes), ", ".join(classes[:5]) + (", ..." * (len(classes) > 5)))
     if not classes:
         raise DataError(f"{urls[0]}: no class list: put classes.txt beside the shards or set data.classes")
     return ShardSet(urls, np.asarray([counts[os.path.basename(u)] for u in urls], dtype=np.int64), list(classes))
