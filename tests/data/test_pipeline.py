@@ -382,6 +382,16 @@ def test_bench_data_json_line(tmp_path, capsys):
     assert "x baseline" in captured.err
 
 
+def test_bench_data_packs_images_of_several_sizes_as_jpeg_at_a_small_size(tmp_path, capsys):
+    """At <= 64 px the packed path packs raw pixels, which needs one image size: a folder of two
+    sizes (as photos are) is packed as JPEG instead of failing."""
+    src = make_folder(tmp_path / "d", ["a", "b"], per_class=8, size=40)
+    make_folder(tmp_path / "d", ["c"], per_class=8, size=48, seed=1)
+    assert main(["bench", "data", "--data", str(src), "--image-size", "32", "--repeats", "1", "--passes", "1",
+                 "--workers", "1", "--batch-size", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["packed_ips"] > 0
+
+
 def test_random_resized_crop_matches_torchvision():
     from torchvision.transforms import InterpolationMode, v2
 

@@ -11,8 +11,8 @@ Paths measured (images/s over full passes, same image size, augmentation and wor
 - ``vitflow``: vitflow's loader reading the folder or tar in place (no RAM cache), finished by
   its device pipeline (normalised float32 batches, like the baseline's); WebDataset shards are
   streamed as training streams them (:mod:`vitflow.data.wdsstream`);
-- ``packed``: vitflow's loader on a packed copy (``vitflow prepare``: raw for images <= 64 px,
-  else JPEG at ``max_side``);
+- ``packed``: vitflow's loader on a packed copy (``vitflow prepare``: raw at <= 64 px when the
+  images share one size, else JPEG at ``max_side``);
 - ``folder`` (for a label file or a Hugging Face dataset only): vitflow's loader on the same images
   as a folder (the baseline's copy), so the table-backed source is compared with a folder in the
   same run.
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from vitflow.config import DataConfig
-from vitflow.data.decode import decode_image
+from vitflow.data.decode import CorruptImageError, decode_image, image_size
 from vitflow.data.dispatch import TABLE_KINDS, open_split, source_kind
 from vitflow.data.folder import open_folder_split, open_images
 from vitflow.data.packed import FORMAT, VERSION, open_packed, write_split
@@ -130,6 +130,23 @@ def vitflow_ips(source: ImageSource, cfg: DataConfig, image_size: int, batch_siz
     return n / elapsed
 
 
+def one_size(source: ImageSource, probe: int = 256) -> bool:
+    """True when the first ``probe`` images of ``source`` (their headers, or the pixels of a source
+    without encoded bytes) share one size; unreadable ones are left out."""
+    if source.fixed_size is not None:
+        return True
+    sizes = set()
+    for i in range(min(probe, len(source))):
+        try:
+            data = source.encoded(i)
+            sizes.add(image_size(data, source.name(i)) if data is not None else tuple(source.load(i).shape[-2:]))
+        except CorruptImageError:
+            continue
+        if len(sizes) > 1:
+            return False
+    return True
+
+
 def _open(path: str) -> ImageSource:
     try:
         return open_split(path, "train")
@@ -160,8 +177,9 @@ def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, pa
     results: dict[str, list[float]] = {"baseline": [], "vitflow": [], "packed": [], **({"folder": []} if table else {})}
     with tempfile.TemporaryDirectory(prefix="vitflow-bench-") as tmp:
         folder = _extract(source, Path(tmp) / "folder")
-        info = write_split(source, Path(tmp) / "packed" / "train", "raw" if small else "jpeg",
-                            max_side or (None if small else 256), 90, os.cpu_count() or 1, "pack")
+        raw = small and one_size(source)  # raw packing needs one image size (photos at <= 64 px: jpeg)
+        info = write_split(source, Path(tmp) / "packed" / "train", "raw" if raw else "jpeg",
+                            max_side or (None if raw else 256), 90, os.cpu_count() or 1, "pack")
         meta = {"format": FORMAT, "version": VERSION, "classes": source.classes, "splits": {"train": info}}
         (Path(tmp) / "packed" / "meta.json").write_text(json.dumps(meta))
         packed = open_packed(Path(tmp) / "packed", "train")
