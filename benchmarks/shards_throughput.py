@@ -108,7 +108,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, help="--passes of each bench data run (bench data's default: 3)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--image-size", type=int, default=224, help="> 64 (bench data packs raw at <= 64 px)")
+    ap.add_argument("--image-size", type=int, default=224, help="> 64 (bench data's photo augmentation; at <= 64 px it pads and crops as for CIFAR)")
     ap.add_argument("--steps", type=int, default=80, help="training steps from the HTTP shards (80; 0: skip)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--device", default="auto")
