@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 
 from vitflow.config import DataConfig
-from vitflow.data.decode import CorruptImageError, decode_image, image_size
+from vitflow.data.decode import decode_image
 from vitflow.data.dispatch import TABLE_KINDS, open_split, source_kind
 from vitflow.data.folder import open_folder_split, open_images
-from vitflow.data.packed import FORMAT, VERSION, open_packed, write_split
+from vitflow.data.packed import FORMAT, VERSION, common_size, open_packed, write_split
 from vitflow.data.pipeline import train_loader
 from vitflow.data.sources import DataError, ImageSource
 from vitflow.data.transforms import resolve_augment
@@ -130,23 +130,6 @@ def vitflow_ips(source: ImageSource, cfg: DataConfig, image_size: int, batch_siz
     return n / elapsed
 
 
-def one_size(source: ImageSource, probe: int = 256) -> bool:
-    """True when the first ``probe`` images of ``source`` (their headers, or the pixels of a source
-    without encoded bytes) share one size; unreadable ones are left out."""
-    if source.fixed_size is not None:
-        return True
-    sizes = set()
-    for i in range(min(probe, len(source))):
-        try:
-            data = source.encoded(i)
-            sizes.add(image_size(data, source.name(i)) if data is not None else tuple(source.load(i).shape[-2:]))
-        except CorruptImageError:
-            continue
-        if len(sizes) > 1:
-            return False
-    return True
-
-
 def _open(path: str) -> ImageSource:
     try:
         return open_split(path, "train")
@@ -177,7 +160,7 @@ def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, pa
     results: dict[str, list[float]] = {"baseline": [], "vitflow": [], "packed": [], **({"folder": []} if table else {})}
     with tempfile.TemporaryDirectory(prefix="vitflow-bench-") as tmp:
         folder = _extract(source, Path(tmp) / "folder")
-        raw = small and one_size(source)  # raw packing needs one image size (photos at <= 64 px: jpeg)
+        raw = small and common_size(source) is not None  # raw packing needs one image size (photos at <= 64 px: jpeg)
         info = write_split(source, Path(tmp) / "packed" / "train", "raw" if raw else "jpeg",
                             max_side or (None if raw else 256), 90, os.cpu_count() or 1, "pack")
         meta = {"format": FORMAT, "version": VERSION, "classes": source.classes, "splits": {"train": info}}

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vitflow.data.decode import decode_image
+from vitflow.data.decode import CorruptImageError, decode_image
 from vitflow.data.encode import encode_images
 from vitflow.data.remote import RangeArray, RemoteError, is_remote, join, load_npy, read_bytes
 from vitflow.data.sources import DataError, ImageSource
@@ -125,6 +125,23 @@ def open_packed(path: str | Path, split: str) -> PackedSource:
     if split not in meta["splits"]:
         raise DataError(f"split {split!r} not in packed dataset {root}; it has: {', '.join(meta['splits'])}")
     return PackedSource(root, split, meta["classes"], meta["splits"][split])
+
+
+def common_size(source: ImageSource, probe: int = 256) -> tuple[int, int] | None:
+    """The ``(H, W)`` (pixels, as decoded: EXIF orientation applied) that the first ``probe``
+    images of ``source`` share, what raw packing needs; ``None`` when they differ or none of them
+    is readable (unreadable images are left out)."""
+    if source.fixed_size is not None:
+        return tuple(source.fixed_size)
+    sizes: set[tuple[int, int]] = set()
+    for i in range(min(probe, len(source))):
+        try:
+            sizes.add(tuple(source.load(i).shape[-2:]))
+        except CorruptImageError:
+            continue  # skipped (and counted) when the split is written
+        if len(sizes) > 1:
+            return None
+    return next(iter(sizes), None)
 
 
 def write_split(source: ImageSource, folder: Path, kind: str, max_side: int | None, quality: int,

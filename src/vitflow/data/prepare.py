@@ -9,9 +9,8 @@ import shutil
 from pathlib import Path
 
 from vitflow.data.cifar import cifar_batches_source, is_cifar_batches
-from vitflow.data.decode import CorruptImageError
 from vitflow.data.dispatch import open_split
-from vitflow.data.packed import FORMAT, VERSION, is_packed, write_split
+from vitflow.data.packed import FORMAT, VERSION, common_size, is_packed, write_split
 from vitflow.data.sources import DataError, ImageSource
 from vitflow.data.wdsprepare import prepare_shards
 
@@ -61,14 +60,8 @@ def prepare(src: str | Path, out: str | Path, fmt: str = "auto", max_side: int |
             raise DataError(f"{out} exists and is not a vitflow packed dataset; refusing to replace it")
     splits = _splits_of(src)
     if fmt == "auto":
-        probe = splits["train"]
-        sizes = set()
-        for i in range(min(256, len(probe))):
-            try:
-                sizes.add(tuple(probe.load(i).shape[-2:]))
-            except CorruptImageError:
-                continue  # skipped (and counted) when the split is written
-        fmt = "raw" if len(sizes) == 1 and max(next(iter(sizes))) <= 64 else "jpeg"
+        size = common_size(splits["train"])
+        fmt = "raw" if size is not None and max(size) <= 64 else "jpeg"
     partial = out.with_name(out.name + ".partial")
     if partial.exists():
         shutil.rmtree(partial)
