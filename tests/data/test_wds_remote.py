@@ -7,6 +7,7 @@ an unreachable or forbidden shard is named in one line."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import time
 from pathlib import Path
@@ -224,3 +225,55 @@ def test_a_prefetched_shard_is_downloaded_once_and_taken_by_the_fetch(shards, ht
         time.sleep(0.05)
     assert not list(tmp_path.iterdir())
 
+
+
+def test_a_freed_spool_file_is_written_over_by_the_next_download(shards, http_server, tmp_path):
+    """A file read through and released is renamed (its old name gone) and kept while the spool
+    holds fewer files than its peak; the next download writes over it in place (same inode),
+    cut to the new shard's length; the spool never holds more files than its peak."""
+    from vitflow.data.wdsspool import Spool
+
+    _, out = shards
+    base = http_server(out.parent)
+    url = [f"{base}/shards/train-{i:06d}.tar" for i in range(6)]
+    spool = Spool(lag=1, root=tmp_path)
+    first, second = spool.fetch(url[0]), spool.fetch(url[1])  # the peak: two files
+    spool.hold(first)
+    spool.done_reading(first)  # still held by an item
+    spool.done_reading(second)  # freed: kept to be written over
+    assert not Path(second).exists() and Path(first).exists()
+    spool.release([first])  # freed too
+    assert not Path(first).exists()
+    free = {p.stat().st_ino: p for p in spool.folder.iterdir()}
+    assert len(free) == 2 and all(p.name.startswith("free-") for p in free.values())
+    for p in free.values():  # longer than any shard: the download must cut what it does not write over
+        p.write_bytes(p.read_bytes() + b"x" * 30000)
+    last = spool.fetch(url[5])
+    assert os.stat(last).st_ino in free
+    assert Path(last).read_bytes() == (out / "train-000005.tar").read_bytes()
+    third = spool.fetch(url[2])
+    assert Path(third).read_bytes() == (out / "train-000002.tar").read_bytes()
+    assert {os.stat(last).st_ino, os.stat(third).st_ino} == set(free)  # both reused, none new
+    assert len(list(spool.folder.iterdir())) == 2
+    spool.done_reading(last)
+    spool.done_reading(third)
+    spool.fetch(url[3])  # a third file alive at once: the peak grows to three
+    assert len(list(spool.folder.iterdir())) == 2  # one freed file reused, one kept
+    folder = spool.folder
+    spool.close()
+    assert not folder.exists()
+
+
+def test_a_stream_of_k_epochs_ends_there_and_downloads_no_shard_of_the_next(shards, http_server):
+    """``epochs=1``: the loader gives one epoch of batches, then ends; the shuffle buffer does
+    not fill from the next epoch's shards (each shard downloaded once)."""
+    _, out = shards
+    base = http_server(out.parent)
+    src = open_shard_stream(f"{base}/shards/{TRAIN}", "train")
+    transform = eval_transform(Preprocess(8, 1.0, "bilinear", (0, 0, 0), (1, 1, 1)))
+    requests = base.server.requests
+    loader, per_epoch = shard_loader(src, transform, 4, 0, 16, (0, 0), 0, 1, 1, 2, epochs=1)
+    batches = list(itertools.islice(loader, 12))
+    assert len(batches) == per_epoch == 10
+    assert sum(len(b["labels"]) for b in batches) == 40
+    assert base.server.requests - requests == 2 * 6  # a HEAD (its size) and a GET a shard, once each

@@ -117,7 +117,8 @@ def _baseline(args: str) -> None:
 
 def vitflow_ips(source: ImageSource, cfg: DataConfig, image_size: int, batch_size: int, passes: int) -> float:
     """vitflow loader + device pipeline (CPU) images/s over ``passes`` epochs."""
-    tl = train_loader(source, cfg, image_size, batch_size, seed=0, device=torch.device("cpu"), num_classes=1000)
+    tl = train_loader(source, cfg, image_size, batch_size, seed=0, device=torch.device("cpu"), num_classes=1000,
+                      epochs=passes)
     per_epoch = tl.batches_per_epoch
     with settled_heap():  # as training's loop runs
         n, t0 = 0, time.perf_counter()

