@@ -98,8 +98,8 @@ def _target(parts: urllib.parse.SplitResult) -> str:
 def _write_body(resp: http.client.HTTPResponse, path: str | Path) -> int:
     """The body of ``resp`` into the file ``path``; returns its bytes. An existing file is written
     over in place and then cut to the body's length: its pages are reused (a spool's recycled
-    file, :mod:`vitflow.data.wdsspool`). A body shorter
-    than its ``Content-Length`` raises ConnectionError."""
+    file, :mod:`vitflow.data.wdsspool`). A body shorter than its ``Content-Length`` raises
+    ConnectionError."""
     buf = memoryview(bytearray(BLOCK))
     got = 0
     with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "wb") as f:

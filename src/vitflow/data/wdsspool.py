@@ -191,8 +191,7 @@ class Spool:
         if self._holds.get(path, 1) <= 0 and path not in self._reading:
             del self._holds[path]
             if len(self._holds) + len(self._free) < self._peak and not self._closed:
-                self._serial += 1
-                self._free.append(Path(path).with_name(f"free-{self._serial:08d}"))
+                self._free.append(Path(path).with_name(f"free-{Path(path).stem}"))  # its serial: unique
                 os.rename(path, self._free[-1])  # a late reader of the old name fails loudly
             else:
                 Path(path).unlink(missing_ok=True)
