@@ -1,7 +1,8 @@
 """Real storage servers on 127.0.0.1 for the tests (imported by ``conftest.py``):
 
 - ``http_server(root) -> base_url``: a threaded HTTP/1.1 static file server over ``root`` with
-  Range requests (``206`` / ``416``), which Python's ``http.server`` lacks, file bodies sent by
+  Range requests (``206`` / ``416``; suffix ranges ``bytes=-N`` too; HTTPS with
+  ``http_server(root, certfile=self_signed_cert(tmp_path))``), which Python's ``http.server`` lacks, file bodies sent by
   ``sendfile(2)`` as production servers send them. The URL is a ``str`` whose ``.server``
   (:class:`RangeServer`) can ``stop()`` and ``start()`` again on the same port (a server dying
   mid-epoch; by itself after N more requests, or N more for matching paths:
@@ -20,6 +21,7 @@ import os
 import re
 import shutil
 import socket
+import ssl
 import threading
 import uuid
 from functools import partial
@@ -118,8 +120,11 @@ class RangeHandler(SimpleHTTPRequestHandler):
                 self.connection.sendfile(f, 0, size)
             return
         first, last = m.groups()
-        start, end = (size - int(last), size - 1) if first == "" else (int(first), min(int(last or size - 1), size - 1))
-        if start < 0 or start >= size or end < start:
+        if first == "":  # a suffix range: the last N bytes, the whole file when N exceeds it (RFC 9110 14.1.2)
+            start, end = (max(0, size - int(last)), size - 1) if last not in ("", "0") else (size, size - 1)
+        else:
+            start, end = int(first), min(int(last or size - 1), size - 1)
+        if start >= size or end < start:
             self.send_response(416)
             self.send_header("Content-Range", f"bytes */{size}")
             self.send_header("Content-Length", "0")
@@ -143,8 +148,8 @@ class RangeHandler(SimpleHTTPRequestHandler):
 class RangeServer:
     """A restartable static file server over ``root`` on ``127.0.0.1:port``."""
 
-    def __init__(self, root: Path, port: int | None = None):
-        self.root, self.port = Path(root), port or free_port()
+    def __init__(self, root: Path, port: int | None = None, certfile: Path | None = None):
+        self.root, self.port, self.certfile = Path(root), port or free_port(), certfile
         self.lock = threading.Lock()
         self.failures, self.failure_status, self.requests = 0, 503, 0
         self.forbidden: set[str] = set()
@@ -158,13 +163,17 @@ class RangeServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.certfile else 'http'}://127.0.0.1:{self.port}"
 
     def start(self) -> "RangeServer":
         ThreadingHTTPServer.allow_reuse_address = True
         self.dead = False
         self._httpd = ThreadingHTTPServer(("127.0.0.1", self.port), partial(RangeHandler, directory=str(self.root)))
         self._httpd.daemon_threads = True
+        if self.certfile is not None:  # HTTPS with the certificate (and its key) in certfile
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(self.certfile)
+            self._httpd.socket = ctx.wrap_socket(self._httpd.socket, server_side=True)
         self._httpd.control = self  # type: ignore[attr-defined]
         threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         return self
@@ -201,6 +210,28 @@ class RangeServer:
         self.forbidden.add(rel.lstrip("/"))
 
 
+def self_signed_cert(folder: Path) -> Path:
+    """A PEM file holding a fresh self-signed certificate for ``127.0.0.1`` and its key (a
+    certificate no client trusts: ``RangeServer(root, certfile=...)`` serves HTTPS with it)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
+    path = Path(folder) / "self-signed.pem"
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()) + cert.public_bytes(serialization.Encoding.PEM))
+    return path
+
+
 class ServedURL(str):
     """The server's base URL (a ``str``), with the :class:`RangeServer` as ``.server``."""
 
@@ -212,8 +243,8 @@ def http_server():
     """Factory: ``http_server(root) -> base_url`` (a :class:`ServedURL`); stopped after the test."""
     servers: list[RangeServer] = []
 
-    def serve(root: Path) -> ServedURL:
-        server = RangeServer(root).start()
+    def serve(root: Path, certfile: Path | None = None) -> ServedURL:
+        server = RangeServer(root, certfile=certfile).start()
         servers.append(server)
         url = ServedURL(server.url)
         url.server = server

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from servers import copy_into, s3_upload
+from servers import copy_into, s3_upload, self_signed_cert
 
 from helpers import HYMENOPTERA_TAR, make_folder, need, tar_folder
 from vitflow.config import DataConfig
@@ -185,6 +185,57 @@ def test_unreachable_store_is_retried_then_named_in_one_line(store, http_server,
     assert len([r for r in caplog.records if "retry" in r.getMessage()]) == 2
     with pytest.raises(RemoteError, match=r"nothere\.csv: size request failed: S3 error NoSuchKey \(HTTP 404\)"):
         read_bytes(s3.replace("labels.csv", "nothere.csv"))
+
+
+def test_the_test_server_answers_ranges_as_http_says(store, http_server):
+    import urllib.error
+    import urllib.request
+
+    base, body = http_server(store), (store / "labels.csv").read_bytes()
+
+    def get(spec: str) -> tuple[int, bytes]:
+        req = urllib.request.Request(f"{base}/labels.csv", headers={"Range": spec})
+        try:
+            with urllib.request.urlopen(req) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, b""
+
+    assert get("bytes=0-9") == (206, body[:10]) and get("bytes=10-") == (206, body[10:])
+    assert get("bytes=-10") == (206, body[-10:]) and get(f"bytes=-{len(body) + 5}") == (206, body)
+    assert get("bytes=-") == get("bytes=-0") == get(f"bytes={len(body)}-") == (416, b"")
+
+
+def test_an_untrusted_tls_certificate_fails_at_once_naming_the_url(store, http_server, tmp_path, caplog):
+    base = http_server(store, certfile=self_signed_cert(tmp_path))  # HTTPS with a certificate nobody signed
+    assert base.startswith("https://127.0.0.1:")
+    with caplog.at_level(logging.WARNING, "vitflow.data"), pytest.raises(RemoteError) as e:
+        read_bytes(f"{base}/labels.csv")
+    msg = str(e.value)
+    assert msg.startswith(f"{base}/labels.csv: size request failed: TLS certificate not trusted (")
+    assert msg.endswith("(not retried)") and "\n" not in msg and not e.value.transient
+    assert not [r for r in caplog.records if "retry" in r.getMessage()] and base.server.requests == 0
+
+
+def test_an_unknown_host_fails_at_once_a_resolver_that_cannot_answer_now_is_retried():
+    import socket
+
+    import aiohttp
+    from aiohttp.client_reqrep import ConnectionKey
+
+    from vitflow.data.remote_store import _classify
+
+    key = ConnectionKey("no-such-host.invalid", 443, True, True, None, None, None)
+
+    def dns(errno: int) -> Exception:  # what fsspec's HTTP stat raises: "not found", the connector's error as cause
+        err = FileNotFoundError("https://no-such-host.invalid/a.tar")
+        err.__cause__ = aiohttp.ClientConnectorDNSError(key, socket.gaierror(errno, "resolver says"))
+        return err
+
+    url = "https://no-such-host.invalid/a.tar"
+    assert _classify(dns(socket.EAI_NONAME), url) == (None, False, "unknown host (resolver says)")
+    assert _classify(dns(socket.EAI_AGAIN), url)[:2] == (None, True)  # the resolver may answer later
+    assert _classify(ConnectionRefusedError(111, "refused"), url)[:2] == (None, True)
 
 
 def test_cli_names_a_forbidden_url_in_one_error_line(store, http_server, capsys):

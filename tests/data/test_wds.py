@@ -196,7 +196,7 @@ def _one_epoch_bad(out, pattern, batch):
         r for b in batches for _, r in b["bad"]]
 
 
-def test_truncated_shard_keeps_its_good_samples_and_counts_the_rest(shards, tmp_path):
+def test_truncated_shard_keeps_its_good_samples_and_counts_the_rest(shards, tmp_path, caplog):
     _, out = shards
     cut = tmp_path / "cut"
     cut.mkdir()
@@ -206,12 +206,15 @@ def test_truncated_shard_keeps_its_good_samples_and_counts_the_rest(shards, tmp_
         fourth = [m for m in tf.getmembers() if m.name.endswith(".png")][3]
     data = (cut / "train-000001.tar").read_bytes()
     (cut / "train-000001.tar").write_bytes(data[:fourth.offset_data + fourth.size // 2])  # mid-member
-    good, bad, reasons = _one_epoch_bad(cut, "train-{000000..000001}.tar", 2)
+    with caplog.at_level(logging.WARNING, "vitflow.data"):
+        good, bad, reasons = _one_epoch_bad(cut, "train-{000000..000001}.tar", 2)
     assert good == 7 + 3 and len(bad) == 4  # 14 samples: 3 of the cut shard kept, its 4 others counted
+    assert [r.getMessage() for r in caplog.records if "truncated" in r.getMessage()] == [
+        f"{cut}/train-000001.tar: the shard ends after 3 whole samples of 7 (truncated?); one more cut short"]
     named = dict(zip(bad, reasons))
     assert "the shard ends inside this sample (truncated?)" in named[f"{cut}/train-000001.tar:00000010"]
     assert sorted(b.split(":")[-1] for b in bad) == ["#4", "#5", "#6", "00000010"]
-    assert named[f"{cut}/train-000001.tar:#6"] == "missing: the shard ends after 4 of 7 samples (truncated?)"
+    assert named[f"{cut}/train-000001.tar:#6"] == "missing: the shard ends after 3 whole samples of 7 (truncated?)"
     held_out = open_split(cut, "train")  # random access (as val/test splits are read): the cut sample is unreadable
     assert len(held_out) == 11 and held_out.name(10).endswith("train-000001.tar:00000010")
     held_out.load(9)

@@ -6,7 +6,9 @@
 - Every request to a store is retried on transient errors (connection refused / reset, timeouts,
   HTTP 5xx and 429, S3 ``SlowDown`` / 5xx) with exponential backoff and jitter
   (``data.remote_retries`` attempts after the first, the first wait ``data.remote_backoff``
-  seconds, doubling up to :data:`MAX_BACKOFF`); never on 403 / 404. A failure raises
+  seconds, doubling up to :data:`MAX_BACKOFF`); never on 403 / 404, a TLS certificate the client
+  does not trust or a host name that does not resolve (a resolver that cannot answer now is
+  retried). A failure raises
   :class:`RemoteError`, one line naming the URL and the HTTP / S3 error.
 - Credentials come from each store's usual environment: ``AWS_ACCESS_KEY_ID``,
   ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, ``AWS_DEFAULT_REGION`` and, for

@@ -10,6 +10,8 @@ import logging
 import os
 import random
 import re
+import socket
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -155,11 +157,36 @@ def _classify(e: BaseException, url: str) -> tuple[int | None, bool, str]:
         return 403, False, f"S3 error AccessDenied (HTTP 403): {e}" if s3 else f"HTTP 403 Forbidden ({e})"
     if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
         return None, True, f"timed out ({type(e).__name__})"
+    permanent = _permanent_network_error(e)
+    if permanent:
+        return None, False, permanent
     name = type(e).__name__
     kinds = " ".join(c.__name__ for c in type(e).__mro__)  # aiohttp's ServerDisconnectedError is a ...ConnectionError
     if isinstance(e, (OSError, ConnectionError)) or "Connect" in kinds or "Payload" in kinds:
         return None, True, f"connection failed ({name}: {str(e) or 'no detail'})"
     return None, False, f"{name}: {e}"
+
+
+def _permanent_network_error(e: BaseException) -> str | None:
+    """The reason when ``e`` (or an error it wraps: ``__cause__``, ``__context__``, aiohttp's
+    ``os_error`` / ``certificate_error``, botocore's ``kwargs["error"]``) is a failure that no retry
+    mends — a TLS certificate the client does not trust, a host name the resolver says does not
+    exist; ``None`` otherwise. A resolver that cannot answer now (``EAI_AGAIN``) is transient."""
+    seen: set[int] = set()
+    todo: list[object] = [e]
+    while todo:
+        err = todo.pop()
+        if not isinstance(err, BaseException) or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, ssl.SSLCertVerificationError):
+            return f"TLS certificate not trusted ({getattr(err, 'verify_message', None) or err})"
+        if isinstance(err, socket.gaierror) and err.errno not in (socket.EAI_AGAIN, getattr(socket, "EAI_SYSTEM", 0)):
+            return f"unknown host ({err.strerror or err})"
+        kwargs = getattr(err, "kwargs", None)
+        todo += [err.__cause__, err.__context__, getattr(err, "os_error", None),
+                 getattr(err, "certificate_error", None), kwargs.get("error") if isinstance(kwargs, dict) else None]
+    return None
 
 
 def with_retries(url: str, what: str, fn: Callable[[], T]) -> T:

@@ -41,6 +41,7 @@ INDEX_NAME = "shards.json"
 INDEX_KIND = "wids-shard-index-v1"
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 LABEL_EXTS = ("cls", "json", "txt")  # in the order a sample's label is looked for
+CUT_SAMPLE = "the shard ends inside this sample (truncated?)"  # the error of a sample cut by the shard's end
 
 
 _SIZES: dict[str, int] = {}  # remote shard sizes, learnt once per process: one request an image, not two
@@ -132,11 +133,8 @@ def iter_samples(url: str, stream: BinaryIO, read_images: bool = True) -> Iterat
     except (tarfile.TarError, EOFError) as e:  # empty (cut at 0) or not a tar: one bad sample, the rest missing
         yield Sample("", error=f"not a readable tar shard ({e})")
         return
-    try:
-        yield from _grouped(((m.name, m.offset_data, m.size, tf.extractfile(m)) for m in tf if m.isfile()),
-                            read_images)
-    finally:
-        tf.close()
+    with tf:
+        yield from _grouped(((m.name, m.offset_data, m.size, tf.extractfile(m)) for m in tf if m.isfile()), read_images)
 
 
 class _NotATar(tarfile.ReadError):
@@ -197,7 +195,7 @@ def _grouped(members, read_images: bool) -> Iterator[Sample]:
             yield Sample("", error=str(e))
             return
         current = current or Sample("?")
-        current.error = f"the shard ends inside this sample (truncated?): {e}"
+        current.error = f"{CUT_SAMPLE}: {e}"
     if current is not None:
         yield current
 

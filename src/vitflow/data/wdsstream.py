@@ -58,7 +58,7 @@ from vitflow.data.splits import parse_split
 from vitflow.data.stream import shuffle_buffer
 from vitflow.data.transforms import Transform, transform_encoded
 from vitflow.data.remote import is_remote, local_path, open_stream
-from vitflow.data.wds import ShardSet, is_compressed, iter_samples, parse_label, shard_set
+from vitflow.data.wds import CUT_SAMPLE, ShardSet, is_compressed, iter_samples, parse_label, shard_set
 from vitflow.data.wdsspool import Spool
 from vitflow.data.wdslayout import is_shard_pattern, split_urls
 from vitflow.runtime import mix_seed
@@ -218,19 +218,18 @@ class ShardBatches:
     def _read(self, shard: int, a: int, b: int, spool: Spool) -> Iterator[tuple[int, Item]]:
         """``(sample index, item)`` for samples ``a .. b - 1`` of ``shard``; every index is given,
         those the shard lacks as an error item."""
-        url, j = self.shards.urls[shard], 0
+        url, j, cut = self.shards.urls[shard], 0, 0
         for item in self._items(url, b, spool):
             if j >= a:
                 yield j, item
-            j += 1
+            j, cut = j + 1, int(str(item[3]).startswith(CUT_SAMPLE))  # the last sample read, cut by the end?
         if j < b:
+            why = f"the shard ends after {j - cut} whole samples of {int(self.shards.counts[shard])} (truncated?)"
             if url not in self._warned:
                 self._warned.add(url)
-                log.warning("%s holds %d samples, the index says %d (truncated?)", url, j,
-                            int(self.shards.counts[shard]))
+                log.warning("%s: %s%s", url, why, "; one more cut short" * cut)
             for k in range(max(j, a), b):
-                yield k, (f"{url}:#{k}", None, -1, f"missing: the shard ends after {j} of "
-                          f"{int(self.shards.counts[shard])} samples (truncated?)")
+                yield k, (f"{url}:#{k}", None, -1, f"missing: {why}")
 
     def _items(self, url: str, stop: int, spool: Spool) -> Iterator[Item]:
         """The items of samples ``0 .. stop - 1`` of shard ``url`` (fewer when it holds fewer), in
@@ -274,7 +273,7 @@ class ShardBatches:
         data = s.members[ext]
         if isinstance(data, tuple):
             if data[0] + data[1] > size:
-                return name, None, -1, "the shard ends inside this sample (truncated?)"
+                return name, None, -1, CUT_SAMPLE
             data = (path or url, *data)
         try:
             return name, data, parse_label(s, classes), None
