@@ -7,7 +7,9 @@ Paths measured (images/s over full passes, same image size, augmentation and wor
   large JPEGs at a reduced DCT scale when the crop allows;
 - ``baseline``: torchvision ``ImageFolder`` + ``DataLoader`` (PIL decode, transforms v1 with
   ``ToTensor`` + ``Normalize`` in the workers), on a copy of the images extracted to a temporary
-  folder (page cache warm), in a fresh Python process as a user's script;
+  folder (page cache warm), in a fresh Python process as a user's script; the same augmentation
+  as vitflow's ``auto``: a random-resized crop above 64 px, else resize to the size, pad by 4 and
+  crop (the CIFAR recipe), then a flip;
 - ``vitflow``: vitflow's loader reading the folder or tar in place (no RAM cache), finished by
   its device pipeline (normalised float32 batches, like the baseline's); WebDataset shards are
   streamed as training streams them (:mod:`vitflow.data.wdsstream`);
@@ -102,8 +104,10 @@ def _baseline(args: str) -> None:
     import torchvision
     from torchvision import transforms as T
 
-    if image_size <= 64:
-        aug = [T.RandomCrop(image_size, padding=4), T.RandomHorizontalFlip()]
+    if image_size <= 64:  # vitflow's pad_crop: resized to the size (a no-op for CIFAR), padded, cropped
+        bilinear = T.InterpolationMode.BILINEAR
+        aug = [T.Resize((image_size, image_size), bilinear), T.RandomCrop(image_size, padding=4),
+               T.RandomHorizontalFlip()]
     else:
         aug = [T.RandomResizedCrop(image_size), T.RandomHorizontalFlip()]
     ds = torchvision.datasets.ImageFolder(str(folder), T.Compose(aug + [T.ToTensor(), T.Normalize(mean, std)]))
