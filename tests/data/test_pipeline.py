@@ -3,6 +3,7 @@ CutMix, worker randomness and memory, bad inputs."""
 
 import io
 import json
+import logging
 import pickle
 
 import numpy as np
@@ -390,6 +391,25 @@ def test_bench_data_packs_images_of_several_sizes_as_jpeg_at_a_small_size(tmp_pa
     assert main(["bench", "data", "--data", str(src), "--image-size", "32", "--repeats", "1", "--passes", "1",
                  "--workers", "1", "--batch-size", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["packed_ips"] > 0
+
+
+def test_bench_data_leaves_out_a_truncated_shards_cut_sample_with_one_warning(tmp_path, capsys, caplog):
+    import tarfile
+
+    src = make_folder(tmp_path / "d", per_class=8, size=32)  # 24 images, 3 classes
+    assert main(["prepare", str(src), str(tmp_path / "wds"), "--format", "wds", "--shard-size", "8"]) == 0
+    shard = tmp_path / "wds" / "train-000001.tar"
+    with tarfile.open(shard) as tf:
+        third = [m for m in tf.getmembers() if m.name.endswith(".png")][2]
+    shard.write_bytes(shard.read_bytes()[:third.offset_data + third.size // 2])  # cut inside its third image
+    pattern = f"{tmp_path}/wds/train-{{000000..000002}}.tar"
+    with caplog.at_level(logging.WARNING, "vitflow.data"):
+        assert main(["bench", "data", "--data", pattern, "--image-size", "32", "--repeats", "1", "--passes", "1",
+                     "--workers", "1", "--batch-size", "8", "--json"]) == 0
+    assert all(v > 0 for v in json.loads(capsys.readouterr().out.strip().splitlines()[-1]).values())
+    left_out = [r.getMessage() for r in caplog.records if "left out of the benchmark" in r.getMessage()]
+    assert len(left_out) == 1 and left_out[0].startswith(f"6 unreadable image(s) left out of the benchmark (first: "
+                                                         f"{shard}:")  # the cut one and the 5 the index promised after it
 
 
 def test_random_resized_crop_matches_torchvision():

@@ -248,6 +248,17 @@ def test_cli_names_a_forbidden_url_in_one_error_line(store, http_server, capsys)
         f"error: {base}/packed/meta.json: size request failed: HTTP 403 Forbidden (not retried)")
 
 
+def test_a_planned_run_reads_with_the_runs_retries(store, http_server, capsys):
+    from vitflow.cli import main
+
+    base = http_server(store)
+    base.server.stop()  # nothing listens: the plan's first read (the shard index) fails
+    assert main(["train", f"data.path={base}/train-{{000000..000001}}.tar", "data.remote_retries=1",
+                 "data.remote_backoff=0.01"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        f"error: {base}/shards.json: size request failed after 2 attempts: connection failed (")
+
+
 def test_expand_urls_braces_lists_globs_and_s3_listing(tmp_path, s3_server):
     for i in range(3):
         (tmp_path / f"train-{i:04d}.tar").write_bytes(b"x")

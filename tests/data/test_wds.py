@@ -20,6 +20,7 @@ from vitflow.data.dispatch import source_kind, split_names
 from vitflow.data.transforms import Preprocess, eval_transform, train_transform, transform_encoded
 from vitflow.data.remote import expand_urls
 from vitflow.data.wdsstream import ShardBatches, ShardDecode, open_shard_stream, shard_loader, stream_segments
+from vitflow.data.wdslayout import open_wds_split
 
 CLASSES = ("a", "b", "c", "d")
 
@@ -215,11 +216,18 @@ def test_truncated_shard_keeps_its_good_samples_and_counts_the_rest(shards, tmp_
     assert "the shard ends inside this sample (truncated?)" in named[f"{cut}/train-000001.tar:00000010"]
     assert sorted(b.split(":")[-1] for b in bad) == ["#4", "#5", "#6", "00000010"]
     assert named[f"{cut}/train-000001.tar:#6"] == "missing: the shard ends after 3 whole samples of 7 (truncated?)"
-    held_out = open_split(cut, "train")  # random access (as val/test splits are read): the cut sample is unreadable
-    assert len(held_out) == 11 and held_out.name(10).endswith("train-000001.tar:00000010")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "vitflow.data"):
+        held_out = open_split(cut, "train")  # random access, as val/test splits are read: the same samples counted
+    assert len(held_out) == 14 and held_out.name(10).endswith("train-000001.tar:00000010")
+    assert [held_out.name(i).rsplit(":", 1)[1] for i in (11, 12, 13)] == ["#4", "#5", "#6"]
+    assert f"{cut}/train-000001.tar: the shard ends after 3 whole samples of 7 (truncated?); one more cut short" in [
+        r.getMessage() for r in caplog.records]
     held_out.load(9)
     with pytest.raises(CorruptImageError, match="train-000001.tar:00000010"):
         held_out.load(10)
+    with pytest.raises(CorruptImageError, match=r"train-000001.tar:#6: missing: the shard ends after 3 whole"):
+        held_out.load(13)
 
 
 def test_sample_without_label_is_skipped_and_named(tmp_path, caplog):
@@ -229,6 +237,10 @@ def test_sample_without_label_is_skipped_and_named(tmp_path, caplog):
     (tmp_path / "classes.txt").write_text("a\nb\n")
     good, bad, reasons = _one_epoch_bad(tmp_path, "x-{0..0}.tar", 4)  # no index: counted by one scan
     assert good == 3 and bad == [f"{tmp_path}/x-0.tar:k1"] and reasons == ["no label file (.cls, .json or .txt)"]
+    held_out = open_wds_split(str(tmp_path), "x-{0..0}.tar")  # as a val split: kept in, unreadable, so counted
+    assert len(held_out) == 4 and list(held_out.labels[[0, 2, 3]]) == [0, 1, 1]
+    with pytest.raises(CorruptImageError, match=r"x-0.tar:k1: no label file \(.cls, .json or .txt\)"):
+        held_out.load(1)
     (tmp_path / "classes.txt").unlink()  # no class list: the scan's labels (names sorted; indices 0..max)
     with pytest.raises(DataError, match="x-0.tar: the labels are both class indices .* and class names; put"):
         open_shard_stream(f"{tmp_path}/x-0.tar", "train")

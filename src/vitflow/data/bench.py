@@ -20,6 +20,7 @@ Paths measured (images/s over full passes, same image size, augmentation and wor
   same run.
 
 Paths are interleaved across repeats; the medians are reported with their ratio to the baseline.
+Images that cannot be read or decoded are left out of every path, with one warning (:func:`readable`).
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from vitflow.config import DataConfig
-from vitflow.data.decode import decode_image
+from vitflow.data.decode import CorruptImageError, decode_image
 from vitflow.data.dispatch import TABLE_KINDS, open_split, source_kind
 from vitflow.data.folder import open_folder_split, open_images
 from vitflow.data.packed import FORMAT, VERSION, common_size, open_packed, write_split
@@ -73,6 +75,23 @@ def decode_limit(source: ImageSource, processes: int) -> float:
             t0 = time.perf_counter()  # pool start-up excluded: this is the decoder's own limit
             sum(pool.map(_decode_range, [(a, min(a + step, n)) for a in range(0, n, step)]))
     return n / (time.perf_counter() - t0)
+
+
+def readable(source: ImageSource) -> ImageSource:
+    """``source`` without the images that cannot be read or decoded (a truncated shard's cut
+    sample, a corrupt file), which every path would otherwise trip on or skip differently; one
+    warning names the first and counts them. Decodes each image once."""
+    good, bad = [], []
+    for i in range(len(source)):
+        try:
+            decode_image(source.encoded(i), source.name(i))
+            good.append(i)
+        except CorruptImageError as e:
+            bad.append(f"{e.path}: {e.reason}")
+    if not bad:
+        return source
+    log.warning("%d unreadable image(s) left out of the benchmark (first: %s)", len(bad), bad[0])
+    return source.subset(np.asarray(good, dtype=np.int64))
 
 
 def _extract(source: ImageSource, folder: Path) -> Path:
@@ -148,7 +167,7 @@ def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, pa
     "baseline_ips", "vitflow_ips", "packed_ips"}`` (and ``"folder_ips"`` for a label file or a
     Hugging Face dataset) and prints a table with ratios to the baseline."""
     configure_allocator()
-    source = _open(path)
+    source = readable(_open(path))
     table = source_kind(path) in TABLE_KINDS
     streamed = open_shard_stream(path, "train") if source_kind(path) == "wds" else None  # shards: as training reads
     small = image_size <= 64

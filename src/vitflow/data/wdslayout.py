@@ -33,8 +33,8 @@ from vitflow.data.labels import canonical_split
 from vitflow.data.sources import DataError, ImageSource
 from vitflow.data.splits import parse_split
 from vitflow.data.remote import expand_urls, is_remote, open_stream
-from vitflow.data.wds import (INDEX_NAME, has_pattern, is_compressed, iter_samples, looks_like_shard, parse_label,
-                              read_classes, read_range, shard_set)
+from vitflow.data.wds import (INDEX_NAME, beside, has_pattern, is_compressed, iter_samples, looks_like_shard,
+                              parse_label, read_classes, read_index, read_range, shard_set)
 
 log = logging.getLogger(__name__)
 SPLIT_TOKENS = ("train", "val", "valid", "validation", "test")
@@ -121,16 +121,18 @@ class ShardSource(ImageSource):
     shard), in shard order.
 
     Built by one pass over the shards reading their headers and labels (image bytes skipped).
-    Samples without a label or an image are left out with a warning naming the key (counted in
-    ``skipped``); a sample cut by the end of a truncated shard stays in and raises
-    :class:`CorruptImageError` when loaded, as an unreadable image file does.
+    A sample that cannot be evaluated stays in and raises :class:`CorruptImageError` naming it
+    when loaded, as an unreadable image file does (so an evaluation skips and counts it): one
+    without a label or an image, one cut by the end of a truncated shard, and each sample the
+    index (``shards.json``) counts after the end of a shard that holds fewer (``shard.tar:#k``).
+    Their label is ``0`` (never used: they are never loaded).
     """
 
     def __init__(self, classes: list[str], labels: np.ndarray, urls: list[str], shard: np.ndarray,
-                 spans: np.ndarray, keys: np.ndarray, errors: dict[int, str] | None = None, skipped: int = 0):
+                 spans: np.ndarray, keys: np.ndarray, errors: dict[int, str] | None = None):
         self.classes, self.labels, self.urls = classes, labels, urls
         self.shard, self.spans, self.keys = shard, spans, keys
-        self.errors, self.skipped = errors or {}, skipped
+        self.errors = errors or {}
         self._fds: dict[int, int] = {}
         self._pid = -1
 
@@ -164,7 +166,7 @@ class ShardSource(ImageSource):
         idx = np.asarray(idx, dtype=np.int64)
         errors = {int(j): self.errors[int(i)] for j, i in enumerate(idx) if int(i) in self.errors}
         return ShardSource(self.classes, self.labels[idx], self.urls, self.shard[idx], self.spans[idx],
-                           self.keys[idx], errors, self.skipped)
+                           self.keys[idx], errors)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_fds": {}, "_pid": -1}
@@ -181,32 +183,41 @@ def open_shard_source(urls: list[str], classes: list[str] | None = None,
     if any(is_compressed(u) for u in urls):
         raise DataError(f"{urls[0]}: validation and test shards are read by offset and must be uncompressed tars")
     classes = classes or read_classes(urls[0], classes_file) or shard_set(urls, classes_file).classes
-    labels, shard, spans, keys, errors, skipped = [], [], [], [], {}, 0
+    indexed: dict[str, int] = {}
+    for first in {beside(u, ""): u for u in urls}.values():  # the index of each folder, if any
+        indexed.update(read_index(first)[0])
+    labels, shard, spans, keys, errors = [], [], [], [], {}
+
+    def add(s: int, key: str, label: int, span: tuple[int, int], error: str | None) -> None:
+        if error is not None:
+            errors[len(labels)] = error
+        labels.append(label)
+        shard.append(s)
+        spans.append(span)
+        keys.append(key.encode("utf-8", "surrogateescape"))
+
     for s, url in enumerate(urls):
+        n = cut = 0
         with open_stream(url) as f:
             for sample in iter_samples(url, f, read_images=False):
-                ext = sample.image_ext()
+                ext, label, n, cut = sample.image_ext(), 0, n + 1, int(sample.error is not None)
                 try:
                     if ext is None:
                         raise ValueError("no image member (.jpg, .jpeg, .png or .webp)")
                     label = parse_label(sample, classes)
                 except ValueError as e:
-                    if sample.error is None:
-                        skipped += 1
-                        log.warning("skipped sample %s:%s: %s", url, sample.key, e)
-                        continue
-                    label = 0
-                if sample.error is not None:
-                    errors[len(labels)] = sample.error
-                labels.append(label)
-                shard.append(s)
-                spans.append(sample.members.get(ext, (0, 0)))
-                keys.append(sample.key.encode("utf-8", "surrogateescape"))
-    if not labels:
+                    sample.error = sample.error or str(e)
+                add(s, sample.key, label, sample.members.get(ext, (0, 0)), sample.error)
+        count = indexed.get(os.path.basename(url), n)
+        if n < count:  # truncated: the samples the index promised after the end are counted, as training counts them
+            why = f"the shard ends after {n - cut} whole samples of {count} (truncated?)"
+            log.warning("%s: %s%s", url, why, "; one more cut short" * cut)
+            for k in range(n, count):
+                add(s, f"#{k}", 0, (0, 0), f"missing: {why}")
+    if len(errors) == len(labels):
         raise DataError(f"{urls[0]}: no samples (image + label members) in {len(urls)} shard(s)")
     return ShardSource(list(classes), np.asarray(labels, dtype=np.int64), urls, np.asarray(shard, dtype=np.int32),
-                       np.asarray(spans, dtype=np.int64).reshape(-1, 2), np.array(keys), errors,
-                       skipped)
+                       np.asarray(spans, dtype=np.int64).reshape(-1, 2), np.array(keys), errors)
 
 
 def open_wds_split(path: str, split: str, classes: list[str] | None = None,

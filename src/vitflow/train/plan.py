@@ -20,6 +20,7 @@ from vitflow.config import Config, build_config, to_yaml
 from vitflow.data import DataError, open_split
 from vitflow.data.decode import CorruptImageError
 from vitflow.data.dispatch import source_kind
+from vitflow.data.remote import configure_from as configure_remote
 from vitflow.data.wds import first_image_sizes
 from vitflow.data.wdsstream import open_shard_stream
 from vitflow.models import family_of, model_kwargs
@@ -50,6 +51,7 @@ def profile_data(cfg: Config) -> DataProfile:
     Raises:
         DataError: see :func:`vitflow.data.open_split`; no readable image in the sample.
     """
+    configure_remote(cfg.data)  # the run's retries, backoff and cache apply to the plan's reads too
     if source_kind(cfg.data.path, cfg.data.source) == "wds":  # shards: the index's counts, the first shard's sizes
         stream = open_shard_stream(str(cfg.data.path), cfg.data.train_split, cfg.data.classes)
         return _profile(cfg, len(stream), len(stream.classes), first_image_sizes(stream.shards.urls[0], SAMPLE))
