@@ -91,13 +91,18 @@ def test_val_split_from_http_shards_is_the_local_one_read_by_one_request_an_imag
     assert base.server.requests - before == 2 + len(local)  # one size request a shard, then one GET an image
 
 
+def _args(run, data) -> list[str]:
+    """The overrides of a short training run from the shards ``data`` into ``run``."""
+    return [f"data.path={data}", "data.num_workers=0", "data.shuffle_buffer=16", "data.hflip=true", "model.img_size=8",
+            "model.drop_rate=0.1", "train.batch_size=8", f"train.total_steps={STEPS}", f"train.run_dir={run}",
+            "train.precision=fp32", "train.threads=1", "train.eval_every=0", f"data.val_split={VAL}",
+            "data.remote_retries=2", "data.remote_backoff=0.05"]
+
+
 def _train(capsys, run, data, *extra) -> tuple[int, str]:
     """``vitflow train`` from the shards ``data`` (or the command ``extra``) in this process:
     ``(exit code, stderr)``."""
-    code = main(["-q", *(extra or ("train", f"data.path={data}", "data.num_workers=0", "data.shuffle_buffer=16",
-                 "data.hflip=true", "model.img_size=8", "model.drop_rate=0.1", "train.batch_size=8",
-                 f"train.total_steps={STEPS}", f"train.run_dir={run}", "train.precision=fp32", "train.threads=1",
-                 "train.eval_every=0", f"data.val_split={VAL}", "data.remote_retries=2", "data.remote_backoff=0.05"))])
+    code = main(["-q", *(extra or ("train", *_args(run, data)))])
     return code, capsys.readouterr().err
 
 
@@ -148,6 +153,38 @@ def test_http_server_dying_mid_epoch_stops_with_a_checkpoint_and_resume_finishes
     base.server.start()
     code, err = _train(capsys, run, data, "resume", str(run))
     assert code == 0, err[-2000:]
+    _assert_bitwise(_weights(tmp_path / "full"), _weights(run))
+
+
+def _evals(run) -> list[tuple[int, float]]:
+    """``(step, top-1)`` of the run's evaluation records, in order."""
+    import json
+
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["top1"]) for r in recs if r["kind"] == "eval"]
+
+
+def test_a_store_lost_during_an_evaluation_is_evaluated_again_on_resume(shards, http_server, tmp_path, capsys):
+    _, out = shards
+    base = http_server(out.parent)
+    data, every = f"{base}/shards/{TRAIN}", "train.eval_every=4 data.max_in_memory=0".split()
+    code, err = _train(capsys, tmp_path / "full", data, "train", *_args(tmp_path / "full", data), *every)
+    assert code == 0, err[-2000:]
+    before = base.server.requests
+    open_split(data, VAL)
+    opening = base.server.requests - before  # the val split's requests before its first evaluation
+    base.server.die_after_requests(opening + 3, matching="/val-")  # in the step-4 evaluation: its 2nd image read
+    run = tmp_path / "cut"
+    code, err = _train(capsys, run, data, "train", *_args(run, data), *every)
+    assert code == 2 and f"error: {base}/shards/val-0000" in err.strip().splitlines()[-1], err[-2000:]
+    (saved,) = ckpt.list_checkpoints(run)
+    state = ckpt.load_checkpoint(saved)
+    assert state["step"] == 4 and state["eval_due"]
+    base.server.start()
+    code, err = _train(capsys, run, data, "resume", str(run))
+    assert code == 0, err[-2000:]
+    full = _evals(tmp_path / "full")
+    assert [s for s, _ in full] == [4, 8, 10] and _evals(run) == full  # the step-4 evaluation is not lost
     _assert_bitwise(_weights(tmp_path / "full"), _weights(run))
 
 

@@ -108,6 +108,7 @@ class Trainer:
         self.resizing = ProgressiveResizing(cfg.data.progressive_min_size, image_size, cfg.data.progressive_ramp,
                                             self.model.patch_size, self.model.num_prefix_tokens)
         self.last_eval: dict[str, Any] | None = None
+        self.eval_due = False  # a periodic evaluation is running (saved: a resume from its checkpoint runs it)
         self.on_eval: list = []  # callback(trainer, metrics) after each evaluation during training (a sweep's pruning)
         self.meter, self.stop = Meter(), Preemption()
         self.stall_hint = StallHint(self.loader.describe())
@@ -281,6 +282,8 @@ class Trainer:
         it, images_seen, first_step_at = iter(self.loader), 0, None
         self.meter = Meter(**(self.state or {}).get("meter", {}))  # a resumed interval's sums: the same mean loss
         self.net.train()
+        if (self.state or {}).get("eval_due") and self.step == self.state["step"]:  # stopped inside this evaluation
+            self._periodic_eval()
         while self.step < self.total_steps and not self.selection.stopped:
             self.tuning.set_phase(self.model, self.step)  # LP-FT: the backbone joins at the switch
             t0, self._step_start = time.perf_counter(), self.epochs.position  # where a resume re-reads from
@@ -308,15 +311,22 @@ class Trainer:
                     log.info("time budget %s reached at step %d", t.time_budget, self.step)
                 break
             if stepped and t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
-                result = self.run_eval()
-                for callback in self.on_eval:
-                    callback(self, result)
-                if self.selection.stopped:
+                if self._periodic_eval():
                     break
             if stepped and t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < self.total_steps:
                 self.save()
         bar.close()
         return images_seen, (time.perf_counter() - first_step_at if first_step_at else 0.0)
+
+    def _periodic_eval(self) -> bool:
+        """The evaluation every ``train.eval_every`` steps and its callbacks; True when it stops the run
+        (early stopping). A checkpoint written during it (a store lost) has ``eval_due``: a resume runs it first."""
+        self.eval_due, self._step_start = True, self.epochs.position  # the step is done: a resume reads on from here
+        result = self.run_eval()
+        self.eval_due = False
+        for callback in self.on_eval:
+            callback(self, result)
+        return self.selection.stopped
 
     def _log(self, meter: Meter, grad_norm: float, bar: tqdm) -> None:
         ips, stall = meter.rate()
@@ -374,7 +384,7 @@ class Trainer:
             "preprocess": self.data.preprocess.to_dict(), "metrics": scalar_metrics(self.last_eval or {}),
             "task": self.data.task, "threshold": self.evaluator.threshold,
             "ema": self.ema.state_dict() if self.ema is not None else None, "guard": self.guard.state_dict(),
-            "selection": self.selection.state_dict(),
+            "selection": self.selection.state_dict(), "eval_due": self.eval_due,
         }
         try:
             path = ckpt.save_checkpoint(state, path or ckpt.checkpoint_path(self.run_dir, self.step))
