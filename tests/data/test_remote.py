@@ -206,6 +206,27 @@ def test_the_test_server_answers_ranges_as_http_says(store, http_server):
     assert get("bytes=-") == get("bytes=-0") == get(f"bytes={len(body)}-") == (416, b"")
 
 
+def test_a_server_ignoring_range_requests_gives_the_right_bytes_and_one_warning(store, caplog):
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    quiet = type("Quiet", (SimpleHTTPRequestHandler,), {"log_message": lambda *a: None})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(quiet, directory=str(store)))  # no Range support
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url, local = f"http://127.0.0.1:{httpd.server_port}/photos.tar", (store / "photos.tar").read_bytes()
+        with caplog.at_level(logging.WARNING, "vitflow.data"):
+            f = open_random(url)
+            assert f.pread(1000, 300) == local[1000:1300] and f.pread(5, 7) == local[5:12]
+        warned = [r.getMessage() for r in caplog.records if "Range" in r.getMessage()]
+        assert warned == [f"{url}: the server ignores Range requests: every read downloads the whole file "
+                          f"({len(local)} bytes); serve the files with one that answers them (nginx, Apache, S3 ...)"]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_an_untrusted_tls_certificate_fails_at_once_naming_the_url(store, http_server, tmp_path, caplog):
     base = http_server(store, certfile=self_signed_cert(tmp_path))  # HTTPS with a certificate nobody signed
     assert base.startswith("https://127.0.0.1:")

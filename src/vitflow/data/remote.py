@@ -24,6 +24,7 @@ workers are forked and inherit them.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import re
 from glob import glob
@@ -51,6 +52,8 @@ from vitflow.data.remote_store import (  # noqa: F401  the public names of remot
 )
 from vitflow.data.sources import DataError
 
+log = logging.getLogger(__name__)
+
 __all__ = ["RANDOM_BLOCK", "SCHEME", "SETTINGS", "STREAM_BLOCK", "RangeArray", "RemoteError", "RemoteFile", "basename",
            "configure", "configure_from", "exists", "expand_braces", "expand_urls", "file_size", "filesystem",
            "is_remote", "join", "load_npy", "local_path", "open_random", "open_stream", "parent", "read_bytes", "with_retries"]
@@ -60,6 +63,17 @@ def configure_from(cfg) -> None:
     """Apply a :class:`~vitflow.config.DataConfig`'s ``remote_retries``, ``remote_backoff``,
     ``cache_dir`` and ``cache_max_size`` to this process (and the loader workers it forks)."""
     configure(cfg.remote_retries, cfg.remote_backoff, cfg.cache_dir, parse_size(cfg.cache_max_size))
+
+
+_NO_RANGES: set[str] = set()  # the hosts found ignoring Range requests (warned once each)
+
+
+def _warn_no_ranges(url: str, size: int) -> None:
+    host = SCHEME.sub("", url).split("/", 1)[0]
+    if host not in _NO_RANGES:
+        _NO_RANGES.add(host)
+        log.warning("%s: the server ignores Range requests: every read downloads the whole file (%d bytes); serve "
+                    "the files with one that answers them (nginx, Apache, S3 ...)", url, size)
 
 
 class RemoteFile(io.RawIOBase):
@@ -94,6 +108,7 @@ class RemoteFile(io.RawIOBase):
         def get() -> bytes:
             data = fs.cat_file(self.url, start=start, end=end)
             if len(data) == self.size and end - start != self.size:  # a server that ignores Range
+                _warn_no_ranges(self.url, self.size)
                 data = data[start:end]
             if len(data) != end - start:
                 raise ConnectionError(f"short read: {len(data)} of {end - start} bytes at offset {start}")
