@@ -258,10 +258,18 @@ def test_split_keys_may_be_shard_patterns():
         check_config(DataConfig(path="/data/wds", val_split="val[:x]"))
 
 
-def test_brace_pattern_matching_nothing_names_the_pattern(tmp_path):
+def test_brace_pattern_matching_nothing_names_the_pattern_and_its_key(tmp_path, shards):
+    from vitflow.data.pipeline import open_datasets
+
     pattern = f"{tmp_path}/train-{{000000..000009}}.tar"
     with pytest.raises(DataError, match=r"^data.path: pattern .*train-\{000000..000009\}.tar matched no shard$"):
         open_shard_stream(pattern, "train")
+    _, out = shards  # a split given as a pattern: its own key is named
+    with pytest.raises(DataError, match=r"^data.val_split='valid-\{0..3\}.tar': pattern .*/valid-\{0..3\}.tar "
+                                       r"matched no shard$"):
+        open_datasets(DataConfig(path=str(out), val_split="valid-{0..3}.tar", max_in_memory=0), 8)
+    with pytest.raises(DataError, match=r"^data.train_split: pattern .*/tr-\{0..3\}.tar matched no shard$"):
+        open_datasets(DataConfig(path=str(out), train_split="tr-{0..3}.tar", max_in_memory=0), 8)
 
 
 def test_real_photos_reshard_and_read_back(tmp_path):

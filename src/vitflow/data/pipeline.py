@@ -30,6 +30,7 @@ from vitflow.data.decode import CorruptImageError
 from vitflow.data.device import DevicePipeline, Prefetcher
 from vitflow.data.dispatch import open_split, resolve_eval_splits, source_kind
 from vitflow.data.loader import EpochSampler, make_loader
+from vitflow.data.remote import RemoteError
 from vitflow.data.remote import configure_from as configure_remote
 from vitflow.data.sources import DataError, FileSource, ImageSource
 from vitflow.data.stream import StreamBatches
@@ -81,7 +82,10 @@ def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
     held_out = {}
     for key, split in (("val_split", val_split), ("test_split", test_split)):
         if split is not None:
-            held_out[key] = open_split(cfg.path, split, cfg.source, classes=train.classes, cfg=cfg)
+            try:
+                held_out[key] = open_split(cfg.path, split, cfg.source, classes=train.classes, cfg=cfg)
+            except DataError as e:  # named by its key (a store's error names its URL already)
+                raise e if isinstance(e, RemoteError) else DataError(f"data.{key}={split!r}: {e}") from None
             if len(held_out[key]) == 0:
                 raise DataError(f"data.{key}={split!r} selects no images")
     if cfg.max_in_memory > 0:

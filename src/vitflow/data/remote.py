@@ -221,7 +221,11 @@ def read_bytes(url: str) -> bytes:
 BRACE = re.compile(r"\{([^{}]*)\}")
 
 
-def expand_braces(pattern: str) -> list[str]:
+def _named(key: str | None) -> str:
+    return f"{key}: " if key else ""
+
+
+def expand_braces(pattern: str, key: str | None = "data.path") -> list[str]:
     """``a-{000..002}.tar`` -> ``a-000.tar, a-001.tar, a-002.tar`` (zero-padded to the width of a
     bound written with a leading zero); ``{x,y}`` lists; several braces expand left to right.
 
@@ -235,19 +239,20 @@ def expand_braces(pattern: str) -> list[str]:
     if ".." in body:
         lo, _, hi = body.partition("..")
         if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
-            raise DataError(f"data.path: brace range {{{body}}} in {pattern!r} is not {{FIRST..LAST}} with "
+            raise DataError(f"{_named(key)}brace range {{{body}}} in {pattern!r} is not {{FIRST..LAST}} with "
                             "integers FIRST <= LAST")
         width = len(lo) if lo.startswith("0") or hi.startswith("0") else 0
         items = [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
     else:
         items = body.split(",")
-    return [x for item in items for x in expand_braces(head + item + tail)]
+    return [x for item in items for x in expand_braces(head + item + tail, key)]
 
 
-def expand_urls(spec: str) -> list[str]:
-    """The files a ``data.path`` shard spec names, in order: patterns joined by ``::`` (WebDataset's
-    separator), each brace-expanded (:func:`expand_braces`); ``*`` / ``?`` / ``[...]`` globbed,
-    sorted (local paths, and stores that list: s3://, gs://, hf://; not http(s)://).
+def expand_urls(spec: str, key: str | None = "data.path") -> list[str]:
+    """The files a shard spec names, in order: patterns joined by ``::`` (WebDataset's separator),
+    each brace-expanded (:func:`expand_braces`); ``*`` / ``?`` / ``[...]`` globbed, sorted (local
+    paths, and stores that list: s3://, gs://, hf://; not http(s)://). ``key``: the config key the
+    spec came from, which begins an error's message (``None``: the caller names it).
 
     Raises:
         DataError: a pattern that matches nothing (a local brace pattern with missing files names
@@ -259,13 +264,13 @@ def expand_urls(spec: str) -> list[str]:
         if not pattern:
             continue
         names = []
-        for item in expand_braces(pattern):
+        for item in expand_braces(pattern, key):
             if not any(c in item for c in "*?["):
                 names.append(item)
             elif not is_remote(item):
                 names += sorted(glob(local_path(item)))
             elif item.lower().startswith(("http://", "https://")):
-                raise DataError(f"data.path: {item!r}: HTTP servers cannot be listed; name the shards with a "
+                raise DataError(f"{_named(key)}{item!r}: HTTP servers cannot be listed; name the shards with a "
                                 "brace pattern such as train-{000000..000127}.tar")
             else:
                 fs, scheme = filesystem(item), SCHEME.match(item).group(1)
@@ -273,11 +278,11 @@ def expand_urls(spec: str) -> list[str]:
                 names += sorted(f if SCHEME.match(f) else f"{scheme}://{f}" for f in found)
         missing = [n for n in names if not is_remote(n) and not os.path.isfile(local_path(n))]
         if not names or len(missing) == len(names):
-            raise DataError(f"data.path: pattern {pattern} matched no shard")
+            raise DataError(f"{_named(key)}pattern {pattern} matched no shard")
         if missing:
-            raise DataError(f"data.path: shard {missing[0]} (from pattern {pattern}) does not exist "
+            raise DataError(f"{_named(key)}shard {missing[0]} (from pattern {pattern}) does not exist "
                             f"({len(missing)} of {len(names)} missing)")
         out += names
     if not out:
-        raise DataError(f"data.path: pattern {spec} matched no shard")
+        raise DataError(f"{_named(key)}pattern {spec} matched no shard")
     return out

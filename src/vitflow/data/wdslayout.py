@@ -91,8 +91,9 @@ def wds_split_names(path: str) -> list[str]:
     return list(folder_splits(p)) if not has_pattern(path) and os.path.isdir(p) else ["train"]
 
 
-def split_urls(path: str, split: str) -> list[str]:
-    """The shard URLs of ``split`` (a split name or a shard pattern) of the shard set ``path``.
+def split_urls(path: str, split: str, key: str | None = None) -> list[str]:
+    """The shard URLs of ``split`` (a split name or a shard pattern) of the shard set ``path``;
+    ``key``: the config key of a pattern, named by its errors (``None``: the caller names it).
 
     Raises:
         DataError: a pattern matching nothing, or a split the shard set does not have
@@ -102,7 +103,7 @@ def split_urls(path: str, split: str) -> list[str]:
         first = path.split("::")[0]
         base = first if os.path.isdir(os.path.expanduser(first)) else first.rsplit("/", 1)[0] if "/" in first else "."
         parts = [s if s.startswith("/") or "://" in s else base.rstrip("/") + "/" + s for s in split.split("::")]
-        return expand_urls("::".join(parts))
+        return expand_urls("::".join(parts), key)
     p = os.path.expanduser(path)
     if has_pattern(path) or not os.path.isdir(p):
         if split == "train":

@@ -103,7 +103,7 @@ def open_shard_stream(path: str, split: str, classes_file: str | None = None) ->
             raise DataError(f"data.train_split={split!r}: training shards are streamed and cannot be sliced; write "
                             "the held-out part as shards of its own (a val split)")
         split = sp.name
-    shards = shard_set(split_urls(path, split), classes_file)
+    shards = shard_set(split_urls(path, split, "data.train_split"), classes_file)
     log.info("%s: %d shard(s), %d samples, %d classes", split, len(shards.urls), shards.total, len(shards.classes))
     return ShardStream(shards)
 
