@@ -59,7 +59,12 @@ def test_prepare_writes_shards_index_and_classes_and_never_overwrites(shards, tm
     assert counts == {**{f"train-{i:06d}.tar": 7 for i in range(5)}, "train-000005.tar": 5,
                       "val-000000.tar": 7, "val-000001.tar": 5}
     assert (out / "classes.txt").read_text().split() == list(CLASSES)
+    order = np.random.default_rng(0).permutation(40)  # the training split is written shuffled (seed 0)
     with tarfile.open(out / "train-000000.tar") as tf:
+        names = tf.getnames()
+        assert names[:4] == [f"{order[0]:08d}.png", f"{order[0]:08d}.cls", f"{order[1]:08d}.png", f"{order[1]:08d}.cls"]
+        assert len({tf.extractfile(n).read() for n in names if n.endswith(".cls")}) > 1  # classes mixed in a shard
+    with tarfile.open(out / "val-000000.tar") as tf:  # held-out splits keep their order
         assert tf.getnames()[:4] == ["00000000.png", "00000000.cls", "00000001.png", "00000001.cls"]
     keep = tmp_path / "busy"
     keep.mkdir()

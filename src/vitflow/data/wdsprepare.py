@@ -1,10 +1,13 @@
 """``vitflow prepare SRC OUT --format wds --shard-size N``: WebDataset shards from any source vitflow
 reads (image folder, tar, label file, Hugging Face dataset, packed dataset, CIFAR batches, shards).
 
-Each split becomes ``OUT/<split>-NNNNNN.tar`` holding ``N`` samples a shard (the last fewer), in
-the split's order: ``KKKKKKKK.<jpg|png|webp>`` (the image's bytes as stored; other formats and
-decoded-pixel sources re-encoded as PNG) and ``KKKKKKKK.cls`` (the class index as text), where
-the key is the sample's number in the split. Beside them ``classes.txt`` and ``shards.json``
+Each split becomes ``OUT/<split>-NNNNNN.tar`` holding ``N`` samples a shard (the last fewer):
+``KKKKKKKK.<jpg|png|webp>`` (the image's bytes as stored; other formats and decoded-pixel
+sources re-encoded as PNG) and ``KKKKKKKK.cls`` (the class index as text), where the key is the
+sample's number in the split. The training split is written in a random order (a fixed seed: the
+same shards each time), as WebDataset advises: a folder's order is class by class, and shards of
+one class each would leave training's per-epoch shard shuffle and shuffle buffer to mix classes
+that only meet when the buffer spans shards. Other splits keep the split's order. Beside them ``classes.txt`` and ``shards.json``
 (the sample count of every shard, wids index format). Written to ``OUT.partial`` and renamed
 when complete; an existing non-empty ``OUT`` is replaced only with ``--force`` and only when it
 holds nothing but shards and their index (what this module writes).
@@ -27,6 +30,7 @@ from vitflow.data.wds import INDEX_NAME, read_index, write_index
 
 log = logging.getLogger(__name__)
 _MAGIC = ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG\r\n\x1a\n", "png"))
+SHUFFLE_SEED = 0  # the training split's write order
 
 
 def image_member(source: ImageSource, i: int) -> tuple[bytes, str]:
@@ -57,13 +61,16 @@ def _add(tf: tarfile.TarFile, name: str, data: bytes) -> None:
     tf.addfile(info, io.BytesIO(data))
 
 
-def write_split_shards(source: ImageSource, folder: Path, split: str, shard_size: int) -> tuple[dict[str, int], int]:
-    """Write ``source`` as ``folder/<split>-NNNNNN.tar`` shards of ``shard_size`` samples.
+def write_split_shards(source: ImageSource, folder: Path, split: str, shard_size: int,
+                       seed: int | None = None) -> tuple[dict[str, int], int]:
+    """Write ``source`` as ``folder/<split>-NNNNNN.tar`` shards of ``shard_size`` samples, in the
+    source's order or, with ``seed``, in a random permutation drawn from it.
     Returns ``({shard file name: samples}, images skipped as unreadable)``."""
     counts: dict[str, int] = {}
     skipped, tf, name = 0, None, ""
     labels = np.asarray(source.labels)
-    for i in range(len(source)):
+    order = range(len(source)) if seed is None else np.random.default_rng(seed).permutation(len(source))
+    for i in map(int, order):
         try:
             data, ext = image_member(source, i)
         except CorruptImageError as e:
@@ -124,7 +131,7 @@ def prepare_shards(splits: dict[str, ImageSource], out: str | Path, shard_size: 
     counts: dict[str, int] = {}
     meta = {"format": "wds", "source": str(source), "classes": splits["train"].classes, "splits": {}}
     for name, src in splits.items():
-        c, skipped = write_split_shards(src, partial, name, shard_size)
+        c, skipped = write_split_shards(src, partial, name, shard_size, SHUFFLE_SEED if name == "train" else None)
         counts.update(c)
         meta["splits"][name] = {"count": sum(c.values()), "shards": len(c), "skipped": skipped, "kind": "wds"}
     write_index(str(partial), counts, list(meta["classes"]), {k: os.path.getsize(partial / k) for k in counts},
