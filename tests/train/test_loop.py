@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import digits_config, encode, make_folder
+from helpers import HYMENOPTERA_TAR, digits_config, encode, make_folder, need
 from vitflow.cli import main
 from vitflow.rundir import read_metrics
 from vitflow.train import Trainer
@@ -74,6 +74,21 @@ def test_unreadable_images_counted_per_split_and_same_in_eval_json_and_vitflow_e
     ev = json.loads(captured.out.strip().splitlines()[-1])
     assert (ev["test_skipped"], ev["test_images"]) == (1, 9) and "skipped 1 unreadable image(s)" in captured.err
     assert any(str(data / "test" / "b" / "empty.jpg") in m.getMessage() for m in caplog.records)
+
+
+def test_photos_evaluated_in_training_score_as_vitflow_eval_reads_them(tmp_path, capsys):
+    """The val photos of a run are cached in RAM at the eval resize, decoded in full (a training
+    split's cache decodes large JPEGs at a reduced DCT scale): eval.json and `vitflow eval` (which
+    reads the files) give the same figures."""
+    run = tmp_path / "run"
+    assert main(["-q", "train", f"data.path={need(HYMENOPTERA_TAR)}", "model.img_size=64", "train.total_steps=2",
+                 "train.batch_size=16", "train.precision=fp32", "train.threads=1", f"train.run_dir={run}"]) == 0
+    saved = json.loads((run / "eval.json").read_text())
+    capsys.readouterr()
+    assert main(["-q", "eval", str(run), "--json"]) == 0
+    ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert saved["images"] == ev["val_images"] == 153
+    assert saved["top1"] == ev["val_top1"] and abs(saved["loss"] - ev["val_loss"]) < 1e-5, (saved, ev)
 
 
 def test_accumulation_equals_one_large_batch(tmp_path):

@@ -106,7 +106,7 @@ def cache_resolution(source: ImageSource, setting: int | str, image_size: int, c
 
 def cache_in_memory(source: ImageSource, max_images: int, workers: int = 1, desc: str = "cache",
                     resize_to: int | None = None, interpolation: str = "bicubic",
-                    center_on: int | None = None) -> ImageSource:
+                    center_on: int | None = None, exact: bool = False) -> ImageSource:
     """Decode every image of ``source`` once into RAM when it has at most ``max_images`` images
     and their decoded size (estimated from the first 32, or ``3 * R * R`` bytes each when resized)
     fits in a quarter of physical memory.
@@ -115,7 +115,9 @@ def cache_in_memory(source: ImageSource, max_images: int, workers: int = 1, desc
     scale when that keeps ``R``) with its shorter side resized to ``R`` (antialiased
     ``interpolation``: the eval transform's resize) and center-cropped to ``R x R``; ``center_on``
     (the eval crop size) aligns that crop to the eval transform's center crop
-    (:func:`~vitflow.data.encode.load_square`). See :func:`photo_cache_size`.
+    (:func:`~vitflow.data.encode.load_square`); ``exact`` decodes every JPEG in full (an evaluated
+    split: its cached pixels are then the eval transform's of the files, and its figures those of
+    ``vitflow eval``, which reads the files). See :func:`photo_cache_size`.
 
     Unreadable images keep their place (same length, order and labels as ``source``): loading one
     raises CorruptImageError with the reason found while caching, so every epoch and every
@@ -139,7 +141,7 @@ def cache_in_memory(source: ImageSource, max_images: int, workers: int = 1, desc
     t0 = time.perf_counter()
     images: list = [None] * len(source)
     errors: dict[int, str] = {}
-    kind, square = ("resized", (resize_to, interpolation, center_on)) if resize_to else ("raw", None)
+    kind, square = ("resized", (resize_to, interpolation, center_on, exact)) if resize_to else ("raw", None)
     for i, arr, err in encode_images(source, kind, None, 0, workers, desc, square):
         if arr is None:
             errors[i] = err

@@ -18,9 +18,9 @@ from vitflow.runtime import quiet
 
 
 def _encode_one(source: ImageSource, i: int, kind: str, max_side: int | None, quality: int,
-                square: tuple[int, str, int | None] | None = None):
+                square: tuple[int, str, int | None, bool] | None = None):
     """Worker: image ``i`` -> raw uint8 array, JPEG bytes or (``"resized"``) the ``uint8 (3, R, R)``
-    array of :func:`load_square` with ``square = (R, interpolation, center_on)``;
+    array of :func:`load_square` with ``square = (R, interpolation, center_on, exact)``;
     ``(i, payload | None, why unreadable)``."""
     try:
         if kind == "resized":
@@ -58,7 +58,7 @@ def center_offset(n: int, size: int) -> int:
 
 
 def load_square(source: ImageSource, i: int, size: int, interpolation: str = "bicubic",
-                center_on: int | None = None) -> torch.Tensor:
+                center_on: int | None = None, exact: bool = False) -> torch.Tensor:
     """Image ``i`` with its shorter side resized to ``size`` (antialiased ``interpolation``, the
     resize of :func:`~vitflow.data.transforms.eval_transform`) and center-cropped to
     ``size x size``: ``uint8 (3, size, size)``, contiguous.
@@ -69,7 +69,8 @@ def load_square(source: ImageSource, i: int, size: int, interpolation: str = "bi
     full decode's (mean absolute difference at most 0.6 grey levels on the reduced images of the
     ImageNet sample, against 5 when decoding down to the resized size itself), and a 4000x3000
     photo takes 15 ms instead of 57. An image whose shorter side is under ``4 * size`` decodes
-    in full, bit-equal to the eval transform's input. ``center_on`` (the eval
+    in full, bit-equal to the eval transform's input; so does every image with ``exact`` (what an
+    evaluated split is cached with: its figures then equal those read from the files). ``center_on`` (the eval
     crop ``S``) shifts the window by at most a pixel so that its ``CenterCrop(S)`` is exactly
     ``CenterCrop(S)`` of the whole resized image (``(size - S) % 4 == 0``, e.g. 256 / 224, needs no
     shift); ``None``: the plain center.
@@ -80,7 +81,7 @@ def load_square(source: ImageSource, i: int, size: int, interpolation: str = "bi
     from torchvision.transforms.v2 import functional as F
 
     data = source.encoded(i)
-    full = reducible_size(data) if data is not None else None  # (w, h)
+    full = reducible_size(data) if data is not None and not exact else None  # (w, h)
     if full is not None:
         oh, ow = short_side_size(full[1], full[0], size)
         img = decode_image(data, source.name(i), min_size=(2 * ow, 2 * oh))
@@ -119,15 +120,15 @@ def _work(args):
 
 
 def encode_images(source: ImageSource, kind: str, max_side: int | None, quality: int, workers: int,
-                  desc: str, square: tuple[int, str, int | None] | None = None
+                  desc: str, square: tuple[int, str, int | None, bool] | None = None
                   ) -> Iterator[tuple[int, object, str | None]]:
     """Decode every image of ``source`` (``kind="raw"``: ``uint8 (3, H, W)`` arrays), also
     re-encode it (``"jpeg"``: bytes at ``quality``, longer side <= ``max_side``) or decode it
     resized (``"resized"``: ``uint8 (3, R, R)`` arrays, :func:`load_square` with
-    ``square = (R, interpolation, center_on)``) with ``workers`` processes and a progress bar;
+    ``square = (R, interpolation, center_on, exact)``) with ``workers`` processes and a progress bar;
     yields ``(index, payload or None, why the image is unreadable or None)`` in index order."""
     if kind == "resized" and square is None:
-        raise ValueError('kind="resized" needs square=(size, interpolation, center_on)')
+        raise ValueError('kind="resized" needs square=(size, interpolation, center_on, exact)')
     jobs = [(i, kind, max_side, quality, square) for i in range(len(source))]
     bar = dict(total=len(jobs), desc=desc, unit="img", mininterval=1.0, disable=quiet())
     with logging_redirect_tqdm():  # warnings about bad images print above the bar, not into it

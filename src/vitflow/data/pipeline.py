@@ -92,15 +92,16 @@ def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
         crops_resized = resolve_augment(cfg.train_augment, image_size) == "random_resized_crop"
         if cfg.access == "random" and not streamed:
             train = _cache(train, cfg, image_size, "train", crops_resized)
-        held_out = {k: _cache(v, cfg, image_size, k[:-6], True) for k, v in held_out.items()}
+        held_out = {k: _cache(v, cfg, image_size, k[:-6], True, exact=True) for k, v in held_out.items()}
     pp = Preprocess(image_size, cfg.crop_pct, cfg.interpolation, tuple(cfg.mean), tuple(cfg.std))
     return Datasets(train, held_out.get("val_split"), held_out.get("test_split"), train.classes, pp, val_split,
                     test_split, cfg.task)
 
 
-def _cache(source: ImageSource, cfg: DataConfig, image_size: int, desc: str, resizable: bool) -> ImageSource:
+def _cache(source: ImageSource, cfg: DataConfig, image_size: int, desc: str, resizable: bool,
+           exact: bool = False) -> ImageSource:
     """``source`` in the RAM cache when it fits, at the size :func:`~vitflow.data.cache.cache_resolution`
-    chooses (the choice and its reason logged)."""
+    chooses (the choice and its reason logged); ``exact``: JPEGs decoded in full (evaluated splits)."""
     if len(source) > cfg.max_in_memory or in_ram(source):
         return source
     size, why = cache_resolution(source, cfg.cache_resolution, image_size, cfg.crop_pct, resizable)
@@ -109,7 +110,7 @@ def _cache(source: ImageSource, cfg: DataConfig, image_size: int, desc: str, res
             raise DataError(f"data.cache_resolution={size} is smaller than model.img_size={image_size}")
         log.info("%s: caching at %dx%d (%s)", desc, size, size, why)
     return cache_in_memory(source, cfg.max_in_memory, os.cpu_count() or 1, desc, resize_to=size,
-                           interpolation=cfg.interpolation, center_on=image_size if size else None)
+                           interpolation=cfg.interpolation, center_on=image_size if size else None, exact=exact)
 
 
 def raise_open_file_limit() -> int:
