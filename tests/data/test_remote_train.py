@@ -17,9 +17,9 @@ from vitflow.train import Trainer
 STEPS = 16
 
 
-def _train(capsys, run, url, *extra) -> tuple[int, str]:
+def _train(capsys, run, url, *extra, quiet: bool = True) -> tuple[int, str]:
     """``vitflow train`` (or ``extra``) in this process: ``(exit code, stderr)``."""
-    code = main(["-q", *(extra or ("train", f"data.path={url}", "data.train_split=train[:75%]",
+    code = main(["-q"] * quiet + [*(extra or ("train", f"data.path={url}", "data.train_split=train[:75%]",
                  "data.test_split=train[75%:]", "data.num_workers=0", "data.max_in_memory=0", "data.hflip=true",
                  "model.img_size=8", "model.drop_rate=0.1", "train.batch_size=8", f"train.total_steps={STEPS}",
                  f"train.run_dir={run}", "train.precision=fp32", "train.threads=1", "train.eval_every=0",
@@ -39,7 +39,7 @@ def test_http_server_dying_mid_epoch_stops_with_a_checkpoint_and_resume_finishes
     requests = base.server.requests
     base.server.die_after_requests(requests // 2)  # in the middle of the training reads
     run = tmp_path / "cut"
-    code, err = _train(capsys, run, url)
+    code, err = _train(capsys, run, url, quiet=False)  # with the progress bar: closed before the error line
     last = err.strip().splitlines()[-1]
     assert code == 2, err[-2000:]
     assert last.startswith(f"error: {url}: read of bytes ") and " failed after 3 attempts: connection failed (" in last

@@ -1,5 +1,4 @@
-"""The training loop: fetch, forward, loss, backward, clip, step, schedule, log, evaluate,
-checkpoint.
+"""The training loop: fetch, forward, loss, backward, clip, step, schedule, log, evaluate, checkpoint.
 
 Steps are optimizer steps. Each consumes ``train.accum_steps`` micro-batches on every rank;
 ``train.batch_size`` is the global batch (all micro-batches of all ranks), so accumulation and
@@ -244,6 +243,7 @@ class Trainer:
                 except RemoteError as e:  # the store stayed unreachable: checkpoint, then one line
                     stop_on_store_error(self, e, getattr(self, "_step_start", self.epochs.position), started)
                 finally:
+                    self.bar.close()  # also when the loop raised: an error line then starts a line of its own
                     self.loader.close()
             if self.stop.signum:
                 return self._interrupted(started)
@@ -277,8 +277,8 @@ class Trainer:
         """Steps until ``total_steps``, the budget or a stop signal; returns (images seen on this
         rank, seconds since the first step completed)."""
         t = self.cfg.train
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                   mininterval=1.0, disable=not self.dist.is_main or quiet())
+        self.bar = bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                              mininterval=1.0, disable=not self.dist.is_main or quiet())  # closed by fit
         it, images_seen, first_step_at = iter(self.loader), 0, None
         self.meter = Meter(**(self.state or {}).get("meter", {}))  # a resumed interval's sums: the same mean loss
         self.net.train()
@@ -315,7 +315,6 @@ class Trainer:
                     break
             if stepped and t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < self.total_steps:
                 self.save()
-        bar.close()
         return images_seen, (time.perf_counter() - first_step_at if first_step_at else 0.0)
 
     def _periodic_eval(self) -> bool:
