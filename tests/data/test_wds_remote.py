@@ -99,6 +99,30 @@ def _args(run, data) -> list[str]:
             "data.remote_retries=2", "data.remote_backoff=0.05"]
 
 
+def test_remote_shards_without_an_index_are_scanned_once_per_process(shards, http_server, tmp_path, caplog):
+    import logging
+    import shutil
+
+    from vitflow.data.remote import expand_urls
+    from vitflow.data.wdsindex import shard_set
+
+    _, out = shards
+    bare = shutil.copytree(out, tmp_path / "bare", ignore=shutil.ignore_patterns("shards.json"))
+    base = http_server(tmp_path)
+    urls = expand_urls(f"{base}/bare/{TRAIN}")
+    with caplog.at_level(logging.INFO, "vitflow.data"):
+        first = shard_set(urls)
+        base.server.die_after_requests(0, matching="/train-")  # a second read of any shard would kill the server
+        again = shard_set(urls)  # as a run's plan and then the run itself
+    assert list(first.counts) == list(again.counts) == [7, 7, 7, 7, 7, 5] and again.classes == list(CLASSES)
+    assert not base.server.dead
+    assert sum("scanning 6 shard(s)" in r.getMessage() for r in caplog.records) == 1
+    local = expand_urls(f"{bare}/{TRAIN}")
+    assert list(shard_set(local).counts)[-1] == 5
+    (bare / "train-000005.tar").write_bytes((bare / "train-000004.tar").read_bytes())  # local shards: counted anew
+    assert list(shard_set(local).counts)[-1] == 7
+
+
 def _train(capsys, run, data, *extra) -> tuple[int, str]:
     """``vitflow train`` from the shards ``data`` (or the command ``extra``) in this process:
     ``(exit code, stderr)``."""

@@ -34,7 +34,8 @@ from vitflow.data.sources import DataError, ImageSource
 from vitflow.data.splits import parse_split
 from vitflow.data.remote import expand_urls, is_remote, open_stream
 from vitflow.data.wds import (INDEX_NAME, beside, has_pattern, is_compressed, iter_samples, looks_like_shard,
-                              parse_label, read_classes, read_index, read_range, shard_set)
+                              parse_label, read_range)
+from vitflow.data.wdsindex import read_classes, read_index, shard_set
 
 log = logging.getLogger(__name__)
 SPLIT_TOKENS = ("train", "val", "valid", "validation", "test")

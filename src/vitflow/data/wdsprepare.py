@@ -26,7 +26,8 @@ import numpy as np
 
 from vitflow.data.decode import CorruptImageError, image_size
 from vitflow.data.sources import DataError, ImageSource
-from vitflow.data.wds import INDEX_NAME, read_index, write_index
+from vitflow.data.wds import INDEX_NAME
+from vitflow.data.wdsindex import read_index, write_index
 
 log = logging.getLogger(__name__)
 _MAGIC = ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG\r\n\x1a\n", "png"))

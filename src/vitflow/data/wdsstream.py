@@ -58,7 +58,8 @@ from vitflow.data.splits import parse_split
 from vitflow.data.stream import shuffle_buffer
 from vitflow.data.transforms import Transform, transform_encoded
 from vitflow.data.remote import is_remote, local_path, open_stream
-from vitflow.data.wds import CUT_SAMPLE, ShardSet, is_compressed, iter_samples, parse_label, shard_set
+from vitflow.data.wds import CUT_SAMPLE, is_compressed, iter_samples, parse_label
+from vitflow.data.wdsindex import ShardSet, shard_set
 from vitflow.data.wdsspool import Spool
 from vitflow.data.wdslayout import is_shard_pattern, split_urls
 from vitflow.runtime import mix_seed
