@@ -42,7 +42,7 @@ def train_epilogue(r: dict, live_report: bool) -> None:
         write_live_report(r["run_dir"])
         print(f"report: {r['run_dir']}/report.html")
     if "samples" in r:
-        print(f"sample test images: {r['samples']}  (try: vitflow predict {r['run_dir']} {r['samples']})")
+        print(f"sample held-out images: {r['samples']}  (try: vitflow predict {r['run_dir']} {r['samples']})")
 
 
 def live_report_hook(on: bool) -> Callable | None:
