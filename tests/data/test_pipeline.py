@@ -408,8 +408,9 @@ def test_bench_data_leaves_out_a_truncated_shards_cut_sample_with_one_warning(tm
                      "--workers", "1", "--batch-size", "8", "--json"]) == 0
     assert all(v > 0 for v in json.loads(capsys.readouterr().out.strip().splitlines()[-1]).values())
     left_out = [r.getMessage() for r in caplog.records if "left out of the benchmark" in r.getMessage()]
+    # the cut one and the 5 the index promised after it
     assert len(left_out) == 1 and left_out[0].startswith(f"6 unreadable image(s) left out of the benchmark (first: "
-                                                         f"{shard}:")  # the cut one and the 5 the index promised after it
+                                                         f"{shard}:")
 
 
 def test_random_resized_crop_matches_torchvision():

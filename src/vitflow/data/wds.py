@@ -55,6 +55,16 @@ def has_pattern(spec: str) -> bool:
     return "::" in spec or bool(BRACE.search(spec)) or (any(c in spec for c in "*?") and ".tar" in spec)
 
 
+def truncated(url: str, whole: int, count: int, cut: bool, warn: bool = True) -> str:
+    """The reason a sample of the shard ``url`` is missing when the shard ends after ``whole``
+    complete samples (``cut``: and one more cut short) of the ``count`` its index promised; with
+    ``warn``, one warning line naming the shard too."""
+    why = f"the shard ends after {whole} whole samples of {count} (truncated?)"
+    if warn:
+        log.warning("%s: %s%s", url, why, "; one more cut short" * cut)
+    return why
+
+
 def beside(url: str, name: str) -> str:
     """The URL of file ``name`` in the folder of ``url``."""
     return url.rsplit("/", 1)[0] + "/" + name if "/" in url else name

@@ -34,7 +34,7 @@ from vitflow.data.sources import DataError, ImageSource
 from vitflow.data.splits import parse_split
 from vitflow.data.remote import expand_urls, is_remote, open_stream
 from vitflow.data.wds import (INDEX_NAME, beside, has_pattern, is_compressed, iter_samples, looks_like_shard,
-                              parse_label, read_range)
+                              parse_label, read_range, truncated)
 from vitflow.data.wdsindex import read_classes, read_index, shard_set
 
 log = logging.getLogger(__name__)
@@ -212,8 +212,7 @@ def open_shard_source(urls: list[str], classes: list[str] | None = None,
                 add(s, sample.key, label, sample.members.get(ext, (0, 0)), sample.error)
         count = indexed.get(os.path.basename(url), n)
         if n < count:  # truncated: the samples the index promised after the end are counted, as training counts them
-            why = f"the shard ends after {n - cut} whole samples of {count} (truncated?)"
-            log.warning("%s: %s%s", url, why, "; one more cut short" * cut)
+            why = truncated(url, n - cut, count, bool(cut))
             for k in range(n, count):
                 add(s, f"#{k}", 0, (0, 0), f"missing: {why}")
     if len(errors) == len(labels):

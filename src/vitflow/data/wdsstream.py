@@ -58,7 +58,7 @@ from vitflow.data.splits import parse_split
 from vitflow.data.stream import shuffle_buffer
 from vitflow.data.transforms import Transform, transform_encoded
 from vitflow.data.remote import is_remote, local_path, open_stream
-from vitflow.data.wds import CUT_SAMPLE, is_compressed, iter_samples, parse_label
+from vitflow.data.wds import CUT_SAMPLE, is_compressed, iter_samples, parse_label, truncated
 from vitflow.data.wdsindex import ShardSet, shard_set
 from vitflow.data.wdsspool import Spool
 from vitflow.data.wdslayout import is_shard_pattern, split_urls
@@ -225,10 +225,8 @@ class ShardBatches:
                 yield j, item
             j, cut = j + 1, int(str(item[3]).startswith(CUT_SAMPLE))  # the last sample read, cut by the end?
         if j < b:
-            why = f"the shard ends after {j - cut} whole samples of {int(self.shards.counts[shard])} (truncated?)"
-            if url not in self._warned:
-                self._warned.add(url)
-                log.warning("%s: %s%s", url, why, "; one more cut short" * cut)
+            why = truncated(url, j - cut, int(self.shards.counts[shard]), bool(cut), warn=url not in self._warned)
+            self._warned.add(url)
             for k in range(max(j, a), b):
                 yield k, (f"{url}:#{k}", None, -1, f"missing: {why}")
 

@@ -5,8 +5,9 @@ one line naming the URL and the error and saying how to continue once the store 
 The checkpoint is the one a ``train.checkpoint_every`` save at that step would write (the loader
 position is the one before the failed step's batches were fetched), so ``vitflow resume RUN``
 continues exactly. A store lost during a periodic evaluation leaves the checkpoint of the step
-just trained, marked ``eval_due``: the resumed run runs that evaluation first. Under torchrun every rank must see the error for the save's collectives to complete (a
-store that fails for one rank only stops that rank).
+just trained, marked ``eval_due``: the resumed run runs that evaluation first. Under torchrun
+every rank must see the error for the save's collectives to complete (a store that fails for one
+rank only stops that rank).
 """
 
 from __future__ import annotations
