@@ -76,6 +76,31 @@ def test_fp32_gemm_keeps_only_bf16_tensors_for_the_backward():
     assert saved == [BF16, BF16]
 
 
+@pytest.mark.skipif(not matmul._MKLDNN_BF16, reason="no oneDNN bf16 kernels on this CPU")
+@pytest.mark.parametrize("lead", [(37,), (3, 29)])
+def test_native_bf16_adds_the_bias_in_the_gemm_bit_equal_to_autocast(lead):
+    """The native kernel hands the bias to oneDNN (no addmm, no copy of the broadcast bias into
+    the output); output and every gradient equal native autocast's F.linear bit for bit."""
+    x, w, b = _operands(rows=1)
+    x = torch.randn(*lead, 48, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    layer = Linear(48, 24, gemm="bf16")
+    with torch.no_grad():
+        layer.weight.copy_(w), layer.bias.copy_(b)
+    grad = torch.randn(*lead, 24, generator=torch.Generator().manual_seed(2)).to(BF16)
+    results = []
+    for run in (lambda: F.linear(x, layer.weight, layer.bias), lambda: layer(x)):
+        x.grad = layer.weight.grad = layer.bias.grad = None
+        with _autocast(), _AtenOps() as seen:
+            y = run()
+        y.backward(grad)
+        results.append((y, x.grad, layer.weight.grad, layer.bias.grad, seen.ops))
+    (*native, native_ops), (*ours, ours_ops) = results
+    assert "addmm" in native_ops and "addmm" not in ours_ops and "_linear_pointwise" in ours_ops
+    for a, b_ in zip(native, ours):
+        assert a.dtype == b_.dtype and torch.equal(a, b_)
+    assert ours[0].dtype == BF16 and ours[2].dtype == torch.float32
+
+
 def test_linear_is_the_plain_layer_outside_bf16_cpu_autocast():
     layer = Linear(8, 4, gemm="fp32")
     x = torch.randn(3, 8)

@@ -52,7 +52,7 @@ def classifier_head(embed_dim: int, num_classes: int, gemm: str = "auto") -> nn.
 class PatchEmbed(nn.Module):
     """Non-overlapping patch embedding by a strided convolution.
 
-    Input ``(B, C, H, W)`` float -> output ``(B, N, D)`` with ``N = (H / p) * (W / p)``.
+    Input ``(B, C, H, W)`` float -> output ``(B, N, D)``, contiguous, with ``N = (H / p) * (W / p)``.
 
     With ``truncate`` a side that is not a multiple of the patch loses its last pixels (what
     timm's strided convolution does for SigLIP so400m/14 at 384 px: 27 patches cover 378 px).
@@ -70,7 +70,9 @@ class PatchEmbed(nn.Module):
         h, w = x.shape[-2:]
         if (h % self.patch_size or w % self.patch_size) and not self.truncate:
             raise ValueError(f"input size {h}x{w} is not a multiple of patch size {self.patch_size}")
-        return self.proj(x).flatten(2).transpose(1, 2)
+        # contiguous tokens: left in the convolution's (B, D, N) order, every later add would keep that
+        # order and every LayerNorm copy it (a model without a class token has no cat to fix it)
+        return self.proj(x).flatten(2).transpose(1, 2).contiguous()
 
 
 class Mlp(nn.Module):

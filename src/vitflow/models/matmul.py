@@ -12,6 +12,11 @@ is then rounded to bf16 as before. The input, the output and what the backward k
 input's is rounded to the input's dtype, the weight's and bias's are fp32 (native autocast
 rounds the weight gradient to bf16 first).
 
+On the native kernel, :func:`linear_bf16` hands the bias to oneDNN's GEMM (its bias argument)
+instead of ``addmm``'s copy of the broadcast bias into the output before the GEMM: one pass less
+over each output (5-9% of a ViT-B qkv or fc1 forward measured here), results and gradients equal
+to native autocast's bit for bit.
+
 Every linear layer of a vitflow model is a :class:`Linear` (an ``nn.Linear`` with the same
 parameters and state-dict names) whose attribute ``gemm`` holds its mode and whose forward makes
 the choice. Modes (``VisionTransformer(cpu_bf16_matmul=...)``, config ``model.cpu_bf16_matmul``): ``bf16``
@@ -107,6 +112,61 @@ def linear_fp32_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return _Fp32GemmLinear.apply(x, weight, bias)
 
 
+class _Bf16BiasInGemmLinear(torch.autograd.Function):
+    """Native bf16-autocast ``F.linear`` with the bias added inside oneDNN's GEMM (its bias
+    argument) instead of ``addmm``'s copy of the broadcast bias into the output before the GEMM:
+    one pass less over the output. Same products, same fp32 accumulation, same rounding; the
+    backward is autocast's (bf16 GEMMs, gradients rounded to bf16 then widened to the parameters'
+    dtype), so results and gradients equal native autocast's bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        with torch.autocast("cpu", enabled=False):
+            x16, w16 = x.to(torch.bfloat16), weight.to(torch.bfloat16)
+            y = _bias_in_gemm(x16, w16, bias)
+        ctx.save_for_backward(x16, w16)
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x16, w16 = ctx.saved_tensors
+        (x_dtype, w_dtype, b_dtype), needs = ctx.dtypes, ctx.needs_input_grad
+        with torch.autocast("cpu", enabled=False):
+            g = grad.to(torch.bfloat16).reshape(-1, grad.shape[-1])
+            gx = (g @ w16).view(x16.shape).to(x_dtype) if needs[0] else None
+            gw = (g.t() @ x16.reshape(-1, x16.shape[-1])).to(w_dtype) if needs[1] else None
+            gb = g.sum(0).to(b_dtype) if needs[2] else None
+        return gx, gw, gb
+
+
+def _mkldnn_bf16() -> bool:
+    """Whether this PyTorch has oneDNN with bf16 kernels for this CPU."""
+    try:
+        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN's ops
+        return False
+
+
+_MKLDNN_BF16 = _mkldnn_bf16()
+
+
+def _bias_in_gemm(x16: torch.Tensor, w16: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` of bf16 operands with the bias (rounded to bf16) added by oneDNN's GEMM."""
+    return torch.ops.mkldnn._linear_pointwise(x16, w16, bias.to(torch.bfloat16), "none", [], "")
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16-autocast ``F.linear`` through oneDNN's bf16 GEMM, bit-equal to native autocast, with
+    the bias inside the GEMM where oneDNN has bf16 on this CPU and the tensors are plain (not
+    subclasses such as FSDP's DTensor); else ``F.linear``. ``x (..., K)``, ``weight (N, K)``,
+    ``bias (N,)`` -> bf16 ``(..., N)``; differentiable."""
+    plain = type(x) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter)
+    if bias is None or not _MKLDNN_BF16 or not plain or type(bias) not in (torch.Tensor, nn.Parameter):
+        return F.linear(x, weight, bias)
+    return _Bf16BiasInGemmLinear.apply(x, weight, bias)
+
+
 def _bf16_cpu_autocast(x: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
             and torch.get_autocast_dtype("cpu") == torch.bfloat16)
@@ -126,7 +186,10 @@ def _choose(key: tuple, layer: nn.Linear) -> str:
 
         def native() -> None:  # what autocast runs: bf16 operands, oneDNN's bf16 GEMMs
             x16, w16 = x.to(bf16), w.to(bf16)
-            F.linear(x16, w16, None if b is None else b.to(bf16))
+            if b is not None and _MKLDNN_BF16:
+                _bias_in_gemm(x16, w16, b)
+            else:
+                F.linear(x16, w16, None if b is None else b.to(bf16))
             if backward:
                 _ = (g @ w16).to(dtype), (g.t() @ x16).to(w.dtype), g.sum(0) if has_bias else None
 
@@ -172,9 +235,9 @@ class Linear(nn.Linear):
         self.gemm = check_mode(gemm)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if self.gemm != "bf16" and _bf16_cpu_autocast(x) and not tracing():
-            fp32 = self.gemm == "fp32" or _gemm_choice(self, x) == "fp32"
-            y = linear_fp32_gemm(x, self.weight, self.bias) if fp32 else F.linear(x, self.weight, self.bias)
+        if _bf16_cpu_autocast(x) and not tracing():
+            fp32 = self.gemm == "fp32" or (self.gemm == "auto" and _gemm_choice(self, x) == "fp32")
+            y = (linear_fp32_gemm if fp32 else linear_bf16)(x, self.weight, self.bias)
         elif residual is not None and self._fusable(x, residual):
             out = torch.add(residual.reshape(-1, residual.shape[-1]), self.bias)
             return out.addmm_(x.reshape(-1, x.shape[-1]), self.weight.t()).view(residual.shape)
