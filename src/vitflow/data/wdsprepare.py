@@ -8,9 +8,9 @@ sample's number in the split. The training split is written in a random order (a
 same shards each time), as WebDataset advises: a folder's order is class by class, and shards of
 one class each would leave training's per-epoch shard shuffle and shuffle buffer to mix classes
 that only meet when the buffer spans shards. Other splits keep the split's order. Beside them
-``classes.txt`` and ``shards.json`` (the sample count of every shard, wids index format). Written to ``OUT.partial`` and renamed
-when complete; an existing non-empty ``OUT`` is replaced only with ``--force`` and only when it
-holds nothing but shards and their index (what this module writes).
+``classes.txt`` and ``shards.json`` (the sample count of every shard, wids index format). Written
+to ``OUT.partial`` and renamed when complete; an existing non-empty ``OUT`` is replaced only with
+``--force`` and only when it holds nothing but shards and their index (what this module writes).
 """
 
 from __future__ import annotations

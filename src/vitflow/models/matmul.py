@@ -112,34 +112,6 @@ def linear_fp32_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return _Fp32GemmLinear.apply(x, weight, bias)
 
 
-class _Bf16BiasInGemmLinear(torch.autograd.Function):
-    """Native bf16-autocast ``F.linear`` with the bias added inside oneDNN's GEMM (its bias
-    argument) instead of ``addmm``'s copy of the broadcast bias into the output before the GEMM:
-    one pass less over the output. Same products, same fp32 accumulation, same rounding; the
-    backward is autocast's (bf16 GEMMs, gradients rounded to bf16 then widened to the parameters'
-    dtype), so results and gradients equal native autocast's bit for bit."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        with torch.autocast("cpu", enabled=False):
-            x16, w16 = x.to(torch.bfloat16), weight.to(torch.bfloat16)
-            y = _bias_in_gemm(x16, w16, bias)
-        ctx.save_for_backward(x16, w16)
-        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        x16, w16 = ctx.saved_tensors
-        (x_dtype, w_dtype, b_dtype), needs = ctx.dtypes, ctx.needs_input_grad
-        with torch.autocast("cpu", enabled=False):
-            g = grad.to(torch.bfloat16).reshape(-1, grad.shape[-1])
-            gx = (g @ w16).view(x16.shape).to(x_dtype) if needs[0] else None
-            gw = (g.t() @ x16.reshape(-1, x16.shape[-1])).to(w_dtype) if needs[1] else None
-            gb = g.sum(0).to(b_dtype) if needs[2] else None
-        return gx, gw, gb
-
-
 def _mkldnn_bf16() -> bool:
     """Whether this PyTorch has oneDNN with bf16 kernels for this CPU."""
     try:
@@ -149,11 +121,50 @@ def _mkldnn_bf16() -> bool:
 
 
 _MKLDNN_BF16 = _mkldnn_bf16()
+_PLAIN = (torch.Tensor, nn.Parameter)  # not subclasses such as FSDP's DTensor
 
 
-def _bias_in_gemm(x16: torch.Tensor, w16: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``F.linear`` of bf16 operands with the bias (rounded to bf16) added by oneDNN's GEMM."""
-    return torch.ops.mkldnn._linear_pointwise(x16, w16, bias.to(torch.bfloat16), "none", [], "")
+def _bf16_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The forward of :func:`linear_bf16` without autograd: ``(y bf16, x16, w16)``; the bias (rounded
+    to bf16) is added by oneDNN's GEMM where it has bf16 here, else by ``F.linear``."""
+    x16, w16 = x.to(torch.bfloat16), weight.to(torch.bfloat16)
+    b16 = None if bias is None else bias.to(torch.bfloat16)
+    if b16 is not None and _MKLDNN_BF16:
+        return torch.ops.mkldnn._linear_pointwise(x16, w16, b16, "none", [], ""), x16, w16
+    return F.linear(x16, w16, b16), x16, w16
+
+
+def _bf16_backward(grad: torch.Tensor, x16: torch.Tensor, w16: torch.Tensor, needs: tuple[bool, bool, bool],
+                   dtypes: tuple) -> tuple:
+    """Gradients ``(x, weight, bias)`` of :func:`linear_bf16`, as native autocast computes them (bf16
+    GEMMs, rounded to bf16, widened to each input's dtype); ``None`` where not needed."""
+    x_dtype, w_dtype, b_dtype = dtypes
+    g = grad.to(torch.bfloat16).reshape(-1, grad.shape[-1])
+    gx = (g @ w16).view(x16.shape).to(x_dtype) if needs[0] else None
+    gw = (g.t() @ x16.reshape(-1, x16.shape[-1])).to(w_dtype) if needs[1] else None
+    gb = g.sum(0).to(b_dtype) if b_dtype is not None and needs[2] else None
+    return gx, gw, gb
+
+
+class _Bf16BiasInGemmLinear(torch.autograd.Function):
+    """Native bf16-autocast ``F.linear`` with the bias added inside oneDNN's GEMM (its bias
+    argument) instead of ``addmm``'s copy of the broadcast bias into the output before the GEMM:
+    one pass less over the output. Same products, same fp32 accumulation, same rounding; the
+    backward is autocast's, so results and gradients equal native autocast's bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        with torch.autocast("cpu", enabled=False):
+            y, x16, w16 = _bf16_forward(x, weight, bias)
+        ctx.save_for_backward(x16, w16)
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x16, w16 = ctx.saved_tensors
+        with torch.autocast("cpu", enabled=False):
+            return _bf16_backward(grad, x16, w16, ctx.needs_input_grad, ctx.dtypes)
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -161,8 +172,7 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     the bias inside the GEMM where oneDNN has bf16 on this CPU and the tensors are plain (not
     subclasses such as FSDP's DTensor); else ``F.linear``. ``x (..., K)``, ``weight (N, K)``,
     ``bias (N,)`` -> bf16 ``(..., N)``; differentiable."""
-    plain = type(x) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter)
-    if bias is None or not _MKLDNN_BF16 or not plain or type(bias) not in (torch.Tensor, nn.Parameter):
+    if bias is None or not _MKLDNN_BF16 or any(type(t) not in _PLAIN for t in (x, weight, bias)):
         return F.linear(x, weight, bias)
     return _Bf16BiasInGemmLinear.apply(x, weight, bias)
 
@@ -185,13 +195,9 @@ def _choose(key: tuple, layer: nn.Linear) -> str:
         dtypes = (dtype, w.dtype, None if b is None else b.dtype)
 
         def native() -> None:  # what autocast runs: bf16 operands, oneDNN's bf16 GEMMs
-            x16, w16 = x.to(bf16), w.to(bf16)
-            if b is not None and _MKLDNN_BF16:
-                _bias_in_gemm(x16, w16, b)
-            else:
-                F.linear(x16, w16, None if b is None else b.to(bf16))
+            _, x16, w16 = _bf16_forward(x, w, b)
             if backward:
-                _ = (g @ w16).to(dtype), (g.t() @ x16).to(w.dtype), g.sum(0) if has_bias else None
+                _bf16_backward(g, x16, w16, (True, True, has_bias), dtypes)
 
         def fp32() -> None:
             _, x16, w16 = _fp32_forward(x, w, b)
