@@ -25,12 +25,13 @@ rounds. The process uses the glibc allocator settings that ``vitflow train`` app
 (``vitflow.runtime.configure_allocator``: freed memory is kept and reused instead of being
 faulted in again per tensor) — for all three implementations alike.
 
-The machine's matmul peak (``torch.mm``, 1024..4096, fp32 and bf16, best median) gives each
+The machine's matmul peak (``torch.mm`` or oneDNN's linear, 1024..4096, fp32 and bf16, best median) gives each
 cell's MFU: model FLOPs per image (``FlopCounterMode`` on the explicit-attention forward; x3 for
 training) times images/s over the peak of the cell's dtype — for bf16 the higher of the bf16 and
 fp32 peaks, since bf16 products can run through either GEMM (``vitflow.models.matmul``; where
 the bf16 GEMM is the slower one, vitflow's ``cpu_bf16_matmul=auto`` picks the fp32 one, shown in
-the backend column as ``gemm fp32``). With ``--json`` the last line is::
+the backend column as ``gemm fp32``; fp32 cells show ``gemm onednn`` or ``gemm torch``, the GEMM of
+vitflow's large fp32 linear layers, ``vitflow.models.onednn``). With ``--json`` the last line is::
 
     {"peak_gflops": {"fp32": ..., "bf16": ...}, "cells": [{"model": ..., "mode": "train"|"infer",
      "dtype": "fp32"|"bf16", "vitflow_ips": ..., "timm_ips": ..., "vit_pytorch_ips": ...,
@@ -54,7 +55,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import vitflow  # noqa: E402
-from vitflow.models import MODELS  # noqa: E402
+from vitflow.models import MODELS, onednn  # noqa: E402
 from vitflow.runtime import configure_allocator  # noqa: E402
 
 MODEL_SPECS = {  # key: (vitflow variant, batch, classes, input size (None: the variant's))
@@ -73,19 +74,22 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
 def matmul_peak(dtype: torch.dtype, sizes=(1024, 2048, 4096), repeats: int = 3) -> float:
-    """Best median GFLOP/s of ``torch.mm`` over square sizes."""
+    """Best median GFLOP/s over square sizes of ``torch.mm`` and of oneDNN's linear (the GEMM that
+    vitflow's linear layers may run on, ``vitflow.models.onednn``), whichever is faster."""
+    gemms = [torch.mm] + ([lambda a, b: onednn.PW(a, b, None, "none", [], "")] if onednn.AVAILABLE else [])
     best = 0.0
     for n in sizes:
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        torch.mm(a, b)
-        times = []
-        for _ in range(repeats):
-            calls, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < 0.3 or calls < 2:
-                torch.mm(a, b)
-                calls += 1
-            times.append((time.perf_counter() - t0) / calls)
-        best = max(best, 2 * n**3 / statistics.median(times) / 1e9)
+        for gemm in gemms:
+            gemm(a, b)
+            times = []
+            for _ in range(repeats):
+                calls, t0 = 0, time.perf_counter()
+                while time.perf_counter() - t0 < 0.3 or calls < 2:
+                    gemm(a, b)
+                    calls += 1
+                times.append((time.perf_counter() - t0) / calls)
+            best = max(best, 2 * n**3 / statistics.median(times) / 1e9)
     return best
 
 
@@ -94,13 +98,22 @@ def _addmm_flops(self_shape, mat1_shape, mat2_shape, *args, **kwargs) -> int:
     return 2 * mat1_shape[0] * mat1_shape[1] * mat2_shape[1]
 
 
+def _onednn_linear_flops(x_shape, *args, **kwargs) -> int:
+    """FLOPs of oneDNN's linear, ``(x, W, b, attr, ...)`` or its residual form ``(x, other, W, b, attr)``
+    (``FlopCounterMode`` knows neither)."""
+    w_shape = args[0] if isinstance(args[2], str) else args[1]
+    return 2 * x_shape.numel() * w_shape[0]
+
+
 def forward_gflops(name: str, num_classes: int, size: int) -> float:
     """Forward GFLOP per image at ``size`` px, counted on vitflow's explicit (math) attention path."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model = vitflow.create_model(name, num_classes=num_classes, attention="math", img_size=size).eval()
+    onednn.fp32_gemm()  # decided before counting: its one-off timing's GEMMs are not the model's
     # the blocks' proj / fc2 accumulate onto the residual in place (vitflow.models.matmul.Linear)
-    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: _addmm_flops})
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: _addmm_flops,
+                                                             torch.ops.mkldnn._linear_pointwise: _onednn_linear_flops})
     with counter, torch.no_grad():
         model(torch.randn(1, 3, size, size))
     return counter.get_total_flops() / 1e9
@@ -227,6 +240,8 @@ def main() -> None:
                 gemms = _gemm_choices()
                 if gemms:
                     backend += ", gemm " + ",".join(gemms)
+                elif dt == "fp32":  # large fp32 linear layers: oneDNN's GEMM or PyTorch's (vitflow.models.onednn)
+                    backend += ", gemm " + onednn.fp32_gemm()
                 fmt = {impl: f"{med[impl]:.1f} ({min(v):.0f}-{max(v):.0f})" for impl, v in rates.items()}
                 fmt.setdefault("vit_pytorch", "-")
                 print(f"{name:24s} {mode:5s} {dt:5s} {fmt['vitflow']:>20s} {fmt['timm']:>18s} {fmt['vit_pytorch']:>18s} "

@@ -14,6 +14,17 @@ def image_folder(tmp_path: Path) -> Path:
     return make_folder(tmp_path / "imgs")
 
 
+@pytest.fixture
+def torch_fp32_gemm():
+    """fp32 linear layers on PyTorch's GEMM, timm's and Hugging Face's, for the tests that compare a
+    vitflow model with theirs at fp32 rounding: the model's math, not two GEMMs' summation orders
+    (oneDNN's is tested against float64 in ``models/test_onednn.py``)."""
+    from vitflow.models import onednn
+
+    with onednn.forced("torch"):
+        yield
+
+
 @pytest.fixture(scope="session")
 def digits_run(tmp_path_factory):
     """One short real training run of the default preset through the CLI, shared by tests:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # the project's real data: ../shared/data beside the checkout, or wherever VITFLOW_SHARED_DATA points
 SHARED_DATA = Path(os.environ.get("VITFLOW_SHARED_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
@@ -154,3 +155,15 @@ def kill_at_first_checkpoint(cmd: list[str], run_dir: Path, env: dict) -> list[P
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
     return ckpt.list_checkpoints(run_dir)
+
+
+class RecordedOps(TorchDispatchMode):
+    """Records the names of the ops (``addmm``, ``_linear_pointwise``, ...) that run inside it, in ``ops``."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket).split(".")[-1])
+        return func(*args, **(kwargs or {}))

@@ -23,6 +23,8 @@ from timm.models.beit import Beit  # noqa: E402
 from timm.models.eva import Eva  # noqa: E402
 from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("torch_fp32_gemm")  # compared with timm / HF at fp32 rounding
+
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, image_size=28,
              patch_size=14)
 VIT = dict(img_size=28, patch_size=14, embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0)

@@ -15,6 +15,8 @@ import vitflow
 from vitflow.config import ModelConfig
 from vitflow.models.registry import family_of, model_args
 
+pytestmark = pytest.mark.usefixtures("torch_fp32_gemm")  # compared with timm / HF at fp32 rounding
+
 timm = pytest.importorskip("timm")
 
 DEPTH = 2

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import RecordedOps
 from vitflow.models import matmul
 from vitflow.models.matmul import Linear, linear_fp32_gemm
 from vitflow.models.vit import VisionTransformer
@@ -21,18 +22,6 @@ def _operands(seed=0, rows=37, k=48, n=24):
     w = (torch.randn(n, k, generator=g) * 0.2).requires_grad_()
     b = torch.randn(n, generator=g).requires_grad_()
     return x, w, b
-
-
-class _AtenOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the aten ops that run inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket).split(".")[-1])
-        return func(*args, **(kwargs or {}))
 
 
 def _residual_operands(seed=0):
@@ -90,7 +79,7 @@ def test_native_bf16_adds_the_bias_in_the_gemm_bit_equal_to_autocast(lead):
     results = []
     for run in (lambda: F.linear(x, layer.weight, layer.bias), lambda: layer(x)):
         x.grad = layer.weight.grad = layer.bias.grad = None
-        with _autocast(), _AtenOps() as seen:
+        with _autocast(), RecordedOps() as seen:
             y = run()
         y.backward(grad)
         results.append((y, x.grad, layer.weight.grad, layer.bias.grad, seen.ops))
@@ -175,7 +164,7 @@ def test_auto_inside_gradient_checkpointing_trains_and_times_every_attention_can
 
 def test_linear_residual_accumulates_in_the_gemm_and_matches_the_plain_sum():
     layer, residual, x = _residual_operands()
-    with _AtenOps() as rec:
+    with RecordedOps() as rec:
         out = layer(x, residual=residual)
     assert "addmm_" in rec.ops and "addmm" not in rec.ops  # the GEMM writes onto residual + bias
     ref = residual + layer(x)
@@ -195,12 +184,12 @@ def test_linear_residual_falls_back_where_the_fusion_would_change_behaviour():
     assert len(calls) == 2  # a pre-hook runs (and changes the input) for the fused call too
     handle.remove()
     layer.gemm = "bf16"
-    with _autocast(), _AtenOps() as rec:
+    with _autocast(), RecordedOps() as rec:
         out = layer(x, residual=residual)
         assert "addmm_" not in rec.ops and out.dtype == torch.float32  # bf16 projection + fp32 residual
         torch.testing.assert_close(out, residual + layer(x))
     no_bias = Linear(6, 8, bias=False)
-    with _AtenOps() as rec:
+    with RecordedOps() as rec:
         torch.testing.assert_close(no_bias(x, residual=residual), residual + no_bias(x))
     assert "addmm_" not in rec.ops
 
@@ -219,7 +208,7 @@ def test_vit_blocks_with_the_residual_in_the_gemm_match_the_unfused_blocks(monke
 
     def run():
         model.zero_grad()
-        with _AtenOps() as rec:
+        with RecordedOps() as rec:
             out = model(x)
         out.square().sum().backward()
         return out, [p.grad.clone() for p in model.parameters()], rec.ops.count("addmm_")
@@ -236,13 +225,13 @@ def test_vit_blocks_with_the_residual_in_the_gemm_match_the_unfused_blocks(monke
 def test_active_stochastic_depth_keeps_the_unfused_residual():
     model = VisionTransformer(img_size=16, patch_size=4, embed_dim=24, depth=2, num_heads=2, num_classes=5,
                               drop_path_rate=0.5).train()
-    with _AtenOps() as rec:
+    with RecordedOps() as rec:
         model(torch.randn(3, 3, 16, 16))
     assert rec.ops.count("addmm_") == 2  # block 0 (drop-path rate 0: rates rise from 0) fuses both; block 1 none
     seen = []
     proj = model.blocks[0].attn.proj
     proj.register_forward_hook(lambda mod, args, out: seen.append((args[0], out)))
-    with _AtenOps() as rec:
+    with RecordedOps() as rec:
         model.eval()(torch.randn(3, 3, 16, 16))
     assert rec.ops.count("addmm_") == 2  # block 1 fuses both; block 0, whose proj is hooked, neither
     h, out = seen[0]

@@ -13,6 +13,8 @@ import torch.nn as nn
 import vitflow
 from vitflow.models.pretrained_variants import PRETRAINED_FAMILIES
 
+pytestmark = pytest.mark.usefixtures("torch_fp32_gemm")  # compared with timm / HF at fp32 rounding
+
 timm = pytest.importorskip("timm")
 
 NAMES = sorted(n for f in PRETRAINED_FAMILIES for n in f.variants)

@@ -29,6 +29,8 @@ from vitflow.models.hub import resolve_pretrained
 from vitflow.models.swin_resample import adapt_swin_state_dict, is_swin_model, resample_swin_table
 from vitflow.models.weights import detect_layout, load_pretrained, read_state_dict
 
+pytestmark = pytest.mark.usefixtures("torch_fp32_gemm")  # compared with timm / HF at fp32 rounding
+
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
 

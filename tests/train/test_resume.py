@@ -14,6 +14,7 @@ from helpers import comparable_records, digits_config, kill_at_first_checkpoint,
 from vitflow import checkpoint as ckpt
 from vitflow.cli import main
 from vitflow.config import build_config
+from vitflow.models import onednn
 from vitflow.train import Trainer
 
 
@@ -88,6 +89,19 @@ def test_resume_rejects_other_classes(tmp_path):
                                   "data.test_split=train[50%:]"])
     with pytest.raises(ValueError, match="classes"):
         Trainer(cfg)
+
+
+def test_resume_keeps_the_fp32_gemm_of_the_run(tmp_path):
+    """A resumed run multiplies with the GEMM its first process chose (vitflow.models.onednn), so
+    that it rounds as an uninterrupted run would even where a new timing would choose the other."""
+    run = tmp_path / "run"
+    with onednn.forced("torch"):
+        Trainer(digits_config(run, "train.total_steps=2")).fit()
+    assert ckpt.load_checkpoint(run)["fp32_gemm"] == "torch"
+    with onednn.forced("onednn"):
+        Trainer(digits_config(run, "train.total_steps=4", "train.resume=auto")).fit()
+        assert onednn.decided() == "torch"
+    assert ckpt.load_checkpoint(run)["step"] == 4 and ckpt.load_checkpoint(run)["fp32_gemm"] == "torch"
 
 
 def test_resume_warns_about_changed_config(caplog):

@@ -30,6 +30,9 @@ choice is logged, at debug level). Outside bf16 CPU autocast a :class:`Linear` i
 :class:`Linear` also takes an optional ``residual`` and then returns ``residual + linear(x)`` with
 the add inside the GEMM (BLAS ``C = A B + C``) where that is exact and safe: the pre-norm block's
 ``x + proj(...)`` and ``x + fc2(...)`` without two extra passes over the activation.
+
+Outside autocast, large fp32 products (and the fp32 products of the ``fp32`` mode above) run on
+oneDNN's GEMM where :func:`vitflow.models.onednn.fp32_gemm` found it faster than PyTorch's.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vitflow.models import onednn
 from vitflow.timing import fastest, tracing
 
 log = logging.getLogger(__name__)
@@ -70,9 +74,8 @@ def set_gemm_mode(model: nn.Module, mode: str) -> str:
 def _fp32_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """The forward of :func:`linear_fp32_gemm` without autograd: ``(y bf16, x16, w16)``."""
     x16, w16 = x.to(torch.bfloat16), weight.to(torch.bfloat16)
-    x2 = x16.reshape(-1, x16.shape[-1]).float()
-    w32 = w16.float().t()
-    y = torch.addmm(bias.to(torch.bfloat16).float(), x2, w32) if bias is not None else x2 @ w32
+    b32 = None if bias is None else bias.to(torch.bfloat16).float()
+    y = onednn.matmul_t(x16.reshape(-1, x16.shape[-1]).float(), w16.float(), b32)
     return y.to(torch.bfloat16).view(*x.shape[:-1], weight.shape[0]), x16, w16
 
 
@@ -81,7 +84,7 @@ def _fp32_backward(grad: torch.Tensor, x16: torch.Tensor, w16: torch.Tensor, nee
     """Gradients ``(x, weight, bias)`` of :func:`linear_fp32_gemm` (``None`` where not needed)."""
     x_dtype, w_dtype, b_dtype = dtypes
     g = grad.reshape(-1, grad.shape[-1]).float()
-    gx = (g @ w16.float()).view(x16.shape).to(x_dtype) if needs[0] else None
+    gx = onednn.matmul_t(g, w16.float().t()).view(x16.shape).to(x_dtype) if needs[0] else None
     gw = (g.t() @ x16.reshape(-1, x16.shape[-1]).float()).to(w_dtype) if needs[1] else None
     gb = g.sum(0).to(b_dtype) if b_dtype is not None and needs[2] else None
     return gx, gw, gb
@@ -130,7 +133,7 @@ def _bf16_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     x16, w16 = x.to(torch.bfloat16), weight.to(torch.bfloat16)
     b16 = None if bias is None else bias.to(torch.bfloat16)
     if b16 is not None and _MKLDNN_BF16:
-        return torch.ops.mkldnn._linear_pointwise(x16, w16, b16, "none", [], ""), x16, w16
+        return onednn.PW(x16, w16, b16, "none", [], ""), x16, w16
     return F.linear(x16, w16, b16), x16, w16
 
 
@@ -221,11 +224,14 @@ def _gemm_choice(layer: nn.Linear, x: torch.Tensor) -> str:
 
 class Linear(nn.Linear):
     """``nn.Linear`` with the same parameters and state-dict names (timm's checkpoints load as
-    they are) and two additions that leave the result unchanged (see the module docstring):
+    they are) and three additions that leave the result unchanged up to rounding (see the module
+    docstring):
 
     - under bf16 CPU autocast, the GEMM that ``gemm`` (``auto`` | ``bf16`` | ``fp32``) selects;
+    - in fp32 on the CPU, oneDNN's GEMM for large products where it outruns PyTorch's
+      (:mod:`vitflow.models.onednn`; equal up to summation order);
     - ``forward(x, residual)`` returns ``residual + linear(x)``, the add inside the GEMM
-      (``(residual + bias).addmm_(x, W^T)``) for fp32/fp64 eager calls with a bias; anywhere
+      (oneDNN's, or ``(residual + bias).addmm_(x, W^T)``) for fp32/fp64 eager calls; anywhere
       else (autocast, tracing for export or compile, no bias, mixed dtypes, tensor subclasses such
       as FSDP's DTensor) as an ordinary add.
 
@@ -244,12 +250,24 @@ class Linear(nn.Linear):
         if _bf16_cpu_autocast(x) and not tracing():
             fp32 = self.gemm == "fp32" or (self.gemm == "auto" and _gemm_choice(self, x) == "fp32")
             y = (linear_fp32_gemm if fp32 else linear_bf16)(x, self.weight, self.bias)
+        elif self._onednn(x, residual):
+            return onednn.linear_onednn(x, self.weight, self.bias, residual)
         elif residual is not None and self._fusable(x, residual):
             out = torch.add(residual.reshape(-1, residual.shape[-1]), self.bias)
             return out.addmm_(x.reshape(-1, x.shape[-1]), self.weight.t()).view(residual.shape)
         else:
             y = F.linear(x, self.weight, self.bias)
         return y if residual is None else residual + y
+
+    def _onednn(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Whether this call goes to :func:`linear_onednn`: fp32 eager CPU, large, plain tensors.
+        Tracing is checked first: reading ``x``'s shape there would pin a dynamic batch size."""
+        w, b, f32 = self.weight, self.bias, torch.float32
+        return (not tracing() and x.device.type == "cpu" and x.dtype == w.dtype == f32 and (b is None or b.dtype == f32)
+                and type(x) is torch.Tensor and type(w) in _PLAIN and not torch.is_autocast_enabled("cpu")
+                and (residual is None or type(residual) is torch.Tensor and residual.dtype == f32
+                     and residual.shape == (*x.shape[:-1], w.shape[0]))
+                and onednn.large(x.numel() // x.shape[-1], x.shape[-1], w.shape[0]))
 
     def _fusable(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
         w, b = self.weight, self.bias

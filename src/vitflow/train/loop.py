@@ -29,7 +29,7 @@ from vitflow.data.evals import open_evals
 from vitflow.data.remote import RemoteError
 from vitflow.evaluation import scalar_metrics
 from vitflow.models import check_config as check_model_config
-from vitflow.models import model_args, model_kwargs
+from vitflow.models import model_args, model_kwargs, onednn
 from vitflow.models.pretrained_config import apply_pretrained
 from vitflow.runtime import configure_allocator, mix_seed, quiet, resolve_device, rng_state, set_rng_state, settled_heap
 from vitflow.train.budget import ProgressiveResizing, TimeBudget
@@ -383,7 +383,7 @@ class Trainer:
             "preprocess": self.data.preprocess.to_dict(), "metrics": scalar_metrics(self.last_eval or {}),
             "task": self.data.task, "threshold": self.evaluator.threshold,
             "ema": self.ema.state_dict() if self.ema is not None else None, "guard": self.guard.state_dict(),
-            "selection": self.selection.state_dict(), "eval_due": self.eval_due,
+            "selection": self.selection.state_dict(), "eval_due": self.eval_due, "fp32_gemm": onednn.decided(),
         }
         try:
             path = ckpt.save_checkpoint(state, path or ckpt.checkpoint_path(self.run_dir, self.step))
