@@ -242,7 +242,7 @@ def main() -> None:
                     backend += ", gemm " + ",".join(gemms)
                 elif dt == "fp32":  # large fp32 linear layers: oneDNN's GEMM or PyTorch's (vitflow.models.onednn)
                     backend += ", gemm " + onednn.fp32_gemm()
-                fmt = {impl: f"{med[impl]:.1f} ({min(v):.0f}-{max(v):.0f})" for impl, v in rates.items()}
+                fmt = {impl: f"{med[impl]:.1f} ({min(v):.3g}-{max(v):.3g})" for impl, v in rates.items()}
                 fmt.setdefault("vit_pytorch", "-")
                 print(f"{name:24s} {mode:5s} {dt:5s} {fmt['vitflow']:>20s} {fmt['timm']:>18s} {fmt['vit_pytorch']:>18s} "
                       f"{med['vitflow'] / med['timm']:7.2f} {med['vitflow'] / best:7.2f} {mfu:5.0%}  {backend}",
