@@ -82,6 +82,26 @@ def test_large_fp32_layers_run_on_the_chosen_gemm_small_ones_and_traced_ones_on_
     assert "mkldnn" not in graph and "linear" in graph  # traced for export: the plain op
 
 
+def test_a_frozen_weight_keeps_no_input_and_transforms_and_disabled_onednn_use_torch(monkeypatch):
+    """Saved for backward: only what the wanted gradients read (a frozen layer, as in LoRA or
+    partial freezing, keeps its weight, not its input). ``torch.func`` transforms and
+    ``torch.backends.mkldnn.enabled = False`` take PyTorch's path."""
+    layer = Linear(256, 512).requires_grad_(False)
+    x = torch.randn(4, 64, 256, requires_grad=True)
+    saved = []
+    with onednn.forced("onednn"), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                                           lambda t: t):
+        layer(x).sum().backward()
+    assert [tuple(t.shape) for t in saved] == [(512, 256)]
+    params = dict(layer.named_parameters())
+    with onednn.forced("onednn"), RecordedOps() as rec:
+        grads = torch.func.grad(lambda p: torch.func.functional_call(layer, p, (x.detach(),)).sum())(params)
+        monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+        layer(x)
+    assert "_linear_pointwise" not in rec.ops
+    torch.testing.assert_close(grads["bias"], torch.full((512,), 256.0))
+
+
 def test_bf16_layers_multiplying_in_fp32_use_the_chosen_gemm():
     """``cpu_bf16_matmul=fp32``'s products go through oneDNN too, with the same result: the exact
     product of the bf16-rounded operands rounded once to bf16; the input gradient to fp32 accuracy."""
@@ -131,6 +151,21 @@ def test_auto_times_once_and_logs_the_choice(caplog):
         first, second = onednn.fp32_gemm(), onednn.fp32_gemm()
     lines = [r.getMessage() for r in caplog.records]
     assert first == second in ("onednn", "torch") and len(lines) == 1
-    assert lines[0].startswith(f"fp32 linear layers: {first} GEMM (ms for (1024 x 768) @ (768 x 3072)^T")
+    assert lines[0].startswith(f"fp32 linear layers: {first} GEMM (ms for (1024 x 768) @ (768 x 3072)")
     with pytest.raises(ValueError, match="fp32 GEMM must be one of auto, onednn, torch, got 'mkl'"):
         onednn.set_fp32_gemm("mkl")
+
+
+def test_every_rank_takes_rank_0s_fp32_gemm():
+    """Under torchrun on a CPU each rank would time on its own (at once, on shared cores) and could
+    pick the other GEMM: rank 0's choice is broadcast (here a rank 1 whose broadcast hands it 'torch')."""
+    from vitflow.train.distributed import DistEnv, run_precision
+
+    class Rank1(DistEnv):
+        def broadcast(self, obj):
+            assert obj is None  # rank 1 sends nothing
+            return "torch"
+
+    with onednn.forced("onednn"):
+        run_precision("fp32", torch.device("cpu"), Rank1(rank=1, world_size=2))
+        assert onednn.decided() == "torch"

@@ -260,10 +260,12 @@ class Linear(nn.Linear):
         return y if residual is None else residual + y
 
     def _onednn(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        """Whether this call goes to :func:`linear_onednn`: fp32 eager CPU, large, plain tensors.
-        Tracing is checked first: reading ``x``'s shape there would pin a dynamic batch size."""
+        """Whether this call goes to :func:`linear_onednn`: fp32 eager CPU, large, plain tensors, no
+        ``torch.func`` transform (the function has no ``setup_context``). Tracing is checked first:
+        reading ``x``'s shape there would pin a dynamic batch size."""
         w, b, f32 = self.weight, self.bias, torch.float32
-        return (not tracing() and x.device.type == "cpu" and x.dtype == w.dtype == f32 and (b is None or b.dtype == f32)
+        return (not tracing() and not torch._C._are_functorch_transforms_active() and x.device.type == "cpu"
+                and x.dtype == w.dtype == f32 and (b is None or b.dtype == f32)
                 and type(x) is torch.Tensor and type(w) in _PLAIN and not torch.is_autocast_enabled("cpu")
                 and (residual is None or type(residual) is torch.Tensor and residual.dtype == f32
                      and residual.shape == (*x.shape[:-1], w.shape[0]))

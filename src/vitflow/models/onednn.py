@@ -67,7 +67,7 @@ def forced(mode: str) -> Iterator[None]:
 def fp32_gemm() -> str:
     """``onednn`` or ``torch``: the GEMM of large fp32 linear layers on this CPU (``torch`` where
     PyTorch lacks oneDNN). With ``auto`` (the default) it is timed on the first call: (1024 x 768)
-    @ (768 x 3072)^T, forward plus input gradient, on constant data, one warm-up and
+    @ (768 x 3072), forward plus input gradient, on constant data, one warm-up and
     :data:`TIMED_CALLS` calls each, fastest call; oneDNN is kept only when more than :data:`TIE`
     faster, and the choice is logged at debug level (``vitflow -v``)."""
     if not _STATE["choice"]:
@@ -90,15 +90,15 @@ def _time_gemms() -> str:
                         "onednn": lambda: (PW(x, w, b, "none", [], ""), PW(g, w.t(), None, "none", [], ""))},
                        TIMED_CALLS)
     choice = "onednn" if best["onednn"] < best["torch"] * (1 - TIE) else "torch"
-    log.debug("fp32 linear layers: %s GEMM (ms for (1024 x 768) @ (768 x 3072)^T, forward + input gradient: "
+    log.debug("fp32 linear layers: %s GEMM (ms for (1024 x 768) @ (768 x 3072), forward + input gradient: "
               "torch %.2f, oneDNN %.2f)", choice, best["torch"] * 1e3, best["onednn"] * 1e3)
     return choice
 
 
 def large(rows: int, k: int, n: int) -> bool:
-    """Whether a ``(rows, k) @ (k, n)`` product goes to oneDNN: :func:`fp32_gemm` chose it and the
-    product has at least :data:`MIN_MACS` multiply-adds."""
-    return rows * k * n >= MIN_MACS and fp32_gemm() == "onednn"
+    """Whether a ``(rows, k) @ (k, n)`` product goes to oneDNN: :func:`fp32_gemm` chose it, the
+    product has at least :data:`MIN_MACS` multiply-adds and ``torch.backends.mkldnn.enabled``."""
+    return rows * k * n >= MIN_MACS and torch.backends.mkldnn.enabled and fp32_gemm() == "onednn"
 
 
 def matmul_t(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,12 +112,14 @@ def matmul_t(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None)
 class _Linear(torch.autograd.Function):
     """``y = x W^T + b (+ residual)`` on 2-D ``x``, with oneDNN's fp32 GEMM for the forward (bias and
     residual added inside it) and the input gradient, PyTorch's for the weight gradient. Saves
-    ``x`` and ``W``, as ``addmm``'s backward does. (2-D only: oneDNN returns an N-D input's output
-    as a view, and a view made inside a custom function may not be modified in place.)"""
+    ``x`` (for W's gradient) and ``W`` (for x's) only where wanted, as ``addmm``'s backward does.
+    (2-D only: oneDNN returns an N-D input's output as a view, and a view made inside a custom
+    function may not be modified in place.)"""
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual):
-        ctx.save_for_backward(x, weight)
+        needs_x, needs_w = ctx.needs_input_grad[:2]  # keep only what the wanted gradients read (frozen W: no x)
+        ctx.save_for_backward(x if needs_w else None, weight if needs_x else None)
         ctx.has_bias = bias is not None
         if residual is None:
             return PW(x, weight, bias, "none", [], "")

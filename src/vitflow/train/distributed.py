@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vitflow.models import onednn
 from vitflow.runtime import Precision, resolve_precision
 from vitflow.train.elastic import adopt_slurm_env
 
@@ -219,8 +220,11 @@ def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
 
 
 def run_precision(name: str, device: torch.device, dist: DistEnv) -> Precision:
-    """``train.precision`` resolved for ``device``. ``auto`` on a CPU is a timed choice: rank 0
-    makes it and every rank trains alike."""
+    """``train.precision`` resolved for ``device``. The timed numeric choices on a CPU (``auto``
+    precision, the fp32 GEMM of :mod:`vitflow.models.onednn`) are rank 0's on every rank, so that all
+    ranks train alike."""
+    if dist.enabled and device.type == "cpu":
+        onednn.set_fp32_gemm(dist.broadcast(onednn.fp32_gemm() if dist.is_main else None))
     if name == "auto":
         name = dist.broadcast(resolve_precision("auto", device).name if dist.is_main else None)
     return resolve_precision(name, device)
