@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import RecordedOps
-from vitflow.models import matmul
+from vitflow.models import matmul, onednn
 from vitflow.models.matmul import Linear, linear_fp32_gemm
 from vitflow.models.vit import VisionTransformer
 
@@ -65,12 +65,12 @@ def test_fp32_gemm_keeps_only_bf16_tensors_for_the_backward():
     assert saved == [BF16, BF16]
 
 
-@pytest.mark.skipif(not matmul._MKLDNN_BF16, reason="no oneDNN bf16 kernels on this CPU")
+@pytest.mark.skipif(not onednn.BF16, reason="no oneDNN bf16 kernels on this CPU")
 @pytest.mark.parametrize("lead", [(37,), (3, 29)])
 def test_native_bf16_adds_the_bias_in_the_gemm_bit_equal_to_autocast(lead):
     """The native kernel hands the bias to oneDNN (no addmm, no copy of the broadcast bias into
     the output); output and every gradient equal native autocast's F.linear bit for bit."""
-    x, w, b = _operands(rows=1)
+    _, w, b = _operands(rows=1)
     x = torch.randn(*lead, 48, generator=torch.Generator().manual_seed(1), requires_grad=True)
     layer = Linear(48, 24, gemm="bf16")
     with torch.no_grad():

@@ -90,14 +90,19 @@ def _fp32_backward(grad: torch.Tensor, x16: torch.Tensor, w16: torch.Tensor, nee
     return gx, gw, gb
 
 
-class _Fp32GemmLinear(torch.autograd.Function):
-    """``y = round_bf16(round_bf16(x) @ round_bf16(W)^T + round_bf16(b))`` with the GEMMs in fp32
-    (see the module docstring). Saves the bf16 input and weight, as native autocast does."""
+class _Bf16Linear(torch.autograd.Function):
+    """A bf16-autocast linear whose forward and backward are given as a pair: ``(_fp32_forward,
+    _fp32_backward)`` computes ``round_bf16(round_bf16(x) @ round_bf16(W)^T + round_bf16(b))`` with
+    the GEMMs in fp32 (see the module docstring); ``(_bf16_forward, _bf16_backward)`` is native
+    autocast with the bias inside oneDNN's GEMM (instead of ``addmm``'s copy of the broadcast bias
+    into the output: one pass less), bit-equal to it. Both run with autocast off and save the bf16
+    input and weight, as native autocast does."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, kernels):
+        forward, ctx.backward_kernel = kernels
         with torch.autocast("cpu", enabled=False):
-            y, x16, w16 = _fp32_forward(x, weight, bias)
+            y, x16, w16 = forward(x, weight, bias)
         ctx.save_for_backward(x16, w16)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y
@@ -106,24 +111,15 @@ class _Fp32GemmLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x16, w16 = ctx.saved_tensors
         with torch.autocast("cpu", enabled=False):
-            return _fp32_backward(grad, x16, w16, ctx.needs_input_grad, ctx.dtypes)
+            return *ctx.backward_kernel(grad, x16, w16, ctx.needs_input_grad[:3], ctx.dtypes), None
 
 
 def linear_fp32_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """bf16-autocast ``F.linear`` computed with the fp32 GEMM: ``x (..., K)`` any float dtype,
     ``weight (N, K)``, ``bias (N,)`` -> bf16 ``(..., N)``; differentiable."""
-    return _Fp32GemmLinear.apply(x, weight, bias)
+    return _Bf16Linear.apply(x, weight, bias, (_fp32_forward, _fp32_backward))
 
 
-def _mkldnn_bf16() -> bool:
-    """Whether this PyTorch has oneDNN with bf16 kernels for this CPU."""
-    try:
-        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without oneDNN's ops
-        return False
-
-
-_MKLDNN_BF16 = _mkldnn_bf16()
 _PLAIN = (torch.Tensor, nn.Parameter)  # not subclasses such as FSDP's DTensor
 
 
@@ -132,7 +128,7 @@ def _bf16_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     to bf16) is added by oneDNN's GEMM where it has bf16 here, else by ``F.linear``."""
     x16, w16 = x.to(torch.bfloat16), weight.to(torch.bfloat16)
     b16 = None if bias is None else bias.to(torch.bfloat16)
-    if b16 is not None and _MKLDNN_BF16:
+    if b16 is not None and onednn.BF16:
         return onednn.PW(x16, w16, b16, "none", [], ""), x16, w16
     return F.linear(x16, w16, b16), x16, w16
 
@@ -149,35 +145,14 @@ def _bf16_backward(grad: torch.Tensor, x16: torch.Tensor, w16: torch.Tensor, nee
     return gx, gw, gb
 
 
-class _Bf16BiasInGemmLinear(torch.autograd.Function):
-    """Native bf16-autocast ``F.linear`` with the bias added inside oneDNN's GEMM (its bias
-    argument) instead of ``addmm``'s copy of the broadcast bias into the output before the GEMM:
-    one pass less over the output. Same products, same fp32 accumulation, same rounding; the
-    backward is autocast's, so results and gradients equal native autocast's bit for bit."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        with torch.autocast("cpu", enabled=False):
-            y, x16, w16 = _bf16_forward(x, weight, bias)
-        ctx.save_for_backward(x16, w16)
-        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        x16, w16 = ctx.saved_tensors
-        with torch.autocast("cpu", enabled=False):
-            return _bf16_backward(grad, x16, w16, ctx.needs_input_grad, ctx.dtypes)
-
-
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """bf16-autocast ``F.linear`` through oneDNN's bf16 GEMM, bit-equal to native autocast, with
     the bias inside the GEMM where oneDNN has bf16 on this CPU and the tensors are plain (not
     subclasses such as FSDP's DTensor); else ``F.linear``. ``x (..., K)``, ``weight (N, K)``,
     ``bias (N,)`` -> bf16 ``(..., N)``; differentiable."""
-    if bias is None or not _MKLDNN_BF16 or any(type(t) not in _PLAIN for t in (x, weight, bias)):
+    if bias is None or not onednn.BF16 or any(type(t) not in _PLAIN for t in (x, weight, bias)):
         return F.linear(x, weight, bias)
-    return _Bf16BiasInGemmLinear.apply(x, weight, bias)
+    return _Bf16Linear.apply(x, weight, bias, (_bf16_forward, _bf16_backward))
 
 
 def _bf16_cpu_autocast(x: torch.Tensor) -> bool:

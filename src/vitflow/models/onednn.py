@@ -26,12 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from vitflow.runtime import cpu_bf16_supported
 from vitflow.timing import fastest
 
 log = logging.getLogger(__name__)
 
 AVAILABLE = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
 PW = torch.ops.mkldnn._linear_pointwise if AVAILABLE else None  # (x, W, b, "none", [], "") -> x W^T + b
+
+BF16 = AVAILABLE and cpu_bf16_supported()  # oneDNN's bf16 GEMM here (bf16 linear layers hand it their bias, vitflow.models.matmul)
 FP32_GEMMS = ("auto", "onednn", "torch")
 MIN_MACS = 1 << 23  # below this many multiply-adds per product oneDNN's per-call overhead outweighs its kernel
 TIMED_CALLS = 3
