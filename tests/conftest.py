@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from helpers import make_folder
+# One fp32 GEMM for the suite's process and every child it starts (helpers.ENV copies os.environ):
+# auto's timing, made in each process on busy cores, can choose differently in two runs that a test
+# compares bit for bit (vitflow.models.onednn).
+os.environ.setdefault("VITFLOW_FP32_GEMM", "onednn")
+
+from helpers import make_folder  # noqa: E402
 
 
 @pytest.fixture

@@ -156,6 +156,25 @@ def test_auto_times_once_and_logs_the_choice(caplog):
         onednn.set_fp32_gemm("mkl")
 
 
+def test_the_environment_sets_the_mode_and_a_bad_value_is_named(tmp_path):
+    """VITFLOW_FP32_GEMM forces the GEMM of a process (and of everything it starts); a typo fails the
+    run with one line naming the variable."""
+    import subprocess
+    import sys
+
+    from helpers import ENV
+
+    probe = "from vitflow.models import onednn; print(onednn.fp32_gemm())"
+    for mode in ("torch", "onednn"):
+        out = subprocess.run([sys.executable, "-c", probe], env={**ENV, onednn.ENV_VAR: mode}, capture_output=True,
+                             text=True, check=True)
+        assert out.stdout.strip() == mode
+    out = subprocess.run([sys.executable, "-m", "vitflow", "train", "train.total_steps=1", f"train.run_dir={tmp_path}"],
+                         env={**ENV, onednn.ENV_VAR: "mkl"}, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == "error: VITFLOW_FP32_GEMM must be one of auto, onednn, torch, got 'mkl'"
+
+
 def test_every_rank_takes_rank_0s_fp32_gemm():
     """Under torchrun on a CPU each rank would time on its own (at once, on shared cores) and could
     pick the other GEMM: rank 0's choice is broadcast (here a rank 1 whose broadcast hands it 'torch')."""

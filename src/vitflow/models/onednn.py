@@ -9,7 +9,10 @@ overhead loses (0.04 ms against 0.015 on a 32 x 32 x 96 product). For the weight
 GEMM is the faster of the two for most ViT shapes and stays.
 
 :func:`fp32_gemm` decides once per process (``auto``: timed on a ViT-B MLP product, oneDNN kept only
-when clearly faster; :func:`set_fp32_gemm` forces ``onednn`` or ``torch``). :func:`linear_onednn` is
+when clearly faster; the environment variable ``VITFLOW_FP32_GEMM`` or :func:`set_fp32_gemm` forces
+``onednn`` or ``torch``: ``auto``'s timing may choose differently in two processes on a busy machine,
+so two separate runs of one config round alike only with a forced GEMM; a resumed run always takes
+its checkpoint's). :func:`linear_onednn` is
 the fp32 linear on oneDNN (bias and an optional residual added inside its GEMM) and
 :func:`matmul_t` the fp32 product used by bf16 linear layers that multiply in fp32
 (:mod:`vitflow.models.matmul`). Results equal PyTorch's up to summation order (fp32 rounding, ~1e-7
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Iterator
 
 import torch
@@ -39,7 +43,8 @@ FP32_GEMMS = ("auto", "onednn", "torch")
 MIN_MACS = 1 << 23  # below this many multiply-adds per product oneDNN's per-call overhead outweighs its kernel
 TIMED_CALLS = 3
 TIE = 0.1  # oneDNN must be faster than PyTorch's GEMM by more than this to be chosen
-_STATE = {"mode": "auto", "choice": ""}
+ENV_VAR = "VITFLOW_FP32_GEMM"  # the process's default mode (auto where unset); set_fp32_gemm overrides it
+_STATE: dict[str, str | None] = {"mode": None, "choice": ""}  # mode None: ENV_VAR's
 
 
 def set_fp32_gemm(mode: str) -> str:
@@ -69,12 +74,19 @@ def forced(mode: str) -> Iterator[None]:
 
 def fp32_gemm() -> str:
     """``onednn`` or ``torch``: the GEMM of large fp32 linear layers on this CPU (``torch`` where
-    PyTorch lacks oneDNN). With ``auto`` (the default) it is timed on the first call: (1024 x 768)
-    @ (768 x 3072), forward plus input gradient, on constant data, one warm-up and
-    :data:`TIMED_CALLS` calls each, fastest call; oneDNN is kept only when more than :data:`TIE`
-    faster, and the choice is logged at debug level (``vitflow -v``)."""
+    PyTorch lacks oneDNN). The mode is :func:`set_fp32_gemm`'s, else :data:`ENV_VAR`'s, else ``auto``:
+    timed on the first call: (1024 x 768) @ (768 x 3072), forward plus input gradient, on constant
+    data, one warm-up and :data:`TIMED_CALLS` calls each, fastest call; oneDNN is kept only when more
+    than :data:`TIE` faster, and the choice is logged at debug level (``vitflow -v``).
+
+    Raises:
+        ValueError: :data:`ENV_VAR` holds another value (the message names it).
+    """
     if not _STATE["choice"]:
-        _STATE["choice"] = _time_gemms() if AVAILABLE else "torch"
+        mode = _STATE["mode"] or os.environ.get(ENV_VAR) or "auto"
+        if mode not in FP32_GEMMS:
+            raise ValueError(f"{ENV_VAR} must be one of {', '.join(FP32_GEMMS)}, got {mode!r}")
+        _STATE["choice"] = "torch" if not AVAILABLE else _time_gemms() if mode == "auto" else mode
     return _STATE["choice"]
 
 
