@@ -2,19 +2,20 @@
 images/s on the ImageNet sample (1,000 real photos), and the data stall of training
 vit_tiny_patch16_224 from the HTTP shards.
 
-    python benchmarks/shards_throughput.py [--rounds 3] [--repeats 1] [--steps 80] [--workers 2]
+    python benchmarks/shards_throughput.py [--repeats 5] [--steps 80] [--workers 2]
 
 1. Re-packs ``imagenet-sample-1000.tar`` (a flat folder of ``<wnid>_<name>.JPEG``) into a tar of
    class folders ``imagenet/<wnid>/<file>`` (the JPEG bytes as they are; the tar-in-place path),
    and writes it as shards with ``vitflow prepare TAR OUT --format wds --shard-size N``.
 2. Serves the shards with ``tests/servers.py`` (an HTTP/1.1 server with Range requests) in a
    subprocess on 127.0.0.1.
-3. Runs ``vitflow bench data --json`` on the tar, the local shards and the HTTP shards
-   (``http://127.0.0.1:PORT/train-{000000..}.tar``), ``--rounds`` times, interleaved; prints the
-   median ``vitflow_ips`` (images/s of vitflow's loader: decode, random-resized crop, flip,
-   normalise) of each, and the ratios local/tar (must be >= 1) and http/local (must be >= 0.9),
-   of the medians and as the median of each round's own ratio (the three paths of a round run
-   back to back, so a slow spell of a shared machine weighs on one round's paths alike).
+3. Runs one ``vitflow bench data --json`` on the local shards with ``--compare`` the tar and the
+   HTTP shards (``http://127.0.0.1:PORT/train-{000000..}.tar``): vitflow's loader (decode,
+   random-resized crop, flip, normalise) on the three in each of ``--repeats`` repeats, in
+   alternating order; prints the median images/s of each and the ratios local/tar (must be >= 1)
+   and HTTP/local (must be >= 0.9) as the median of each repeat's own ratio (a repeat's paths run
+   back to back in one process, so a slow spell of a shared machine weighs on them alike), and
+   of the medians.
 4. Trains vit_tiny_patch16_224 (random weights, 224 px) from the HTTP shards for ``--steps``
    steps and prints the median ``data_stall`` of the logged intervals (the first, with start-up,
    left out; must be < 5%).
@@ -63,12 +64,14 @@ def vitflow(*args: str, **kw) -> subprocess.CompletedProcess:
     return out
 
 
-def bench(path: str, args) -> float:
-    """vitflow_ips of one `vitflow bench data --json` run on ``path``."""
+def bench(path: str, args, *compare: str) -> dict:
+    """The JSON result of one `vitflow bench data --json` run on ``path``, ``compare`` timed in
+    the same repeats (its table goes to stderr, shown)."""
     out = vitflow("bench", "data", "--data", path, "--json", "--image-size", str(args.image_size), "--workers",
                   str(args.workers), "--repeats", str(args.repeats), "--batch-size", str(args.batch_size),
-                  *(["--passes", str(args.passes)] if args.passes else []))
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["vitflow_ips"])
+                  *(["--passes", str(args.passes)] if args.passes else []), *(a for p in compare for a in ("--compare", p)))
+    print(out.stderr.strip(), flush=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def serve(folder: Path) -> tuple[subprocess.Popen, str]:
@@ -103,9 +106,8 @@ def main() -> None:
     ap.add_argument("--tar", default=str(SHARED / "imagenet-sample-1000.tar"))
     ap.add_argument("--limit", type=int, help="use only the first N photos (smoke runs)")
     ap.add_argument("--shard-size", type=int, default=100, help="samples a shard (100: ten shards)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved `vitflow bench data` runs per path (3)")
-    ap.add_argument("--repeats", type=int, default=1, help="--repeats of each bench data run (1)")
-    ap.add_argument("--passes", type=int, help="--passes of each bench data run (bench data's default: 3)")
+    ap.add_argument("--repeats", type=int, default=5, help="--repeats of the bench data run (5)")
+    ap.add_argument("--passes", type=int, help="--passes of the bench data run (bench data's default: 3)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--image-size", type=int, default=224, help="> 64 (bench data's photo augmentation; at <= 64 px it pads and crops as for CIFAR)")
@@ -125,21 +127,14 @@ def main() -> None:
             paths = {"tar": str(tmp / "imagenet.tar"), "local": f"{tmp / 'shards'}/{pattern}",
                      "http": f"{base}/{pattern}"}
             print(f"{n} photos; {last + 1} shards of {args.shard_size}; served at {base}", flush=True)
-            ips: dict[str, list[float]] = {k: [] for k in paths}
-            for r in range(args.rounds):
-                for k, p in paths.items():
-                    ips[k].append(bench(p, args))
-                print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in ips.items()) + " img/s", flush=True)
-            med = {k: statistics.median(v) for k, v in ips.items()}
-            for k, label in (("tar", "tar in place"), ("local", "local shards"), ("http", "HTTP shards")):
-                print(f"{label:14s} {med[k]:8.1f} img/s (median of {args.rounds}: "
-                      + ", ".join(f"{x:.0f}" for x in ips[k]) + ")")
-            paired = {k: statistics.median(a / b for a, b in zip(ips[n], ips[d])) for k, (n, d) in
-                      {"local/tar": ("local", "tar"), "http/local": ("http", "local")}.items()}
-            print(f"local shards / tar in place: {med['local'] / med['tar']:.3f} (must-show >= 1; median of the "
-                  f"rounds' own ratios {paired['local/tar']:.3f})")
-            print(f"HTTP / local shards:         {med['http'] / med['local']:.3f} (must-show >= 0.90; median of the "
-                  f"rounds' own ratios {paired['http/local']:.3f})", flush=True)
+            r = bench(paths["local"], args, paths["tar"], paths["http"])  # one run: the three in the same repeats
+            tar, http = r["compare"][paths["tar"]], r["compare"][paths["http"]]
+            print(f"tar in place   {tar['ips']:8.1f} img/s\nlocal shards   {r['vitflow_ips']:8.1f} img/s\n"
+                  f"HTTP shards    {http['ips']:8.1f} img/s  (medians of {args.repeats} repeats)")
+            print(f"local shards / tar in place: {1 / tar['ratio']:.3f} (must-show >= 1; from the median of the "
+                  f"repeats' own ratios; of the medians {r['vitflow_ips'] / tar['ips']:.3f})")
+            print(f"HTTP / local shards:         {http['ratio']:.3f} (must-show >= 0.90; median of the repeats' own "
+                  f"ratios; of the medians {http['ips'] / r['vitflow_ips']:.3f})", flush=True)
             if args.steps:
                 s, tr_ips = stall(paths["http"], args, tmp / "run")
                 print(f"training vit_tiny_patch16_224 from HTTP shards, {args.steps} steps: data stall {s:.1%} "

@@ -5,6 +5,7 @@ import io
 import json
 import logging
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -411,6 +412,27 @@ def test_bench_data_leaves_out_a_truncated_shards_cut_sample_with_one_warning(tm
     # the cut one and the 5 the index promised after it
     assert len(left_out) == 1 and left_out[0].startswith(f"6 unreadable image(s) left out of the benchmark (first: "
                                                          f"{shard}:")
+
+
+def test_bench_data_compares_other_copies_of_the_data_in_the_same_repeats(tmp_path, capsys):
+    """--compare: the same images as a tar and as WebDataset shards, timed by vitflow's loader in each
+    repeat beside --data's, reported with the median of the per-repeat ratios."""
+    src = make_folder(tmp_path / "d", per_class=8, size=32)  # 24 images, 3 classes
+    tar_folder(src, tmp_path / "d.tar")
+    assert main(["prepare", str(src), str(tmp_path / "wds"), "--format", "wds", "--shard-size", "8"]) == 0
+    shards = f"{tmp_path}/wds/train-{{000000..000002}}.tar"
+    assert main(["bench", "data", "--data", str(tmp_path / "d.tar"), "--compare", shards, "--compare", str(src),
+                 "--image-size", "32", "--repeats", "2", "--passes", "1", "--workers", "0", "--batch-size", "8",
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    r = json.loads(captured.out.strip().splitlines()[-1])
+    assert set(r["compare"]) == {shards, str(src)}
+    for path, c in r["compare"].items():
+        ratios = re.search(rf"^{re.escape(path)}: \d+ img/s, ([\d.]+)x {re.escape(str(tmp_path / 'd.tar'))} \(median "
+                           rf"of the repeats' own ratios: ([\d.]+), ([\d.]+)\)$", captured.err, re.M)
+        assert ratios, captured.err
+        assert float(ratios[1]) == pytest.approx(c["ratio"], abs=1e-3) == (float(ratios[2]) + float(ratios[3])) / 2
+        assert c["ips"] > 0
 
 
 def test_random_resized_crop_matches_torchvision():

@@ -242,7 +242,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from vitflow.data.bench import run
 
         result = run(args.data, args.image_size, args.workers, args.repeats, args.passes, args.batch_size,
-                     args.max_side)
+                     args.max_side, compare=args.compare)
         if args.json:
             _print_json(args, result)
         return 0

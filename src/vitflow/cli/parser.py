@@ -251,6 +251,9 @@ def _bench_commands(sub):
     b.add_argument("--passes", type=int, help="epochs per repeat (default 3, or 1 for > 20k images)")
     b.add_argument("--batch-size", type=int, help="default 64, or 256 at <= 64 px")
     b.add_argument("--max-side", type=int, help="packed JPEG longer side (default 256)")
+    b.add_argument("--compare", action="append", default=[], metavar="PATH",
+                   help="another copy of the data (a tar, shards local or remote...) whose vitflow loader runs in the "
+                        "same repeats, reported as a ratio to --data's (repeatable)")
     b.add_argument("--json", action="store_true", help="end with one JSON line of images/s")
     b = bench.add_parser("infer", help="inference latency / throughput of every deployment path vs timm")
     b.add_argument("checkpoint", help="checkpoint file or run directory")

@@ -17,14 +17,19 @@ Paths measured (images/s over full passes, same image size, augmentation and wor
   images share one size, else JPEG at ``max_side``);
 - ``folder`` (for a label file or a Hugging Face dataset only): vitflow's loader on the same images
   as a folder (the baseline's copy), so the table-backed source is compared with a folder in the
-  same run.
+  same run;
+- ``compare`` (``--compare PATH``, repeatable): vitflow's loader on other copies of the data (a
+  tar read in place against its WebDataset shards, local shards against the same shards over
+  HTTP), in the same repeats as ``vitflow``, each with the median of its per-repeat ratio to it.
 
-Paths are interleaved across repeats; the medians are reported with their ratio to the baseline.
+Paths are interleaved across repeats (``vitflow`` and the compared paths in alternating order);
+the medians are reported with their ratio to the baseline.
 Images that cannot be read or decoded are left out of every path, with one warning (:func:`readable`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import multiprocessing as mp
@@ -33,6 +38,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -161,15 +167,41 @@ def _open(path: str) -> ImageSource:
         return open_images(path)  # a flat folder of images (e.g. the ImageNet sample)
 
 
+def _loader_source(path: str) -> ImageSource:
+    """``path`` as vitflow's training loader reads it: WebDataset shards streamed, other sources
+    by random access without their unreadable images (:func:`readable`)."""
+    return open_shard_stream(path, "train") if source_kind(path) == "wds" else readable(_open(path))
+
+
+def _compare_lines(path: str, results: dict[str, list[float]], compare: dict[str, ImageSource], emit) -> dict:
+    """Each compared path's median images/s and median per-repeat ratio to ``path``'s loader,
+    emitted one line each; returns ``{path: {"ips", "ratio"}}``."""
+    out = {}
+    for p in compare:
+        ratios = [a / b for a, b in zip(results[p], results["vitflow"])]
+        out[p] = {"ips": statistics.median(results[p]), "ratio": statistics.median(ratios)}
+        emit(f"{p}: {out[p]['ips']:.0f} img/s, {out[p]['ratio']:.3f}x {path} (median of the repeats' own ratios: "
+             + ", ".join(f"{r:.3f}" for r in ratios) + ")")
+    return out
+
+
 def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, passes: int | None = None,
-        batch_size: int | None = None, max_side: int | None = None, emit=print) -> dict[str, float]:
+        batch_size: int | None = None, max_side: int | None = None, emit=print,
+        compare: Sequence[str] = ()) -> dict:
     """Measure the paths of the module docstring; returns the medians ``{"decode_limit_ips",
     "baseline_ips", "vitflow_ips", "packed_ips"}`` (and ``"folder_ips"`` for a label file or a
-    Hugging Face dataset) and prints a table with ratios to the baseline."""
+    Hugging Face dataset; ``"compare": {path: {"ips", "ratio"}}`` for ``compare``'s paths) and
+    prints a table with ratios to the baseline.
+
+    Raises:
+        DataError: a path that cannot be read (the message names it).
+        ValueError: fewer images than one batch.
+    """
     configure_allocator()
     source = readable(_open(path))
     table = source_kind(path) in TABLE_KINDS
     streamed = open_shard_stream(path, "train") if source_kind(path) == "wds" else None  # shards: as training reads
+    compared = {p: _loader_source(p) for p in compare}
     small = image_size <= 64
     batch_size = batch_size or (256 if small else 64)
     if len(source) < batch_size:
@@ -194,13 +226,23 @@ def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, pa
         decn = decode_limit(source, os.cpu_count() or 1)
         for r in range(repeats):
             results["baseline"].append(baseline_ips(folder, image_size, batch_size, workers, passes, mean, std))
-            results["vitflow"].append(vitflow_ips(streamed or source, cfg, image_size, batch_size, passes))
+            loaders = [("vitflow", path, streamed or source), *((p, p, src) for p, src in compared.items())]
+            for k, p, src in loaders if r % 2 == 0 else loaders[::-1]:  # alternating: no path always runs first
+                results.setdefault(k, []).append(vitflow_ips(src, dataclasses.replace(cfg, path=p), image_size,
+                                                             batch_size, passes))
             results["packed"].append(vitflow_ips(packed, cfg, image_size, batch_size, passes))
             if table:
                 results["folder"].append(vitflow_ips(open_folder_split(folder, "folder", "train"), cfg, image_size,
                                                      batch_size, passes))
             emit(f"  repeat {r + 1}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in results.items()) + " img/s")
-    med = {k: statistics.median(v) for k, v in results.items()}
+    out = _report(path, results, compared, table, dec1, decn, emit)
+    return {**out, "compare": _compare_lines(path, results, compared, emit)} if compared else out
+
+
+def _report(path: str, results: dict[str, list[float]], compared: dict, table: bool, dec1: float, decn: float,
+            emit) -> dict[str, float]:
+    """The table of :func:`run` (medians, ratios to the baseline) and its returned medians."""
+    med = {k: statistics.median(v) for k, v in results.items() if k not in compared}
     base = med["baseline"]
     emit(f"decode limit     {dec1:9.0f} img/s (1 process)  {decn:9.0f} img/s ({os.cpu_count()} processes)")
     labels = (("baseline", "torchvision"), ("vitflow", "vitflow"), ("packed", "vitflow packed"),

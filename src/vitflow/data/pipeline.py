@@ -79,6 +79,9 @@ def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
     streamed = source_kind(cfg.path, cfg.source) == "wds"  # shards train by streaming (data/wdsstream.py)
     train = open_shard_stream(str(cfg.path), cfg.train_split, cfg.classes) if streamed else open_split(
         cfg.path, cfg.train_split, cfg.source, cfg=cfg)
+    if streamed:
+        log.info("%s: %d shard(s), %d samples, %d classes", cfg.train_split, len(train.shards.urls), len(train),
+                 len(train.classes))
     held_out = {}
     for key, split in (("val_split", val_split), ("test_split", test_split)):
         if split is not None:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import logging
 import os
 import queue
 import threading
@@ -64,7 +63,6 @@ from vitflow.data.wdsspool import Spool
 from vitflow.data.wdslayout import is_shard_pattern, split_urls
 from vitflow.runtime import mix_seed
 
-log = logging.getLogger(__name__)
 PARSED_MAX_SAMPLES = 2_000_000  # local shards' parsed samples a stream keeps (~200 bytes each)
 Item = tuple  # (name, encoded bytes or None, label, error or None)
 
@@ -104,9 +102,7 @@ def open_shard_stream(path: str, split: str, classes_file: str | None = None) ->
             raise DataError(f"data.train_split={split!r}: training shards are streamed and cannot be sliced; write "
                             "the held-out part as shards of its own (a val split)")
         split = sp.name
-    shards = shard_set(split_urls(path, split, "data.train_split"), classes_file)
-    log.info("%s: %d shard(s), %d samples, %d classes", split, len(shards.urls), shards.total, len(shards.classes))
-    return ShardStream(shards)
+    return ShardStream(shard_set(split_urls(path, split, "data.train_split"), classes_file))
 
 
 @dataclass
