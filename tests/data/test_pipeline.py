@@ -433,6 +433,11 @@ def test_bench_data_compares_other_copies_of_the_data_in_the_same_repeats(tmp_pa
         assert ratios, captured.err
         assert float(ratios[1]) == pytest.approx(c["ratio"], abs=1e-3) == (float(ratios[2]) + float(ratios[3])) / 2
         assert c["ips"] > 0
+    small = make_folder(tmp_path / "small", ["x"], per_class=3, size=32)  # refused before anything is timed
+    assert main(["bench", "data", "--data", str(src), "--compare", str(small), "--image-size", "32", "--batch-size",
+                 "8"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (f"error: --compare {small} has 3 images, fewer than "
+                                                                "one batch of 8: give --batch-size 1 or less")
 
 
 def test_random_resized_crop_matches_torchvision():

@@ -164,14 +164,16 @@ def test_the_environment_sets_the_mode_and_a_bad_value_is_named(tmp_path):
 
     from helpers import ENV
 
-    probe = "from vitflow.models import onednn; print(onednn.fp32_gemm())"
-    for mode in ("torch", "onednn"):
-        out = subprocess.run([sys.executable, "-c", probe], env={**ENV, onednn.ENV_VAR: mode}, capture_output=True,
+    probe = ("import logging; logging.basicConfig(level=logging.DEBUG, format='%(message)s'); "
+             "from vitflow.models import onednn; print(onednn.fp32_gemm())")
+    for value, mode in (("torch", "torch"), ("ONEDNN", "onednn")):
+        out = subprocess.run([sys.executable, "-c", probe], env={**ENV, onednn.ENV_VAR: value}, capture_output=True,
                              text=True, check=True)
-        assert out.stdout.strip() == mode
-    out = subprocess.run([sys.executable, "-m", "vitflow", "train", "train.total_steps=1", f"train.run_dir={tmp_path}"],
+        assert out.stdout.strip() == mode and f"fp32 linear layers: {mode} GEMM (VITFLOW_FP32_GEMM)" in out.stderr
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "vitflow", "train", "train.total_steps=1", f"train.run_dir={run}"],
                          env={**ENV, onednn.ENV_VAR: "mkl"}, capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0
+    assert out.returncode == 2 and not run.exists()  # refused before the run folder is made
     assert out.stderr.strip().splitlines()[-1] == "error: VITFLOW_FP32_GEMM must be one of auto, onednn, torch, got 'mkl'"
 
 

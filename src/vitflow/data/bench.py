@@ -160,17 +160,31 @@ def vitflow_ips(source: ImageSource, cfg: DataConfig, image_size: int, batch_siz
     return n / elapsed
 
 
-def _open(path: str) -> ImageSource:
+def _open(path: str, label: str = "--data") -> ImageSource:
     try:
-        return open_split(path, "train")
+        return open_split(path, "train", label=label)
     except DataError:
         return open_images(path)  # a flat folder of images (e.g. the ImageNet sample)
 
 
-def _loader_source(path: str) -> ImageSource:
-    """``path`` as vitflow's training loader reads it: WebDataset shards streamed, other sources
-    by random access without their unreadable images (:func:`readable`)."""
-    return open_shard_stream(path, "train") if source_kind(path) == "wds" else readable(_open(path))
+def _compared(path: str, images: int, batch_size: int) -> ImageSource:
+    """``--compare path`` as vitflow's training loader reads it (WebDataset shards streamed, other
+    sources by random access without their unreadable images); a warning when it does not hold
+    ``images`` images (then not a copy of ``--data``).
+
+    Raises:
+        DataError: ``path`` cannot be read (the message names it).
+        ValueError: fewer images than one batch.
+    """
+    wds = source_kind(path, label="--compare") == "wds"
+    src = open_shard_stream(path, "train") if wds else readable(_open(path, "--compare"))
+    if len(src) < batch_size:
+        raise ValueError(f"--compare {path} has {len(src)} images, fewer than one batch of {batch_size}: give "
+                         f"--batch-size {max(1, len(src) // 2)} or less")
+    if len(src) != images:
+        log.warning("--compare %s holds %d images, --data %d: not a copy of the same data; its ratio compares "
+                    "different images", path, len(src), images)
+    return src
 
 
 def _compare_lines(path: str, results: dict[str, list[float]], compare: dict[str, ImageSource], emit) -> dict:
@@ -201,12 +215,12 @@ def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, pa
     source = readable(_open(path))
     table = source_kind(path) in TABLE_KINDS
     streamed = open_shard_stream(path, "train") if source_kind(path) == "wds" else None  # shards: as training reads
-    compared = {p: _loader_source(p) for p in compare}
     small = image_size <= 64
     batch_size = batch_size or (256 if small else 64)
     if len(source) < batch_size:
         raise ValueError(f"{path} has {len(source)} images, fewer than one batch of {batch_size}: give --batch-size "
                          f"{max(1, len(source) // 2)} or less")
+    compared = {p: _compared(p, len(streamed or source), batch_size) for p in compare}
     passes = passes or (1 if len(source) > 20_000 else 3)
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
     cfg = DataConfig(path=path, num_workers=workers, max_in_memory=0, train_augment="auto",

@@ -77,17 +77,31 @@ def fp32_gemm() -> str:
     PyTorch lacks oneDNN). The mode is :func:`set_fp32_gemm`'s, else :data:`ENV_VAR`'s, else ``auto``:
     timed on the first call: (1024 x 768) @ (768 x 3072), forward plus input gradient, on constant
     data, one warm-up and :data:`TIMED_CALLS` calls each, fastest call; oneDNN is kept only when more
-    than :data:`TIE` faster, and the choice is logged at debug level (``vitflow -v``).
+    than :data:`TIE` faster; the choice (or :data:`ENV_VAR`'s) is logged at debug level (``vitflow -v``).
+
+    Raises:
+        ValueError: :data:`ENV_VAR` holds another value (see :func:`fp32_mode`).
+    """
+    if not _STATE["choice"]:
+        chosen = fp32_mode()
+        if AVAILABLE and chosen != "auto" and not _STATE["mode"]:
+            log.debug("fp32 linear layers: %s GEMM (%s)", chosen, ENV_VAR)
+        _STATE["choice"] = "torch" if not AVAILABLE else _time_gemms() if chosen == "auto" else chosen
+    return _STATE["choice"]
+
+
+def fp32_mode() -> str:
+    """This process's fp32 GEMM mode: :func:`set_fp32_gemm`'s, else :data:`ENV_VAR`'s (case
+    insensitive; unset or empty: ``auto``). Training calls it at start, so that a bad value fails
+    before anything is written.
 
     Raises:
         ValueError: :data:`ENV_VAR` holds another value (the message names it).
     """
-    if not _STATE["choice"]:
-        mode = _STATE["mode"] or os.environ.get(ENV_VAR) or "auto"
-        if mode not in FP32_GEMMS:
-            raise ValueError(f"{ENV_VAR} must be one of {', '.join(FP32_GEMMS)}, got {mode!r}")
-        _STATE["choice"] = "torch" if not AVAILABLE else _time_gemms() if mode == "auto" else mode
-    return _STATE["choice"]
+    value = _STATE["mode"] or os.environ.get(ENV_VAR, "").strip().lower() or "auto"
+    if value not in FP32_GEMMS:
+        raise ValueError(f"{ENV_VAR} must be one of {', '.join(FP32_GEMMS)}, got {os.environ[ENV_VAR]!r}")
+    return value
 
 
 def decided() -> str | None:

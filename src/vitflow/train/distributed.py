@@ -223,6 +223,8 @@ def run_precision(name: str, device: torch.device, dist: DistEnv) -> Precision:
     """``train.precision`` resolved for ``device``. The timed numeric choices on a CPU (``auto``
     precision, the fp32 GEMM of :mod:`vitflow.models.onednn`) are rank 0's on every rank, so that all
     ranks train alike."""
+    if device.type == "cpu":
+        onednn.fp32_mode()  # a bad VITFLOW_FP32_GEMM fails here, before the run folder is made
     if dist.enabled and device.type == "cpu":
         onednn.set_fp32_gemm(dist.broadcast(onednn.fp32_gemm() if dist.is_main else None))
     if name == "auto":
