@@ -190,3 +190,28 @@ def test_every_rank_takes_rank_0s_fp32_gemm():
     with onednn.forced("onednn"):
         run_precision("fp32", torch.device("cpu"), Rank1(rank=1, world_size=2))
         assert onednn.decided() == "torch"
+
+
+def test_evaluating_a_checkpoint_takes_its_runs_gemm_unless_the_process_chose_one(digits_run, tmp_path, monkeypatch):
+    """`vitflow eval` rounds as the run's own evaluation did: the checkpoint's fp32_gemm inside
+    (the process's auto choice back after it); VITFLOW_FP32_GEMM or set_fp32_gemm win."""
+    from vitflow.checkpoint import load_checkpoint, save_checkpoint
+    from vitflow.infer.evaluate import evaluate_checkpoint
+
+    run, r, _ = digits_run
+    state = load_checkpoint(run)
+    paths = {}
+    for gemm in ("onednn", "torch"):
+        paths[gemm] = save_checkpoint({**state, "fp32_gemm": gemm}, tmp_path / f"{gemm}.pt")
+    monkeypatch.delenv(onednn.ENV_VAR, raising=False)
+    monkeypatch.setattr(onednn, "_STATE", {"mode": None, "choice": "torch"})  # a process whose auto chose torch
+    for gemm, expected in (("onednn", True), ("torch", False)):
+        with RecordedOps() as rec:
+            result = evaluate_checkpoint(paths[gemm])
+        assert ("_linear_pointwise" in rec.ops) is expected, gemm
+        assert result["test_top1"] == pytest.approx(r["test_top1"], abs=1 / 359)
+        assert onednn._STATE == {"mode": None, "choice": "torch"}  # the process's own choice again
+    monkeypatch.setenv(onednn.ENV_VAR, "torch")  # the user's choice wins over the run's
+    with RecordedOps() as rec:
+        evaluate_checkpoint(paths["onednn"])
+    assert "_linear_pointwise" not in rec.ops

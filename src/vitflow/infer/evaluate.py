@@ -17,6 +17,7 @@ from vitflow.data.transforms import Preprocess
 from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
 from vitflow.infer.tta import parse_tta, with_tta
 from vitflow.metrics_cls import PER_CLASS_KEYS
+from vitflow.models import onednn
 from vitflow.runtime import resolve_device, resolve_precision
 
 log = logging.getLogger(__name__)
@@ -70,13 +71,14 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
     model = model_from_checkpoint(state, weights).to(dev)
     _apply_kernel_overrides(model, state["config"].get("model", {}), cfg.model)
     model, t0 = with_tta(model, spec, state.get("task", "multiclass")), time.perf_counter()
-    if state.get("task", "multiclass") == "multilabel":
-        if state.get("threshold") is None:
-            log.warning("%s has no saved threshold: choosing one on the %s split itself (optimistic F1)",
-                        state["path"], role)
-        result = evaluate_multilabel(model, loader, dev, precision, pp, threshold=state.get("threshold"))
-    else:
-        result = evaluate(model, loader, dev, precision, pp)
+    with onednn.run_gemm(state.get("fp32_gemm")):  # the run's fp32 GEMM: its own evaluation, bit for bit
+        if state.get("task", "multiclass") == "multilabel":
+            if state.get("threshold") is None:
+                log.warning("%s has no saved threshold: choosing one on the %s split itself (optimistic F1)",
+                            state["path"], role)
+            result = evaluate_multilabel(model, loader, dev, precision, pp, threshold=state.get("threshold"))
+        else:
+            result = evaluate(model, loader, dev, precision, pp)
     ips = result["images"] / max(time.perf_counter() - t0, 1e-9)
     used = "ema" if state.get("ema") and weights != "raw" else "raw"
     per_class = {k: result[k] for k in PER_CLASS_KEYS if k in result and k != "per_class_top1"}

@@ -72,6 +72,19 @@ def forced(mode: str) -> Iterator[None]:
         _STATE.update(saved)
 
 
+@contextlib.contextmanager
+def run_gemm(saved: str | None) -> Iterator[None]:
+    """Inside the block, a checkpoint's fp32 GEMM ``saved`` (its ``fp32_gemm``: ``onednn`` or
+    ``torch``), so that evaluating a run's weights rounds as the run's own evaluation did — unless
+    this process's mode was set (:func:`set_fp32_gemm` or :data:`ENV_VAR`, which win) or ``saved``
+    is ``None`` (a checkpoint from before the choice was saved)."""
+    if saved in ("onednn", "torch") and not (_STATE["mode"] or os.environ.get(ENV_VAR, "").strip()):
+        with forced(saved):
+            yield
+    else:
+        yield
+
+
 def fp32_gemm() -> str:
     """``onednn`` or ``torch``: the GEMM of large fp32 linear layers on this CPU (``torch`` where
     PyTorch lacks oneDNN). The mode is :func:`set_fp32_gemm`'s, else :data:`ENV_VAR`'s, else ``auto``:
