@@ -188,12 +188,13 @@ def _compared(path: str, images: int, batch_size: int) -> ImageSource:
 
 
 def _compare_lines(path: str, results: dict[str, list[float]], compare: dict[str, ImageSource], emit) -> dict:
-    """Each compared path's median images/s and median per-repeat ratio to ``path``'s loader,
-    emitted one line each; returns ``{path: {"ips", "ratio"}}``."""
+    """Each compared path's median images/s (``results["--compare PATH"]``) and median per-repeat
+    ratio to ``path``'s loader, emitted one line each; returns ``{path: {"ips", "ratio"}}``."""
     out = {}
     for p in compare:
-        ratios = [a / b for a, b in zip(results[p], results["vitflow"])]
-        out[p] = {"ips": statistics.median(results[p]), "ratio": statistics.median(ratios)}
+        ips = results[f"--compare {p}"]
+        ratios = [a / b for a, b in zip(ips, results["vitflow"])]
+        out[p] = {"ips": statistics.median(ips), "ratio": statistics.median(ratios)}
         emit(f"{p}: {out[p]['ips']:.0f} img/s, {out[p]['ratio']:.3f}x {path} (median of the repeats' own ratios: "
              + ", ".join(f"{r:.3f}" for r in ratios) + ")")
     return out
@@ -240,7 +241,8 @@ def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, pa
         decn = decode_limit(source, os.cpu_count() or 1)
         for r in range(repeats):
             results["baseline"].append(baseline_ips(folder, image_size, batch_size, workers, passes, mean, std))
-            loaders = [("vitflow", path, streamed or source), *((p, p, src) for p, src in compared.items())]
+            loaders = [("vitflow", path, streamed or source),
+                       *((f"--compare {p}", p, src) for p, src in compared.items())]  # keys apart from the paths
             for k, p, src in loaders if r % 2 == 0 else loaders[::-1]:  # alternating: no path always runs first
                 results.setdefault(k, []).append(vitflow_ips(src, dataclasses.replace(cfg, path=p), image_size,
                                                              batch_size, passes))
@@ -249,14 +251,14 @@ def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, pa
                 results["folder"].append(vitflow_ips(open_folder_split(folder, "folder", "train"), cfg, image_size,
                                                      batch_size, passes))
             emit(f"  repeat {r + 1}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in results.items()) + " img/s")
-    out = _report(path, results, compared, table, dec1, decn, emit)
+    out = _report(path, results, table, dec1, decn, emit)
     return {**out, "compare": _compare_lines(path, results, compared, emit)} if compared else out
 
 
-def _report(path: str, results: dict[str, list[float]], compared: dict, table: bool, dec1: float, decn: float,
+def _report(path: str, results: dict[str, list[float]], table: bool, dec1: float, decn: float,
             emit) -> dict[str, float]:
     """The table of :func:`run` (medians, ratios to the baseline) and its returned medians."""
-    med = {k: statistics.median(v) for k, v in results.items() if k not in compared}
+    med = {k: statistics.median(v) for k, v in results.items() if not k.startswith("--compare ")}
     base = med["baseline"]
     emit(f"decode limit     {dec1:9.0f} img/s (1 process)  {decn:9.0f} img/s ({os.cpu_count()} processes)")
     labels = (("baseline", "torchvision"), ("vitflow", "vitflow"), ("packed", "vitflow packed"),

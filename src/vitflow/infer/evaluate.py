@@ -71,7 +71,7 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
     model = model_from_checkpoint(state, weights).to(dev)
     _apply_kernel_overrides(model, state["config"].get("model", {}), cfg.model)
     model, t0 = with_tta(model, spec, state.get("task", "multiclass")), time.perf_counter()
-    with onednn.run_gemm(state.get("fp32_gemm")):  # the run's fp32 GEMM: its own evaluation, bit for bit
+    with onednn.run_gemm(state.get("fp32_gemm")):  # the run's fp32 GEMM: rounds as its own evaluation did
         if state.get("task", "multiclass") == "multilabel":
             if state.get("threshold") is None:
                 log.warning("%s has no saved threshold: choosing one on the %s split itself (optimistic F1)",

@@ -225,8 +225,8 @@ def run_precision(name: str, device: torch.device, dist: DistEnv) -> Precision:
     ranks train alike."""
     if device.type == "cpu":
         onednn.fp32_mode()  # a bad VITFLOW_FP32_GEMM fails here, before the run folder is made
-    if dist.enabled and device.type == "cpu":
-        onednn.set_fp32_gemm(dist.broadcast(onednn.fp32_gemm() if dist.is_main else None))
+        if dist.enabled:
+            onednn.set_fp32_gemm(dist.broadcast(onednn.fp32_gemm() if dist.is_main else None))
     if name == "auto":
         name = dist.broadcast(resolve_precision("auto", device).name if dist.is_main else None)
     return resolve_precision(name, device)
