@@ -167,6 +167,14 @@ def _open(path: str, label: str = "--data") -> ImageSource:
         return open_images(path)  # a flat folder of images (e.g. the ImageNet sample)
 
 
+def _fills_a_batch(name: str, images: int, batch_size: int) -> None:
+    """Raises ValueError, naming ``name`` and the ``--batch-size`` to give, when ``images`` cannot
+    fill one batch of ``batch_size``."""
+    if images < batch_size:
+        raise ValueError(f"{name} has {images} images, fewer than one batch of {batch_size}: give --batch-size "
+                         f"{max(1, images // 2)} or less")
+
+
 def _compared(path: str, images: int, batch_size: int) -> ImageSource:
     """``--compare path`` as vitflow's training loader reads it (WebDataset shards streamed, other
     sources by random access without their unreadable images); a warning when it does not hold
@@ -178,9 +186,7 @@ def _compared(path: str, images: int, batch_size: int) -> ImageSource:
     """
     wds = source_kind(path, label="--compare") == "wds"
     src = open_shard_stream(path, "train") if wds else readable(_open(path, "--compare"))
-    if len(src) < batch_size:
-        raise ValueError(f"--compare {path} has {len(src)} images, fewer than one batch of {batch_size}: give "
-                         f"--batch-size {max(1, len(src) // 2)} or less")
+    _fills_a_batch(f"--compare {path}", len(src), batch_size)
     if len(src) != images:
         log.warning("--compare %s holds %d images, --data %d: not a copy of the same data; its ratio compares "
                     "different images", path, len(src), images)
@@ -218,9 +224,7 @@ def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, pa
     streamed = open_shard_stream(path, "train") if source_kind(path) == "wds" else None  # shards: as training reads
     small = image_size <= 64
     batch_size = batch_size or (256 if small else 64)
-    if len(source) < batch_size:
-        raise ValueError(f"{path} has {len(source)} images, fewer than one batch of {batch_size}: give --batch-size "
-                         f"{max(1, len(source) // 2)} or less")
+    _fills_a_batch(path, len(source), batch_size)
     compared = {p: _compared(p, len(streamed or source), batch_size) for p in compare}
     passes = passes or (1 if len(source) > 20_000 else 3)
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)

@@ -78,7 +78,7 @@ def run_gemm(saved: str | None) -> Iterator[None]:
     ``torch``), so that evaluating a run's weights rounds as the run's own evaluation did — unless
     this process's mode was set (:func:`set_fp32_gemm` or :data:`ENV_VAR`, which win) or ``saved``
     is ``None`` (a checkpoint from before the choice was saved)."""
-    if saved in ("onednn", "torch") and not (_STATE["mode"] or os.environ.get(ENV_VAR, "").strip()):
+    if saved in ("onednn", "torch") and not _requested():
         with forced(saved):
             yield
     else:
@@ -111,10 +111,16 @@ def fp32_mode() -> str:
     Raises:
         ValueError: :data:`ENV_VAR` holds another value (the message names it).
     """
-    value = _STATE["mode"] or os.environ.get(ENV_VAR, "").strip().lower() or "auto"
+    value = _requested() or "auto"
     if value not in FP32_GEMMS:
         raise ValueError(f"{ENV_VAR} must be one of {', '.join(FP32_GEMMS)}, got {os.environ[ENV_VAR]!r}")
     return value
+
+
+def _requested() -> str:
+    """The mode this process asked for: :func:`set_fp32_gemm`'s, else :data:`ENV_VAR`'s (lower
+    case), ``""`` when neither (not validated)."""
+    return _STATE["mode"] or os.environ.get(ENV_VAR, "").strip().lower()
 
 
 def decided() -> str | None:
