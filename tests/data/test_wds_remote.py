@@ -21,6 +21,7 @@ from vitflow import checkpoint as ckpt
 from vitflow.cli import main
 from vitflow.data import open_split
 from vitflow.data.transforms import Preprocess, eval_transform, transform_encoded
+from vitflow.data.wdsspool import PREFIX, spool_root
 from vitflow.data.wdsstream import open_shard_stream, shard_loader
 
 CLASSES = ("a", "b", "c", "d")
@@ -325,16 +326,33 @@ def test_a_freed_spool_file_is_written_over_by_the_next_download(shards, http_se
     assert not folder.exists()
 
 
+class _SlowTransform:
+    """A transform that takes 20 ms an image: a worker still decodes the last batches when the
+    main process finds the sampler exhausted."""
+
+    def __init__(self, transform):
+        self.transform = transform
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return self.transform(image)
+
+
 def test_a_stream_of_k_epochs_ends_there_and_downloads_no_shard_of_the_next(shards, http_server):
     """``epochs=1``: the loader gives one epoch of batches, then ends; the shuffle buffer does
-    not fill from the next epoch's shards (each shard downloaded once)."""
+    not fill from the next epoch's shards (each shard downloaded once); the last batches, still
+    decoding when the sampler ends, read their spooled images; ``close`` removes the spool."""
     _, out = shards
     base = http_server(out.parent)
     src = open_shard_stream(f"{base}/shards/{TRAIN}", "train")
-    transform = eval_transform(Preprocess(8, 1.0, "bilinear", (0, 0, 0), (1, 1, 1)))
+    transform = _SlowTransform(eval_transform(Preprocess(8, 1.0, "bilinear", (0, 0, 0), (1, 1, 1))))
     requests = base.server.requests
+    spools = set(spool_root().glob(f"{PREFIX}{os.getpid()}-*"))
     loader, per_epoch = shard_loader(src, transform, 4, 0, 16, (0, 0), 0, 1, 1, 2, epochs=1)
     batches = list(itertools.islice(loader, 12))
     assert len(batches) == per_epoch == 10
+    assert [b["bad"] for b in batches] == [[]] * 10
     assert sum(len(b["labels"]) for b in batches) == 40
     assert base.server.requests - requests == 2 * 6  # a HEAD (its size) and a GET a shard, once each
+    loader.sampler.close()
+    assert set(spool_root().glob(f"{PREFIX}{os.getpid()}-*")) == spools

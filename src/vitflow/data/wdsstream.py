@@ -300,13 +300,16 @@ class ShardBatches:
 
     def __iter__(self) -> Iterator[ShardBatch]:
         """The batches, read ahead by a background thread; a batch's spooled files are released
-        ``lag`` batches after it is handed over (the spool is removed when iteration ends)."""
+        ``lag`` batches after it is handed over. The spool is removed when the consumer stops
+        iterating early, or by :meth:`close` after the last batch (the DataLoader may still be
+        decoding the last ``lag - 1`` batches when it finds the sampler exhausted)."""
         q: queue.Queue = queue.Queue(maxsize=self.ahead)
         stop, spool = threading.Event(), Spool(self.lag)
         self._active.append((stop, spool))
         thread = threading.Thread(target=self._produce, args=(q, stop, spool), daemon=True, name="vitflow-shards")
         thread.start()
         handed: collections.deque = collections.deque()
+        ended = False
         try:
             while (item := q.get()) is not None:
                 if isinstance(item, BaseException):
@@ -315,10 +318,12 @@ class ShardBatches:
                 handed.append([d[0] for _, d, _, _ in item.items if isinstance(d, tuple)])
                 if len(handed) > self.lag:
                     spool.release(handed.popleft())
+            ended = True
         finally:
             stop.set()
-            spool.close()
-            self._active.remove((stop, spool))
+            if not ended:
+                spool.close()
+                self._active.remove((stop, spool))
 
     def close(self) -> None:
         """Stop the reader threads of the iterations still running and remove their spools (an
