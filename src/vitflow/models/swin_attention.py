@@ -10,7 +10,7 @@ the bias alone, shared by every window). Backends (``model.attention``):
 - ``sdpa``: ``F.scaled_dot_product_attention`` with the bias as a float ``attn_mask``; windows
   are folded into the head axis (``(B, nW*H, N, d)``) so that the ``(nW*H, N, N)`` bias
   broadcasts over the batch without being copied per image;
-- ``math``: explicit ``softmax(Q K^T * scale + bias) V``;
+- ``math``: explicit ``softmax(Q K^T * scale + bias) V`` (:class:`WindowMathKernel`);
 - ``auto``: times both on the real shape, dtype and device
   (:class:`~vitflow.models.attention.AutoKernel`) and keeps the faster.
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vitflow.models.attention import AttentionContext, AttentionKernel, AutoKernel, split_heads
+from vitflow.models.attention import AttentionContext, AttentionKernel, AutoKernel, packed_math_attention, split_heads
 
 WINDOW_BACKENDS = ("sdpa", "math", "auto")
 MASK_VALUE = -100.0  # the shifted-window mask's logit offset (the reference implementation's and timm's)
@@ -83,9 +83,17 @@ def window_probs(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, scale: fl
 
 
 class WindowMathKernel(AttentionKernel):
-    """Explicit window attention (autograd through every op)."""
+    """Explicit window attention. Swin V1 without attention dropout runs
+    :func:`~vitflow.models.attention.packed_math_attention` (one copy lays out q, k, v; the bias
+    shared by the images' windows; softmax in the logits' dtype, bf16 under autocast, as the
+    plain ViT's ``math``; a hand-written backward); Swin V2 (cosine attention) and attention
+    dropout run the ops below with autograd through each."""
 
     def forward(self, qkv, num_heads, ctx):
+        if getattr(ctx, "logit_scale", None) is None and ctx.dropout_p == 0.0:
+            bw, n, _ = qkv.shape
+            nw = ctx.bias.shape[0]
+            return packed_math_attention(qkv, num_heads, ctx.bias.reshape(nw * num_heads, n, n), bw // nw)
         q, k, v, scale = prepare_qkv(qkv, num_heads, ctx)
         bw, h, n, d = q.shape
         p = window_probs(q, k, ctx.bias, scale)

@@ -159,12 +159,14 @@ def _scaled_bmm(a: torch.Tensor, b: torch.Tensor, alpha: float, out: torch.Tenso
     return torch.baddbmm(empty, a, b, beta=0.0, alpha=alpha, out=out)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, attn_bias: torch.Tensor | None, b: int) -> torch.Tensor:
-    """``Q K^T / sqrt(d) (+ attn_bias)`` as ``(B*H, N, M)``."""
+def _scores(q: torch.Tensor, k: torch.Tensor, attn_bias: torch.Tensor | None, groups: int) -> torch.Tensor:
+    """``Q K^T / sqrt(d) (+ attn_bias)`` as ``(B*H, N, M)``; the bias, broadcastable to
+    ``(groups, B*H / groups, N, M)``, is rounded to the scores' dtype first (bf16 autocast: a
+    mixed-dtype add runs ~4x slower on the CPU)."""
     s = _scaled_bmm(q, k.transpose(1, 2), q.shape[-1] ** -0.5)
     if attn_bias is not None:
         bh, n, m = s.shape
-        s.view(b, bh // b, n, m).add_(attn_bias)
+        s.view(groups, bh // groups, n, m).add_(attn_bias.to(s.dtype))
     return s
 
 
@@ -178,13 +180,13 @@ class _MathAttentionFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, qkv, attn_bias, num_heads: int):
+    def forward(ctx, qkv, attn_bias, num_heads: int, groups: int):
         b = qkv.shape[0]
         packed = _pack(qkv, num_heads)
         q, k, v = packed.unbind(0)
-        p = torch.softmax(_scores(q, k, attn_bias, b), dim=-1)
+        p = torch.softmax(_scores(q, k, attn_bias, groups), dim=-1)
         ctx.save_for_backward(packed, p, attn_bias)
-        ctx.b, ctx.num_heads = b, num_heads
+        ctx.b, ctx.num_heads, ctx.groups = b, num_heads, groups
         return _unpack(torch.bmm(p, v), b)
 
     @staticmethod
@@ -201,28 +203,35 @@ class _MathAttentionFn(torch.autograd.Function):
         _scaled_bmm(ds.transpose(1, 2), q, d ** -0.5, out=dpacked[1])
         dattn = None
         if attn_bias is not None and ctx.needs_input_grad[1]:
-            dattn = ds.view(b, h, n, n).sum(0, dtype=torch.float32).to(attn_bias.dtype)
-        return _unpack_grad(dpacked, b, h), dattn, None
+            dattn = ds.view(ctx.groups, bh // ctx.groups, n, n).sum(0, dtype=torch.float32).to(attn_bias.dtype)
+            dattn = dattn.view(attn_bias.shape) if dattn.numel() == attn_bias.numel() else dattn
+        return _unpack_grad(dpacked, b, h), dattn, None, None
 
 
-def packed_math_attention(qkv: torch.Tensor, num_heads: int, attn_bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_math_attention(qkv: torch.Tensor, num_heads: int, attn_bias: torch.Tensor | None = None,
+                          groups: int | None = None) -> torch.Tensor:
     """Explicit softmax attention on a packed projection: ``(B, N, 3*H*d)`` -> ``(B, N, H*d)``.
 
     Args:
         qkv: the qkv projection (bias included).
-        attn_bias: additive logit bias broadcastable to ``(B, H, N, N)``.
+        attn_bias: additive logit bias broadcastable to ``(B, H, N, N)``, or with ``groups`` to
+            ``(groups, B*H / groups, N, N)``: Swin's windows pass their ``(nW*H, N, N)`` bias with
+            ``groups = B / nW`` (the windows of one image consecutive), shared by every image
+            without being copied per window.
+        groups: see ``attn_bias`` (default ``B``).
 
     Same result as :func:`math_attention` on the split heads, with fewer passes over memory:
     one copy lays out q, k, v for batched GEMMs, the ``1/sqrt(d)`` scale is the GEMMs' ``alpha``;
     in training a custom backward keeps only q, k, v and the probabilities and writes the qkv
     gradient in one pass.
     """
+    b = qkv.shape[0]
+    groups = groups or b
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qkv, attn_bias))
     if needs_grad:
-        return _MathAttentionFn.apply(qkv, attn_bias, num_heads)
-    b = qkv.shape[0]
+        return _MathAttentionFn.apply(qkv, attn_bias, num_heads, groups)
     q, k, v = _pack(qkv, num_heads).unbind(0)
-    return _unpack(torch.bmm(torch.softmax(_scores(q, k, attn_bias, b), dim=-1), v), b)
+    return _unpack(torch.bmm(torch.softmax(_scores(q, k, attn_bias, groups), dim=-1), v), b)
 
 
 class MathKernel(AttentionKernel):
