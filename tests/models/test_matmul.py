@@ -65,6 +65,24 @@ def test_fp32_gemm_keeps_only_bf16_tensors_for_the_backward():
     assert saved == [BF16, BF16]
 
 
+@pytest.mark.parametrize("gemm", ["fp32", "bf16"])
+def test_an_in_place_op_may_follow_either_gemm(gemm):
+    """A bf16-autocast Linear's output is no view of a tensor made inside the autograd function
+    (autograd forbids modifying such a view in place): ``Linear -> ReLU(inplace=True)``, as Swin
+    V2's position-bias MLP has, trains in both modes with the plain layer's result to bf16 precision."""
+    _, w, b = _operands(rows=1)
+    x = torch.randn(3, 29, 48, generator=torch.Generator().manual_seed(1))
+    layer = Linear(48, 24, gemm=gemm)
+    with torch.no_grad():
+        layer.weight.copy_(w), layer.bias.copy_(b)
+    with _autocast():
+        y = torch.relu_(layer(x))
+    y.float().sum().backward()
+    assert y.dtype == BF16 and y.shape == (3, 29, 24)
+    torch.testing.assert_close(y.float(), F.relu(F.linear(x, w, b)), rtol=2e-2, atol=2e-2)
+    assert torch.isfinite(layer.weight.grad).all() and layer.weight.grad.abs().sum() > 0
+
+
 @pytest.mark.skipif(not onednn.BF16, reason="no oneDNN bf16 kernels on this CPU")
 @pytest.mark.parametrize("lead", [(37,), (3, 29)])
 def test_native_bf16_adds_the_bias_in_the_gemm_bit_equal_to_autocast(lead):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from vitflow.models import create_model, list_models
+from vitflow.models.matmul import set_gemm_mode
 from vitflow.models.swin import SwinTransformer
 from vitflow.models.swin_attention import shift_mask
 
@@ -91,6 +92,25 @@ def test_backends_agree_in_value_and_gradients(version):
         torch.testing.assert_close(gx, results["sdpa"][1], atol=1e-5, rtol=1e-4)
         for n, g in grads.items():
             torch.testing.assert_close(g, results["sdpa"][2][n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("gemm", ["fp32", "bf16"])
+def test_bf16_autocast_training_with_either_gemm(version, gemm):
+    """bf16-autocast training runs with both linear kernels (V2's position-bias MLP modifies a
+    Linear's output in place: ReLU(inplace=True)), near the float32 gradients; the position bias
+    the kernels add to every window's logits is contiguous (strided, that add ran ~6x slower)."""
+    model = _block_model(version)
+    x = torch.randn(2, 3, 16, 16)
+    ref = _grads(model, x)
+    set_gemm_mode(model, gemm)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, gx, grads = _grads(model, x)
+    torch.testing.assert_close(out.float(), ref[0], atol=0.1, rtol=0.05)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(gx).all()
+    for n, g in grads.items():
+        assert torch.isfinite(g).all() and g.dtype == torch.float32, n
+    assert all(blk.attn.position_bias().is_contiguous() for blk in model.blocks)
 
 
 def test_checkpointed_gradients_identical_and_plans():

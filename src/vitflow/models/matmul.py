@@ -105,7 +105,9 @@ class _Bf16Linear(torch.autograd.Function):
             y, x16, w16 = forward(x, weight, bias)
         ctx.save_for_backward(x16, w16)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return y
+        # the kernels reshape their GEMM's output: detached, it is no view of a tensor made here,
+        # which autograd would refuse to let an in-place op (ReLU(inplace=True)) modify; no copy
+        return y.detach()
 
     @staticmethod
     def backward(ctx, grad):
