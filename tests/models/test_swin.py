@@ -98,8 +98,11 @@ def test_backends_agree_in_value_and_gradients(version):
 @pytest.mark.parametrize("gemm", ["fp32", "bf16"])
 def test_bf16_autocast_training_with_either_gemm(version, gemm):
     """bf16-autocast training runs with both linear kernels (V2's position-bias MLP modifies a
-    Linear's output in place: ReLU(inplace=True)), near the float32 gradients; the position bias
-    the kernels add to every window's logits is contiguous (strided, that add ran ~6x slower)."""
+    Linear's output in place: ReLU(inplace=True)): outputs near float32's, finite float32
+    gradients, V1's within 5% (relative norm; measured ~1.4%) of float32's — V2's logit scales of
+    up to 100 amplify bf16's rounding of q and k (~20-45% here), so only finiteness is checked there;
+    the position bias the kernels add to every window's logits is contiguous (strided, that add
+    ran ~6x slower)."""
     model = _block_model(version)
     x = torch.randn(2, 3, 16, 16)
     ref = _grads(model, x)
@@ -110,6 +113,8 @@ def test_bf16_autocast_training_with_either_gemm(version, gemm):
     assert out.dtype == torch.bfloat16 and torch.isfinite(gx).all()
     for n, g in grads.items():
         assert torch.isfinite(g).all() and g.dtype == torch.float32, n
+        if version == 1 and ref[2][n].norm() > 0:
+            assert (g - ref[2][n]).norm() <= 0.05 * ref[2][n].norm(), n
     assert all(blk.attn.position_bias().is_contiguous() for blk in model.blocks)
 
 
