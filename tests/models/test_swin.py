@@ -76,17 +76,19 @@ def _grads(model, x):
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_backends_agree_in_value_and_gradients(version):
-    """sdpa, math and auto on shifted-window blocks (window 4 on an 8x8 grid: block 1
-    shifts): forward and input / parameter gradients within 1e-5."""
+    """sdpa, math, fused (vitflow's C++ kernel; V2 runs math there) and auto on shifted-window
+    blocks (window 4 on an 8x8 grid: block 1 shifts): forward and input / parameter gradients,
+    the position-bias table's included, within 1e-5."""
     model = _block_model(version)
     assert any(any(b.shift) for b in model.blocks)
     x = torch.randn(2, 3, 16, 16)
     results = {}
-    for backend in ("sdpa", "math", "auto"):
+    for backend in ("sdpa", "math", "fused", "auto"):
         model.set_attention_backend(backend)
         results[backend] = _grads(model, x)
     assert model.attention_backend == "auto"
-    for backend in ("math", "auto"):
+    assert "fused" in model.blocks[0].attn.kernel.candidates  # the kernels build here (CI's machine too)
+    for backend in ("math", "fused", "auto"):
         out, gx, grads = results[backend]
         torch.testing.assert_close(out, results["sdpa"][0], atol=1e-5, rtol=0)
         torch.testing.assert_close(gx, results["sdpa"][1], atol=1e-5, rtol=1e-4)

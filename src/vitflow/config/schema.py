@@ -41,8 +41,9 @@ class ModelConfig:
     mlp_ratio: float | None = None  # MLP hidden width / embed_dim; None = the variant's
     patch_size: int | None = None  # patch side in pixels; None = the variant's
     global_pool: Literal["token", "avg", "map"] | None = None  # None = the variant's; map: attention pooling
-    # sdpa | math | blockwise | local | axial | linformer | performer | auto (times the exact ones)
-    attention: Literal["sdpa", "math", "blockwise", "local", "axial", "linformer", "performer", "auto"] = "sdpa"
+    # sdpa | math | blockwise | local | axial | linformer | performer | auto (times the exact ones);
+    # fused: Swin's C++ window-attention kernel (Swin only)
+    attention: Literal["sdpa", "math", "blockwise", "local", "axial", "linformer", "performer", "fused", "auto"] = "sdpa"
     attn_block_size: int = 128  # blockwise: keys per block (memory ~ N * block)
     attn_window: int = 3  # local: window radius in patches
     linformer_k: int | None = None  # linformer: projected length; None = tokens // 4

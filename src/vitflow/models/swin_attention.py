@@ -11,8 +11,14 @@ the bias alone, shared by every window). Backends (``model.attention``):
   are folded into the head axis (``(B, nW*H, N, d)``) so that the ``(nW*H, N, N)`` bias
   broadcasts over the batch without being copied per image;
 - ``math``: explicit ``softmax(Q K^T * scale + bias) V`` (:class:`WindowMathKernel`);
-- ``auto``: times both on the real shape, dtype and device
-  (:class:`~vitflow.models.attention.AutoKernel`) and keeps the faster.
+- ``fused``: vitflow's C++ CPU kernel (:mod:`vitflow.models.cpu_kernels`): each (window, head)
+  computed in the cache straight from the packed projection into the merged-head layout, fp32
+  arithmetic, the per-row log-sum-exp kept for a backward that recomputes the probabilities
+  (FlashAttention's scheme, Dao et al. 2022); Swin V1 on float32 / bfloat16 CPU tensors without
+  attention dropout, anything else (V2, CUDA, tracing for export) runs ``math``;
+- ``auto``: times the backends above on the real shape, dtype and device
+  (:class:`~vitflow.models.attention.AutoKernel`) and keeps the fastest (``fused`` only where the
+  kernels could be built).
 
 Swin V2's scaled cosine attention (``cos(q, k) * exp(min(logit_scale, ln 100))``) runs through
 the same kernels: q and k are L2-normalised, q is multiplied by the per-head scale, and the
@@ -27,9 +33,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vitflow.models import cpu_kernels
 from vitflow.models.attention import AttentionContext, AttentionKernel, AutoKernel, packed_math_attention, split_heads
+from vitflow.timing import tracing
 
-WINDOW_BACKENDS = ("sdpa", "math", "auto")
+WINDOW_BACKENDS = ("sdpa", "math", "fused", "auto")
 MASK_VALUE = -100.0  # the shifted-window mask's logit offset (the reference implementation's and timm's)
 LOGIT_SCALE_MAX = math.log(1.0 / 0.01)  # Swin V2: the learned logit scale is clamped to <= 100
 
@@ -102,8 +110,56 @@ class WindowMathKernel(AttentionKernel):
         return (p.to(v.dtype) @ v).transpose(1, 2).reshape(bw, n, h * d)
 
 
+class _FusedWindowAttention(torch.autograd.Function):
+    """:func:`fused_window_attention` with its backward (the C++ kernels' pair)."""
+
+    @staticmethod
+    def forward(ctx, qkv, bias, num_heads: int, scale: float):
+        out, lse = cpu_kernels.ops().window_attention_forward(qkv, bias, num_heads, scale, True)
+        ctx.save_for_backward(qkv, bias, lse)
+        ctx.num_heads, ctx.scale = num_heads, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        qkv, bias, lse = ctx.saved_tensors
+        dqkv, dbias = cpu_kernels.ops().window_attention_backward(
+            grad.contiguous(), qkv, bias, lse, ctx.num_heads, ctx.scale, ctx.needs_input_grad[1])
+        return dqkv, dbias if ctx.needs_input_grad[1] else None, None, None
+
+
+def fused_window_attention(qkv: torch.Tensor, num_heads: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(d) + bias) v`` per window and head by vitflow's C++ kernel.
+
+    Args:
+        qkv: ``(B*nW, N, 3*H*d)`` float32 or bfloat16 on the CPU, windows of one image consecutive.
+        bias: ``(nW or 1, H, N, N)`` (window ``w`` uses ``bias[w % nW]``) or None; differentiable.
+    Returns:
+        ``(B*nW, N, H*d)`` in ``qkv``'s dtype (arithmetic in float32).
+    Raises:
+        RuntimeError: the kernels could not be built here (:func:`vitflow.models.cpu_kernels.available`).
+    """
+    d = qkv.shape[-1] // (3 * num_heads)
+    bias = qkv.new_empty(0, dtype=torch.float32) if bias is None else bias.float().contiguous()
+    if torch.is_grad_enabled() and (qkv.requires_grad or bias.requires_grad):
+        return _FusedWindowAttention.apply(qkv.contiguous(), bias, num_heads, d ** -0.5)
+    return cpu_kernels.ops().window_attention_forward(qkv.contiguous(), bias, num_heads, d ** -0.5, False)[0]
+
+
+class WindowFusedKernel(WindowMathKernel):
+    """Window attention by :func:`fused_window_attention` where it applies (Swin V1, no attention
+    dropout, float32 / bfloat16 CPU tensors, not tracing), else :class:`WindowMathKernel`."""
+
+    def forward(self, qkv, num_heads, ctx):
+        if (getattr(ctx, "logit_scale", None) is None and ctx.dropout_p == 0.0 and qkv.device.type == "cpu"
+                and qkv.dtype in (torch.float32, torch.bfloat16) and not tracing() and cpu_kernels.available()):
+            return fused_window_attention(qkv, num_heads, ctx.bias)
+        return super().forward(qkv, num_heads, ctx)
+
+
 def make_window_kernel(name: str) -> AttentionKernel:
-    """The window-attention backend ``name`` (``sdpa``, ``math`` or ``auto``).
+    """The window-attention backend ``name`` (``sdpa``, ``math``, ``fused`` or ``auto``; ``auto``
+    chooses among the first three, ``fused`` only where :func:`cpu_kernels.available`).
 
     Raises:
         ValueError: another name (``model.attention`` named, with the choices).
@@ -112,8 +168,13 @@ def make_window_kernel(name: str) -> AttentionKernel:
         return WindowSdpaKernel()
     if name == "math":
         return WindowMathKernel()
+    if name == "fused":
+        return WindowFusedKernel()
     if name == "auto":
-        return AutoKernel({"sdpa": WindowSdpaKernel(), "math": WindowMathKernel()})
+        candidates = {"sdpa": WindowSdpaKernel(), "math": WindowMathKernel()}
+        if cpu_kernels.available():
+            candidates["fused"] = WindowFusedKernel()
+        return AutoKernel(candidates)
     raise ValueError(f"model.attention={name!r} is not available for Swin models: window attention runs on "
                      f"{', '.join(WINDOW_BACKENDS)} (sparse, linear and blockwise kernels assume a full token grid)")
 

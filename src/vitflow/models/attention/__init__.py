@@ -73,6 +73,9 @@ def make_kernel(name: str, *, seq_len: int, head_dim: int, block_size: int = 128
     if name == "auto":
         return AutoKernel({n: make_kernel(n, seq_len=seq_len, head_dim=head_dim, block_size=block_size)
                            for n in EXACT_BACKENDS})
+    if name == "fused":
+        raise ValueError("model.attention='fused' is Swin's window-attention kernel; this model takes one of "
+                         f"{', '.join(BACKENDS)}")
     raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 

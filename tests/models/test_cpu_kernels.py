@@ -1,0 +1,100 @@
+"""vitflow's C++ CPU kernels (vitflow.models.cpu_kernels): the fused window attention against
+the explicit math kernel in value and in every gradient, on the shapes Swin uses and on awkward
+ones (tokens and head widths that are not multiples of 16), in float32 and bfloat16; a Swin model
+on the fused backend against math; the fallbacks."""
+
+import pytest
+import torch
+
+from vitflow.models import cpu_kernels, create_model
+from vitflow.models.attention import packed_math_attention
+from vitflow.models.swin_attention import MASK_VALUE, WindowFusedKernel, fused_window_attention
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ toolchain")
+
+
+def _reference(qkv, heads, bias, nb):
+    """float64 explicit attention: the bias ``(nb, H, N, N)`` shared by each image's windows."""
+    n = qkv.shape[1]
+    groups = qkv.shape[0] // nb
+    return packed_math_attention(qkv, heads, None if bias is None else bias.reshape(nb * heads, n, n), groups)
+
+
+@pytest.mark.parametrize("windows,nb,heads,n,d", [
+    (8, 4, 3, 49, 32),   # Swin-T's stage 1: 7x7 windows, shifted (a bias per window slot)
+    (6, 1, 2, 49, 32),   # unshifted: one bias for every window
+    (4, 2, 2, 9, 24),    # 3x3 windows, head width 24: padding on both axes
+    (3, 1, 1, 64, 16),   # no padding at all
+    (2, 1, 4, 144, 8),   # 12x12 windows (Swin-B/384), several key vectors per row
+])
+def test_fused_window_attention_matches_math(windows, nb, heads, n, d):
+    torch.manual_seed(0)
+    qkv = torch.randn(windows, n, 3 * heads * d, dtype=torch.float64) * 2
+    bias = torch.randn(nb, heads, n, n, dtype=torch.float64)
+    bias[0, :, : n // 2, n // 2:] = MASK_VALUE  # masked pairs: exp underflows (to exactly 0 in the kernel)
+    g = torch.randn(windows, n, heads * d, dtype=torch.float64)
+    q64, b64 = qkv.clone().requires_grad_(), bias.clone().requires_grad_()
+    want = _reference(q64, heads, b64, nb)
+    want.backward(g)
+    q32, b32 = qkv.float().requires_grad_(), bias.float().requires_grad_()
+    got = fused_window_attention(q32, heads, b32)
+    got.backward(g.float())
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(q32.grad.double(), q64.grad, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(b32.grad.double(), b64.grad, atol=2e-5, rtol=1e-5)
+    with torch.no_grad():  # the inference path (no log-sum-exp kept) gives the same output
+        torch.testing.assert_close(fused_window_attention(q32, heads, b32), got.detach(), atol=0, rtol=0)
+
+
+def test_fused_window_attention_bf16_and_no_bias():
+    """bfloat16 in and out (float32 arithmetic): within bf16 rounding of the float64 result; no
+    bias; a bias that needs no gradient gets none."""
+    torch.manual_seed(1)
+    qkv = torch.randn(16, 49, 3 * 3 * 32, dtype=torch.float64)
+    want = _reference(qkv, 3, None, 1)
+    got = fused_window_attention(qkv.bfloat16(), 3)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+    bias = torch.zeros(1, 3, 49, 49)
+    q = qkv.bfloat16().requires_grad_()
+    fused_window_attention(q, 3, bias).sum().backward()
+    assert q.grad.dtype == torch.bfloat16 and torch.isfinite(q.grad.float()).all() and bias.grad is None
+
+
+def test_swin_on_the_fused_backend_matches_math():
+    """A Swin with 7x7 windows (shifted blocks in two stages): logits and every gradient."""
+    torch.manual_seed(0)
+    model = create_model("swin_tiny_patch4_window7_224", img_size=56, patch_size=2, embed_dim=32,
+                         depths=(2, 2), num_heads=(2, 4), num_classes=5)
+    x = torch.randn(2, 3, 56, 56)
+    results = {}
+    for backend in ("math", "fused"):
+        model.set_attention_backend(backend)
+        model.zero_grad()
+        out = model(x)
+        out.square().sum().backward()
+        results[backend] = out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert isinstance(model.blocks[1].attn.kernel, WindowFusedKernel) and any(model.blocks[1].shift)
+    torch.testing.assert_close(results["fused"][0], results["math"][0], atol=1e-5, rtol=1e-5)
+    for n, g in results["math"][1].items():
+        torch.testing.assert_close(results["fused"][1][n], g, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_fused_kernel_falls_back_where_it_does_not_apply():
+    """float64, attention dropout: the math kernel's result, not an error."""
+    from vitflow.models.swin_attention import WindowContext, WindowMathKernel
+
+    torch.manual_seed(0)
+    qkv = torch.randn(4, 16, 3 * 2 * 8, dtype=torch.float64)
+    ctx = WindowContext((4, 4), 0, torch.zeros(1, 2, 16, 16, dtype=torch.float64), 0.0, None)
+    torch.testing.assert_close(WindowFusedKernel()(qkv, 2, ctx), WindowMathKernel()(qkv, 2, ctx))
+
+
+def test_unavailable_kernels_say_why(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_kernels, "_STATE", {})
+    monkeypatch.setenv("VITFLOW_CPU_KERNELS", "0")
+    assert not cpu_kernels.available()
+    assert "VITFLOW_CPU_KERNELS=0" in caplog.text
+    with pytest.raises(RuntimeError, match="unavailable"):
+        cpu_kernels.ops()
