@@ -58,6 +58,7 @@ def _build() -> None:
         quiet.setLevel(level)
 
     csrc = Path(__file__).with_name("csrc")
+    log.info("loading vitflow's CPU kernels (built once per CPU and source version, a few seconds)")
     load(name=f"vitflow_cpu_{_fingerprint()}", sources=[str(csrc / s) for s in SOURCES],
          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False,
          verbose=False)
