@@ -151,8 +151,17 @@ inline void add_bias_row(float* s, const float* bias_row, int64_t n) {
   for (; j < n; ++j) s[j] += bias_row[j];
 }
 
-// The largest of a row's n valid scores (the padding is overwritten).
-inline float row_max(float* s, const Geometry& g);
+// The largest of a row's n valid scores (the padding left out).
+inline float row_max(const float* s, const Geometry& g) {
+  const int64_t last = g.np - kLanes;
+  vf m = load(s + last);
+  m = g.tail ? m : splat(-3.0e38f);
+  for (int64_t j = 0; j < last; j += kLanes) {
+    const vf x = load(s + j);
+    m = x > m ? x : m;
+  }
+  return reduce_max(m);
+}
 
 // exp(s - shift) over the n valid keys of a row, zeros in the padding; returns the sum.
 inline float exp_row(float* s, float shift, const Geometry& g) {
@@ -167,17 +176,6 @@ inline float exp_row(float* s, float shift, const Geometry& g) {
   e = g.tail ? e : vf{};
   store(s + last, e);
   return reduce_add(sum + e);
-}
-
-inline float row_max(float* s, const Geometry& g) {
-  const int64_t last = g.np - kLanes;
-  vf m = load(s + last);
-  m = g.tail ? m : splat(-3.0e38f);
-  for (int64_t j = 0; j < last; j += kLanes) {
-    const vf x = load(s + j);
-    m = x > m ? x : m;
-  }
-  return reduce_max(m);
 }
 
 template <typename T>
