@@ -37,13 +37,15 @@ def test_fused_window_attention_matches_math(windows, nb, heads, n, d):
     want = _reference(q64, heads, b64, nb)
     want.backward(g)
     q32, b32 = qkv.float().requires_grad_(), bias.float().requires_grad_()
-    got = fused_window_attention(q32, heads, b32)
+    proj_bias = torch.zeros(qkv.shape[-1], requires_grad=True)  # gets the column sums of qkv's gradient
+    got = fused_window_attention(q32, heads, b32, proj_bias)
     got.backward(g.float())
     assert got.dtype == torch.float32 and got.shape == want.shape
     torch.testing.assert_close(got.double(), want.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(q32.grad.double(), q64.grad, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(b32.grad.double(), b64.grad, atol=2e-5, rtol=1e-5)
-    with torch.no_grad():  # the inference path (no log-sum-exp kept) gives the same output
+    torch.testing.assert_close(proj_bias.grad.double(), q64.grad.sum((0, 1)), atol=1e-4, rtol=1e-5)
+    with torch.no_grad():  # the inference path (no probabilities kept) gives the same output
         torch.testing.assert_close(fused_window_attention(q32, heads, b32), got.detach(), atol=0, rtol=0)
 
 
@@ -63,22 +65,32 @@ def test_fused_window_attention_bf16_and_no_bias():
 
 
 def test_swin_on_the_fused_backend_matches_math():
-    """A Swin with 7x7 windows (shifted blocks in two stages): logits and every gradient."""
+    """A Swin with 7x7 windows (shifted blocks in two stages): logits and every gradient, the qkv
+    biases' (summed by the kernels) equal to the projection's own backward's."""
     torch.manual_seed(0)
     model = create_model("swin_tiny_patch4_window7_224", img_size=56, patch_size=2, embed_dim=32,
                          depths=(2, 2), num_heads=(2, 4), num_classes=5)
     x = torch.randn(2, 3, 56, 56)
-    results = {}
-    for backend in ("math", "fused"):
+
+    def run(backend):
         model.set_attention_backend(backend)
         model.zero_grad()
         out = model(x)
         out.square().sum().backward()
-        results[backend] = out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    results = {backend: run(backend) for backend in ("math", "fused")}
     assert isinstance(model.blocks[1].attn.kernel, WindowFusedKernel) and any(model.blocks[1].shift)
-    torch.testing.assert_close(results["fused"][0], results["math"][0], atol=1e-5, rtol=1e-5)
-    for n, g in results["math"][1].items():
-        torch.testing.assert_close(results["fused"][1][n], g, atol=1e-5, rtol=1e-4, msg=n)
+    # the qkv bias's gradient from the projection's own backward (a hook keeps the kernels out of it)
+    hooks = [blk.attn.qkv.register_forward_hook(lambda *a: None) for blk in model.blocks]
+    results["plain"] = run("math")
+    for h in hooks:
+        h.remove()
+    for other in ("fused", "plain"):
+        torch.testing.assert_close(results[other][0], results["math"][0], atol=1e-5, rtol=1e-5)
+        for n, g in results["math"][1].items():
+            torch.testing.assert_close(results[other][1][n], g, atol=1e-5, rtol=1e-4, msg=n)
+    assert results["fused"][1]["layers.0.blocks.0.attn.qkv.bias"].abs().max() > 0
 
 
 def test_fused_kernel_falls_back_where_it_does_not_apply():

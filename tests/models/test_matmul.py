@@ -108,6 +108,35 @@ def test_native_bf16_adds_the_bias_in_the_gemm_bit_equal_to_autocast(lead):
     assert ours[0].dtype == BF16 and ours[2].dtype == torch.float32
 
 
+@pytest.mark.skipif(not onednn.BF16, reason="no oneDNN bf16 kernels on this CPU")
+def test_long_batches_weight_gradient_is_two_half_products(monkeypatch):
+    """From SPLIT_ROWS rows the native kernel's weight gradient is one bmm over two half-batches,
+    summed in fp32: each half rounded to bf16 (as autocast's single product is); the other results
+    stay bit-equal. Below it (odd row counts too) the single GEMM, bit-equal."""
+    monkeypatch.setattr(matmul, "SPLIT_ROWS", 64)
+    layer = Linear(48, 24, gemm="bf16")
+    for rows, split in ((128, True), (63, False), (65, False)):
+        x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows), requires_grad=True)
+        grad = torch.randn(rows, 24, generator=torch.Generator().manual_seed(2)).to(BF16)
+        results = []
+        for run in (lambda: F.linear(x, layer.weight, layer.bias), lambda: layer(x)):
+            x.grad = layer.weight.grad = layer.bias.grad = None
+            with _autocast(), RecordedOps() as seen:
+                y = run()
+                y.backward(grad)
+            results.append((y, x.grad, layer.weight.grad.clone(), layer.bias.grad, seen.ops))
+        (y0, gx0, gw0, gb0, _), (y1, gx1, gw1, gb1, ops) = results
+        assert ("bmm" in ops) == split, rows
+        assert torch.equal(y0, y1) and torch.equal(gx0, gx1) and torch.equal(gb0, gb1)
+        if split:  # bf16 rounding of each half's product (not of the total): |error| <= 2^-8 (|h1| + |h2|)
+            g64, x64 = grad.double(), x.detach().bfloat16().double()
+            h1, h2 = g64[:rows // 2].t() @ x64[:rows // 2], g64[rows // 2:].t() @ x64[rows // 2:]
+            assert ((gw1.double() - (h1 + h2)).abs() <= 2 ** -8 * (h1.abs() + h2.abs()) + 1e-6).all()
+            torch.testing.assert_close(gw1, gw0, atol=0.2, rtol=0.02)
+        else:
+            assert torch.equal(gw1, gw0)
+
+
 def test_linear_is_the_plain_layer_outside_bf16_cpu_autocast():
     layer = Linear(8, 4, gemm="fp32")
     x = torch.randn(3, 8)

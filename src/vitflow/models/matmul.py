@@ -15,7 +15,9 @@ rounds the weight gradient to bf16 first).
 On the native kernel, :func:`linear_bf16` hands the bias to oneDNN's GEMM (its bias argument)
 instead of ``addmm``'s copy of the broadcast bias into the output before the GEMM: one pass less
 over each output (5-9% of a ViT-B qkv or fc1 forward measured here), results and gradients equal
-to native autocast's bit for bit.
+to native autocast's bit for bit, except the weight gradient of batches of :data:`SPLIT_ROWS` rows
+and more: two half-batch products (each rounded to bf16, as autocast's one product is) summed in
+fp32, so the rounding error is bf16's of each half's sum rather than of the total.
 
 Every linear layer of a vitflow model is a :class:`Linear` (an ``nn.Linear`` with the same
 parameters and state-dict names) whose attribute ``gemm`` holds its mode and whose forward makes
@@ -51,6 +53,10 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "bf16", "fp32")
 TIMED_CALLS = 3
 TIE = 0.05  # fp32 must be faster than the native kernel by more than this to be chosen
+# From this many rows the native kernel's weight gradient is two half-batch products summed: oneDNN
+# spreads one long-reduction GEMM over 2 threads poorly (Swin-T's stage 1-2 layers, 25-100k rows:
+# microbenchmarks 7-50% faster per product, the bf16 training step 2.5% faster in-process A/B).
+SPLIT_ROWS = 20000
 _CHOICES: dict[tuple, str] = {}
 
 
@@ -95,8 +101,9 @@ class _Bf16Linear(torch.autograd.Function):
     _fp32_backward)`` computes ``round_bf16(round_bf16(x) @ round_bf16(W)^T + round_bf16(b))`` with
     the GEMMs in fp32 (see the module docstring); ``(_bf16_forward, _bf16_backward)`` is native
     autocast with the bias inside oneDNN's GEMM (instead of ``addmm``'s copy of the broadcast bias
-    into the output: one pass less), bit-equal to it. Both run with autocast off and save the bf16
-    input and weight, as native autocast does."""
+    into the output: one pass less), bit-equal to it (but for long batches' weight gradient, see the
+    module docstring). Both run with autocast off and save the bf16 input and weight, as native
+    autocast does."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, kernels):
@@ -135,20 +142,32 @@ def _bf16_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(x16, w16, b16), x16, w16
 
 
+def _weight_gradient(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``g^T x`` for bf16 ``g (M, N)``, ``x (M, K)``: one GEMM, or for :data:`SPLIT_ROWS` rows and
+    more (an even count) the two half-batches' products (one ``bmm``, each rounded to bf16) summed
+    in fp32."""
+    rows = g.shape[0]
+    if rows < SPLIT_ROWS or rows % 2:
+        return g.t() @ x
+    return torch.bmm(g.view(2, rows // 2, -1).transpose(1, 2), x.view(2, rows // 2, -1)).sum(0, dtype=torch.float32)
+
+
 def _bf16_backward(grad: torch.Tensor, x16: torch.Tensor, w16: torch.Tensor, needs: tuple[bool, bool, bool],
                    dtypes: tuple) -> tuple:
     """Gradients ``(x, weight, bias)`` of :func:`linear_bf16`, as native autocast computes them (bf16
-    GEMMs, rounded to bf16, widened to each input's dtype); ``None`` where not needed."""
+    GEMMs, rounded to bf16, widened to each input's dtype; the weight gradient of a long batch by
+    :func:`_weight_gradient`); ``None`` where not needed."""
     x_dtype, w_dtype, b_dtype = dtypes
     g = grad.to(torch.bfloat16).reshape(-1, grad.shape[-1])
     gx = (g @ w16).view(x16.shape).to(x_dtype) if needs[0] else None
-    gw = (g.t() @ x16.reshape(-1, x16.shape[-1])).to(w_dtype) if needs[1] else None
+    gw = _weight_gradient(g, x16.reshape(-1, x16.shape[-1])).to(w_dtype) if needs[1] else None
     gb = g.sum(0).to(b_dtype) if b_dtype is not None and needs[2] else None
     return gx, gw, gb
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """bf16-autocast ``F.linear`` through oneDNN's bf16 GEMM, bit-equal to native autocast, with
+    """bf16-autocast ``F.linear`` through oneDNN's bf16 GEMM, bit-equal to native autocast (but for
+    long batches' weight gradient, see the module docstring), with
     the bias inside the GEMM where oneDNN has bf16 on this CPU and the tensors are plain (not
     subclasses such as FSDP's DTensor); else ``F.linear``. ``x (..., K)``, ``weight (N, K)``,
     ``bias (N,)`` -> bf16 ``(..., N)``; differentiable."""
@@ -207,7 +226,9 @@ class Linear(nn.Linear):
     - under bf16 CPU autocast, the GEMM that ``gemm`` (``auto`` | ``bf16`` | ``fp32``) selects;
     - in fp32 on the CPU, oneDNN's GEMM for large products where it outruns PyTorch's
       (:mod:`vitflow.models.onednn`; equal up to summation order);
-    - ``forward(x, residual)`` returns ``residual + linear(x)``, the add inside the GEMM
+    - ``forward(x, residual, detach_bias)``: with ``detach_bias`` no gradient reaches the bias
+      (a caller that computes it itself, e.g. the fused window attention); with ``residual``
+      returns ``residual + linear(x)``, the add inside the GEMM
       (oneDNN's, or ``(residual + bias).addmm_(x, W^T)``) for fp32/fp64 eager calls; anywhere
       else (autocast, tracing for export or compile, no bias, mixed dtypes, tensor subclasses such
       as FSDP's DTensor) as an ordinary add.
@@ -223,17 +244,18 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, **kwargs)
         self.gemm = check_mode(gemm)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, detach_bias: bool = False) -> torch.Tensor:
+        bias = self.bias.detach() if detach_bias and self.bias is not None else self.bias
         if _bf16_cpu_autocast(x) and not tracing():
             fp32 = self.gemm == "fp32" or (self.gemm == "auto" and _gemm_choice(self, x) == "fp32")
-            y = (linear_fp32_gemm if fp32 else linear_bf16)(x, self.weight, self.bias)
+            y = (linear_fp32_gemm if fp32 else linear_bf16)(x, self.weight, bias)
         elif self._onednn(x, residual):
-            return onednn.linear_onednn(x, self.weight, self.bias, residual)
+            return onednn.linear_onednn(x, self.weight, bias, residual)
         elif residual is not None and self._fusable(x, residual):
-            out = torch.add(residual.reshape(-1, residual.shape[-1]), self.bias)
+            out = torch.add(residual.reshape(-1, residual.shape[-1]), bias)
             return out.addmm_(x.reshape(-1, x.shape[-1]), self.weight.t()).view(residual.shape)
         else:
-            y = F.linear(x, self.weight, self.bias)
+            y = F.linear(x, self.weight, bias)
         return y if residual is None else residual + y
 
     def _onednn(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:

@@ -12,10 +12,11 @@ the bias alone, shared by every window). Backends (``model.attention``):
   broadcasts over the batch without being copied per image;
 - ``math``: explicit ``softmax(Q K^T * scale + bias) V`` (:class:`WindowMathKernel`);
 - ``fused``: vitflow's C++ CPU kernel (:mod:`vitflow.models.cpu_kernels`): each (window, head)
-  computed in the cache straight from the packed projection into the merged-head layout, fp32
-  arithmetic, the per-row log-sum-exp kept for a backward that recomputes the probabilities
-  (FlashAttention's scheme, Dao et al. 2022); Swin V1 on float32 / bfloat16 CPU tensors without
-  attention dropout, anything else (V2, CUDA, tracing for export) runs ``math``;
+  computed in the cache straight from the packed projection into the merged-head layout (no layout
+  copies, no logits tensor), fp32 arithmetic; training saves the probabilities in the input's
+  dtype (as ``math`` does) and the backward writes the qkv gradient in its layout and the bias
+  gradient without a reduction pass; Swin V1 on float32 / bfloat16 CPU tensors without attention
+  dropout, anything else (V2, CUDA, tracing for export) runs ``math``;
 - ``auto``: times the backends above on the real shape, dtype and device
   (:class:`~vitflow.models.attention.AutoKernel`) and keeps the fastest (``fused`` only where the
   kernels could be built).
@@ -45,9 +46,31 @@ LOGIT_SCALE_MAX = math.log(1.0 / 0.01)  # Swin V2: the learned logit scale is cl
 @dataclass(frozen=True)
 class WindowContext(AttentionContext):
     """:class:`~vitflow.models.attention.AttentionContext` plus Swin V2's per-head logit scale
-    ``(H, 1, 1)`` (``None``: Swin V1's scaled dot product). ``bias`` is ``(nW or 1, H, N, N)``."""
+    ``(H, 1, 1)`` (``None``: Swin V1's scaled dot product). ``bias`` is ``(nW or 1, H, N, N)``.
+    ``qkv_bias`` ``(3*H*d,)``: the projection's bias when ``qkv`` was computed with it detached;
+    the kernel then gives it its gradient (the column sums of ``qkv``'s gradient: the fused kernel
+    sums them while it writes that gradient, the others in :func:`with_bias_gradient`)."""
 
     logit_scale: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
+
+
+class _BiasGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, bias):
+        ctx.dtype = bias.dtype
+        return qkv.view_as(qkv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.dtype)
+
+
+def with_bias_gradient(qkv: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    """``qkv`` unchanged, with ``ctx.qkv_bias`` (if any) receiving the column sums of its gradient
+    (as a linear layer's backward computes its bias gradient)."""
+    bias = getattr(ctx, "qkv_bias", None)
+    return qkv if bias is None else _BiasGradient.apply(qkv, bias)
 
 
 def prepare_qkv(qkv: torch.Tensor, num_heads: int, ctx: AttentionContext) -> tuple[torch.Tensor, ...]:
@@ -65,7 +88,7 @@ class WindowSdpaKernel(AttentionKernel):
     """Window attention by ``F.scaled_dot_product_attention`` (see the module docstring)."""
 
     def forward(self, qkv, num_heads, ctx):
-        q, k, v, scale = prepare_qkv(qkv, num_heads, ctx)
+        q, k, v, scale = prepare_qkv(with_bias_gradient(qkv, ctx), num_heads, ctx)
         bw, h, n, d = q.shape
         bias = ctx.bias.to(q.dtype)
         nw = bias.shape[0]
@@ -98,6 +121,7 @@ class WindowMathKernel(AttentionKernel):
     dropout run the ops below with autograd through each."""
 
     def forward(self, qkv, num_heads, ctx):
+        qkv = with_bias_gradient(qkv, ctx)
         if getattr(ctx, "logit_scale", None) is None and ctx.dropout_p == 0.0:
             bw, n, _ = qkv.shape
             nw = ctx.bias.shape[0]
@@ -114,35 +138,42 @@ class _FusedWindowAttention(torch.autograd.Function):
     """:func:`fused_window_attention` with its backward (the C++ kernels' pair)."""
 
     @staticmethod
-    def forward(ctx, qkv, bias, num_heads: int, scale: float):
-        out, lse = cpu_kernels.ops().window_attention_forward(qkv, bias, num_heads, scale, True)
-        ctx.save_for_backward(qkv, bias, lse)
+    def forward(ctx, qkv, bias, qkv_bias, num_heads: int, scale: float):
+        out, probs = cpu_kernels.ops().window_attention_forward(qkv, bias, num_heads, scale, True)
+        ctx.save_for_backward(qkv, bias, probs)
         ctx.num_heads, ctx.scale = num_heads, scale
+        ctx.qkv_bias_dtype = None if qkv_bias is None else qkv_bias.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        qkv, bias, lse = ctx.saved_tensors
-        dqkv, dbias = cpu_kernels.ops().window_attention_backward(
-            grad.contiguous(), qkv, bias, lse, ctx.num_heads, ctx.scale, ctx.needs_input_grad[1])
-        return dqkv, dbias if ctx.needs_input_grad[1] else None, None, None
+        qkv, bias, probs = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        dqkv, dbias, colsum = cpu_kernels.ops().window_attention_backward(
+            grad.contiguous(), qkv, bias, probs, ctx.num_heads, ctx.scale, needs[1])
+        return (dqkv, dbias if needs[1] else None, colsum.to(ctx.qkv_bias_dtype) if needs[2] else None,
+                None, None)
 
 
-def fused_window_attention(qkv: torch.Tensor, num_heads: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fused_window_attention(qkv: torch.Tensor, num_heads: int, bias: torch.Tensor | None = None,
+                           qkv_bias: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(q k^T / sqrt(d) + bias) v`` per window and head by vitflow's C++ kernel.
 
     Args:
         qkv: ``(B*nW, N, 3*H*d)`` float32 or bfloat16 on the CPU, windows of one image consecutive.
         bias: ``(nW or 1, H, N, N)`` (window ``w`` uses ``bias[w % nW]``) or None; differentiable.
+        qkv_bias: see :class:`WindowContext` (its gradient: the column sums of ``qkv``'s, summed
+            by the backward kernel as it writes ``qkv``'s gradient).
     Returns:
-        ``(B*nW, N, H*d)`` in ``qkv``'s dtype (arithmetic in float32).
+        ``(B*nW, N, H*d)`` in ``qkv``'s dtype (arithmetic in float32; with autograd the
+        probabilities ``(B*nW, H, N, N)`` in that dtype are kept for the backward).
     Raises:
         RuntimeError: the kernels could not be built here (:func:`vitflow.models.cpu_kernels.available`).
     """
     d = qkv.shape[-1] // (3 * num_heads)
     bias = qkv.new_empty(0, dtype=torch.float32) if bias is None else bias.float().contiguous()
-    if torch.is_grad_enabled() and (qkv.requires_grad or bias.requires_grad):
-        return _FusedWindowAttention.apply(qkv.contiguous(), bias, num_heads, d ** -0.5)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qkv, bias, qkv_bias)):
+        return _FusedWindowAttention.apply(qkv.contiguous(), bias, qkv_bias, num_heads, d ** -0.5)
     return cpu_kernels.ops().window_attention_forward(qkv.contiguous(), bias, num_heads, d ** -0.5, False)[0]
 
 
@@ -153,7 +184,7 @@ class WindowFusedKernel(WindowMathKernel):
     def forward(self, qkv, num_heads, ctx):
         if (getattr(ctx, "logit_scale", None) is None and ctx.dropout_p == 0.0 and qkv.device.type == "cpu"
                 and qkv.dtype in (torch.float32, torch.bfloat16) and not tracing() and cpu_kernels.available()):
-            return fused_window_attention(qkv, num_heads, ctx.bias)
+            return fused_window_attention(qkv, num_heads, ctx.bias, getattr(ctx, "qkv_bias", None))
         return super().forward(qkv, num_heads, ctx)
 
 

@@ -103,13 +103,20 @@ class WindowAttention(nn.Module):
         bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
         return F.linear(x, self.qkv.weight, bias)
 
-    def context(self, bias: torch.Tensor) -> WindowContext:
+    def context(self, bias: torch.Tensor, qkv_bias: torch.Tensor | None = None) -> WindowContext:
         return WindowContext(self.window, 0, bias, self.attn_drop if self.training else 0.0,
-                             None if self.version == 1 else self.logit_scale)
+                             None if self.version == 1 else self.logit_scale, qkv_bias)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """Windows ``(B*nW, N, C)`` and the logit bias ``(nW or 1, H, N, N)`` -> ``(B*nW, N, C)``."""
-        out = self.kernel(self.project(x), self.num_heads, self.context(bias))
+        """Windows ``(B*nW, N, C)`` and the logit bias ``(nW or 1, H, N, N)`` -> ``(B*nW, N, C)``.
+        V1's qkv bias gets its gradient from the kernel (:class:`~vitflow.models.swin_attention.WindowContext`:
+        the fused kernel sums it while writing qkv's gradient, one pass over that gradient less)."""
+        b = self.qkv.bias
+        if self.version == 1 and b is not None and b.requires_grad and torch.is_grad_enabled() and not tracing() \
+                and type(self.qkv) is Linear and not self.qkv._forward_hooks:
+            out = self.kernel(self.qkv(x, detach_bias=True), self.num_heads, self.context(bias, b))
+        else:
+            out = self.kernel(self.project(x), self.num_heads, self.context(bias))
         return self.proj_drop(self.proj(out))
 
     def probs(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,13 @@
 // Fused window attention for the CPU: softmax(scale * Q K^T + bias) V for many short sequences
 // (Swin's windows), one (window, head) at a time in the cache, read straight from the packed qkv
-// projection and written straight into the merged-head layout. Training keeps only the per-row
-// log-sum-exp and recomputes the probabilities in the backward (FlashAttention's scheme: Dao et
-// al. 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness").
+// projection and written straight into the merged-head layout; the backward reads the
+// probabilities the forward saved and writes dq, dk, dv straight into the qkv gradient's layout.
 //
 // Shapes: qkv (BW, N, 3*H*d) float32 or bfloat16, contiguous; bias (NB, H, N, N) float32 or an
-// empty tensor, window w using bias[w % NB]; out (BW, N, H*d) in qkv's dtype; lse (BW, H, N)
-// float32. All arithmetic is float32. Built by vitflow.models.cpu_kernels on first use.
+// empty tensor, window w using bias[w % NB]; out (BW, N, H*d) and probs (BW, H, N, N) in qkv's
+// dtype; the backward also returns the bias gradient (NB, H, N, N) and the column sums of the qkv
+// gradient (3*H*d,), the projection's bias gradient, both float32. All arithmetic is float32. Built
+// by vitflow.models.cpu_kernels on first use.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -16,7 +17,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -128,10 +128,10 @@ inline void transpose(const float* src, int64_t lss, int64_t rows, int64_t cols,
 #endif
 }
 
-// q (times scale), k, v of window w, head h into the tiles (n x dp, rows past n stay zero); k
-// (and v) transposed into kt (vt).
+// q (times scale), k, v of window w, head h into the tiles (n x dp, rows past n stay zero); k transposed
+// into kt for the forward's scores, v into vt for the backward's dP = dO V^T.
 template <typename T>
-void load_qkv(const T* qkv, const Geometry& g, int64_t w, int64_t h, float scale, Tiles& x, bool transpose_v) {
+void load_qkv(const T* qkv, const Geometry& g, int64_t w, int64_t h, float scale, Tiles& x, bool backward) {
   const T* base = qkv + w * g.n * 3 * g.c + h * g.d;
   for (int64_t i = 0; i < g.n; ++i) {
     const T* row = base + i * 3 * g.c;
@@ -139,8 +139,10 @@ void load_qkv(const T* qkv, const Geometry& g, int64_t w, int64_t h, float scale
     copy_row(row + g.c, x.k + i * g.dp, g.d, 1.0f);
     copy_row(row + 2 * g.c, x.v + i * g.dp, g.d, 1.0f);
   }
-  transpose(x.k, g.dp, g.np, g.dp, x.kt, g.np);
-  if (transpose_v) transpose(x.v, g.dp, g.np, g.dp, x.vt, g.np);
+  if (backward)
+    transpose(x.v, g.dp, g.np, g.dp, x.vt, g.np);
+  else
+    transpose(x.k, g.dp, g.np, g.dp, x.kt, g.np);
 }
 
 // A score row (np wide, keys past n padding) plus its bias row (n wide).
@@ -179,7 +181,7 @@ inline float exp_row(float* s, float shift, const Geometry& g) {
 }
 
 template <typename T>
-void forward_kernel(const T* qkv, const float* bias, const Geometry& g, float scale, T* out, float* lse) {
+void forward_kernel(const T* qkv, const float* bias, const Geometry& g, float scale, T* out, T* probs) {
   at::parallel_for(0, g.bw * g.heads, 1, [&](int64_t begin, int64_t end) {
     Tiles x(g);
     for (int64_t item = begin; item < end; ++item) {
@@ -193,7 +195,7 @@ void forward_kernel(const T* qkv, const float* bias, const Geometry& g, float sc
         const float m = row_max(si, g);
         const float sum = exp_row(si, m, g);
         x.inv[i] = 1.0f / sum;
-        if (lse) lse[(w * g.heads + h) * g.n + i] = m + std::log(sum);
+        if (probs) copy_row(si, probs + ((w * g.heads + h) * g.n + i) * g.n, g.n, x.inv[i]);
       }
       small_gemm(x.s, g.np, 1, x.v, g.dp, g.n, g.dp, g.n, x.out, g.dp);
       for (int64_t i = 0; i < g.n; ++i)
@@ -202,31 +204,37 @@ void forward_kernel(const T* qkv, const float* bias, const Geometry& g, float sc
   });
 }
 
+// One head's dq, dk or dv (n x d, times factor) into the qkv gradient's rows; their column sums added
+// to sums (d floats: the projection's bias gradient, summed before the rounding to T).
 template <typename T>
-void store_grad(T* dst, const float* src, const Geometry& g, float factor) {
-  for (int64_t i = 0; i < g.n; ++i) copy_row(src + i * g.dp, dst + i * 3 * g.c, g.d, factor);
+void store_grad(T* dst, const float* src, const Geometry& g, float factor, float* sums) {
+  for (int64_t i = 0; i < g.n; ++i) {
+    const float* row = src + i * g.dp;
+    copy_row(row, dst + i * 3 * g.c, g.d, factor);
+    int64_t e = 0;
+    for (; e + kLanes <= g.d; e += kLanes) store(sums + e, load(sums + e) + load(row + e) * factor);
+    for (; e < g.d; ++e) sums[e] += row[e] * factor;
+  }
 }
 
 template <typename T>
-void backward_kernel(const T* qkv, const float* bias, const T* grad, const float* lse, const Geometry& g, float scale,
-                     T* dqkv, float* dbias_parts, int64_t chunks) {
+void backward_kernel(const T* qkv, const T* probs, const T* grad, const Geometry& g, float scale,
+                     T* dqkv, float* dbias_parts, float* colsum_parts, int64_t chunks) {
   const int64_t items = g.bw * g.heads, per = (items + chunks - 1) / chunks, nn = g.n * g.n;
   at::parallel_for(0, chunks, 1, [&](int64_t cbegin, int64_t cend) {
     Tiles x(g);
     for (int64_t chunk = cbegin; chunk < cend; ++chunk) {
       float* dbias = dbias_parts ? dbias_parts + chunk * g.nb * g.heads * nn : nullptr;
+      float* colsum = colsum_parts + chunk * 3 * g.c;
       for (int64_t item = chunk * per; item < std::min(items, (chunk + 1) * per); ++item) {
         const int64_t w = item / g.heads, h = item % g.heads, slot = (w % g.nb) * g.heads + h;
         load_qkv(qkv, g, w, h, scale, x, true);
         for (int64_t i = 0; i < g.n; ++i) copy_row(grad + (w * g.n + i) * g.c + h * g.d, x.dout + i * g.dp, g.d, 1.0f);
-        small_gemm(x.q, g.dp, 1, x.kt, g.np, g.n, g.np, g.d, x.s, g.np);       // S (without the bias)
         small_gemm(x.dout, g.dp, 1, x.vt, g.np, g.n, g.np, g.d, x.ds, g.np);  // dP = dO V^T
-        const float* bias_wh = bias ? bias + slot * nn : nullptr;
-        const float* lse_wh = lse + (w * g.heads + h) * g.n;
+        const T* probs_wh = probs + (w * g.heads + h) * nn;
         for (int64_t i = 0; i < g.n; ++i) {
           float *pi = x.s + i * g.np, *dsi = x.ds + i * g.np;
-          add_bias_row(pi, bias_wh ? bias_wh + i * g.n : nullptr, g.n);
-          exp_row(pi, lse_wh[i], g);  // P, the forward's probabilities
+          copy_row(probs_wh + i * g.n, pi, g.n, 1.0f);  // P as the forward saved it (the padding stays 0)
           vf dot = {};
           for (int64_t j = 0; j < g.np; j += kLanes) dot += load(pi + j) * load(dsi + j);
           const float dsum = reduce_add(dot);
@@ -235,11 +243,11 @@ void backward_kernel(const T* qkv, const float* bias, const T* grad, const float
         }
         T* base = dqkv + w * g.n * 3 * g.c + h * g.d;
         small_gemm(x.ds, g.np, 1, x.k, g.dp, g.n, g.dp, g.n, x.out, g.dp);  // dQ / scale = dS K
-        store_grad(base, x.out, g, scale);
+        store_grad(base, x.out, g, scale, colsum + h * g.d);
         small_gemm(x.ds, 1, g.np, x.q, g.dp, g.n, g.dp, g.n, x.out, g.dp);  // dK = dS^T (scale Q)
-        store_grad(base + g.c, x.out, g, 1.0f);
+        store_grad(base + g.c, x.out, g, 1.0f, colsum + g.c + h * g.d);
         small_gemm(x.s, 1, g.np, x.dout, g.dp, g.n, g.dp, g.n, x.out, g.dp);  // dV = P^T dO
-        store_grad(base + 2 * g.c, x.out, g, 1.0f);
+        store_grad(base + 2 * g.c, x.out, g, 1.0f, colsum + 2 * g.c + h * g.d);
       }
     }
   });
@@ -266,46 +274,51 @@ Geometry geometry(const at::Tensor& qkv, const at::Tensor& bias, int64_t heads) 
 }
 
 std::vector<at::Tensor> window_attention_forward(const at::Tensor& qkv, const at::Tensor& bias, int64_t heads,
-                                                 double scale, bool keep_lse) {
+                                                 double scale, bool keep_probs) {
   const Geometry g = geometry(qkv, bias, heads);
   const bool has_bias = bias.defined() && bias.numel();
   at::Tensor out = at::empty({g.bw, g.n, g.c}, qkv.options());
-  at::Tensor lse = keep_lse ? at::empty({g.bw, g.heads, g.n}, qkv.options().dtype(at::kFloat)) : at::Tensor();
+  at::Tensor probs = at::empty({keep_probs ? g.bw : 0, g.heads, g.n, g.n}, qkv.options());
   const float* b = has_bias ? bias.data_ptr<float>() : nullptr;
-  float* l = keep_lse ? lse.data_ptr<float>() : nullptr;
   if (qkv.scalar_type() == at::kFloat)
-    forward_kernel(qkv.data_ptr<float>(), b, g, static_cast<float>(scale), out.data_ptr<float>(), l);
+    forward_kernel(qkv.data_ptr<float>(), b, g, static_cast<float>(scale), out.data_ptr<float>(),
+                   keep_probs ? probs.data_ptr<float>() : nullptr);
   else
-    forward_kernel(qkv.data_ptr<c10::BFloat16>(), b, g, static_cast<float>(scale), out.data_ptr<c10::BFloat16>(), l);
-  return {out, keep_lse ? lse : at::empty({0}, qkv.options().dtype(at::kFloat))};
+    forward_kernel(qkv.data_ptr<c10::BFloat16>(), b, g, static_cast<float>(scale), out.data_ptr<c10::BFloat16>(),
+                   keep_probs ? probs.data_ptr<c10::BFloat16>() : nullptr);
+  return {out, probs};
 }
 
 std::vector<at::Tensor> window_attention_backward(const at::Tensor& grad, const at::Tensor& qkv, const at::Tensor& bias,
-                                                  const at::Tensor& lse, int64_t heads, double scale, bool bias_grad) {
+                                                  const at::Tensor& probs, int64_t heads, double scale,
+                                                  bool bias_grad) {
   const Geometry g = geometry(qkv, bias, heads);
-  const bool has_bias = bias.defined() && bias.numel();
   TORCH_CHECK(grad.is_contiguous() && grad.scalar_type() == qkv.scalar_type() && grad.numel() == g.bw * g.n * g.c,
               "window attention: grad must be contiguous (windows, tokens, heads*d) in qkv's dtype");
+  TORCH_CHECK(probs.is_contiguous() && probs.scalar_type() == qkv.scalar_type() &&
+                  probs.numel() == g.bw * g.heads * g.n * g.n,
+              "window attention: probs must be the forward's (windows, heads, N, N) in qkv's dtype");
   at::Tensor dqkv = at::empty_like(qkv);
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), g.bw * g.heads));
-  const bool want_db = has_bias && bias_grad;
+  const bool want_db = bias.defined() && bias.numel() && bias_grad;
   at::Tensor parts = want_db ? at::zeros({chunks, g.nb, g.heads, g.n, g.n}, bias.options()) : at::Tensor();
-  const float* b = has_bias ? bias.data_ptr<float>() : nullptr;
   float* db = want_db ? parts.data_ptr<float>() : nullptr;
+  at::Tensor colsums = at::zeros({chunks, 3 * g.c}, qkv.options().dtype(at::kFloat));
+  float* cs = colsums.data_ptr<float>();
   if (qkv.scalar_type() == at::kFloat)
-    backward_kernel(qkv.data_ptr<float>(), b, grad.data_ptr<float>(), lse.data_ptr<float>(), g,
-                    static_cast<float>(scale), dqkv.data_ptr<float>(), db, chunks);
+    backward_kernel(qkv.data_ptr<float>(), probs.data_ptr<float>(), grad.data_ptr<float>(), g,
+                    static_cast<float>(scale), dqkv.data_ptr<float>(), db, cs, chunks);
   else
-    backward_kernel(qkv.data_ptr<c10::BFloat16>(), b, grad.data_ptr<c10::BFloat16>(), lse.data_ptr<float>(), g,
-                    static_cast<float>(scale), dqkv.data_ptr<c10::BFloat16>(), db, chunks);
-  return {dqkv, want_db ? parts.sum(0) : at::empty({0}, qkv.options().dtype(at::kFloat))};
+    backward_kernel(qkv.data_ptr<c10::BFloat16>(), probs.data_ptr<c10::BFloat16>(), grad.data_ptr<c10::BFloat16>(),
+                    g, static_cast<float>(scale), dqkv.data_ptr<c10::BFloat16>(), db, cs, chunks);
+  return {dqkv, want_db ? parts.sum(0) : at::empty({0}, qkv.options().dtype(at::kFloat)), colsums.sum(0)};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vitflow, m) {
-  m.def("window_attention_forward(Tensor qkv, Tensor bias, int heads, float scale, bool keep_lse) -> Tensor[]");
-  m.def("window_attention_backward(Tensor grad, Tensor qkv, Tensor bias, Tensor lse, int heads, float scale, bool bias_grad) -> Tensor[]");
+  m.def("window_attention_forward(Tensor qkv, Tensor bias, int heads, float scale, bool keep_probs) -> Tensor[]");
+  m.def("window_attention_backward(Tensor grad, Tensor qkv, Tensor bias, Tensor probs, int heads, float scale, bool bias_grad) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(vitflow, CPU, m) {
