@@ -109,13 +109,15 @@ def test_native_bf16_adds_the_bias_in_the_gemm_bit_equal_to_autocast(lead):
 
 
 @pytest.mark.skipif(not onednn.BF16, reason="no oneDNN bf16 kernels on this CPU")
-def test_long_batches_weight_gradient_is_two_half_products(monkeypatch):
+def test_long_batches_weight_and_bias_gradients(monkeypatch):
     """From SPLIT_ROWS rows the native kernel's weight gradient is one bmm over two half-batches,
-    summed in fp32: each half rounded to bf16 (as autocast's single product is); the other results
-    stay bit-equal. Below it (odd row counts too) the single GEMM, bit-equal."""
+    summed in fp32: each half rounded to bf16 (as autocast's single product is), and the bias
+    gradient ``ones @ g`` (within one bf16 rounding of the exact sum); output and input gradient
+    stay bit-equal. Below it (odd row counts too for the weight) autocast's ops, bit-equal."""
     monkeypatch.setattr(matmul, "SPLIT_ROWS", 64)
     layer = Linear(48, 24, gemm="bf16")
-    for rows, split in ((128, True), (63, False), (65, False)):
+    for rows, split in ((128, True), (63, False), (65, False)):  # split: the weight's (an even count)
+        long = rows >= matmul.SPLIT_ROWS
         x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows), requires_grad=True)
         grad = torch.randn(rows, 24, generator=torch.Generator().manual_seed(2)).to(BF16)
         results = []
@@ -127,7 +129,13 @@ def test_long_batches_weight_gradient_is_two_half_products(monkeypatch):
             results.append((y, x.grad, layer.weight.grad.clone(), layer.bias.grad, seen.ops))
         (y0, gx0, gw0, gb0, _), (y1, gx1, gw1, gb1, ops) = results
         assert ("bmm" in ops) == split, rows
-        assert torch.equal(y0, y1) and torch.equal(gx0, gx1) and torch.equal(gb0, gb1)
+        assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
+        if long:  # ones @ g: fp32 accumulation, one rounding to bf16 (another summation order than sum's)
+            exact = grad.double().sum(0)
+            assert ((gb1.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-6).all()
+            torch.testing.assert_close(gb1, gb0, atol=0, rtol=2 ** -7)
+        else:
+            assert torch.equal(gb0, gb1)
         if split:  # bf16 rounding of each half's product (not of the total): |error| <= 2^-8 (|h1| + |h2|)
             g64, x64 = grad.double(), x.detach().bfloat16().double()
             h1, h2 = g64[:rows // 2].t() @ x64[:rows // 2], g64[rows // 2:].t() @ x64[rows // 2:]

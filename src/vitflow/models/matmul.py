@@ -15,9 +15,11 @@ rounds the weight gradient to bf16 first).
 On the native kernel, :func:`linear_bf16` hands the bias to oneDNN's GEMM (its bias argument)
 instead of ``addmm``'s copy of the broadcast bias into the output before the GEMM: one pass less
 over each output (5-9% of a ViT-B qkv or fc1 forward measured here), results and gradients equal
-to native autocast's bit for bit, except the weight gradient of batches of :data:`SPLIT_ROWS` rows
-and more: two half-batch products (each rounded to bf16, as autocast's one product is) summed in
-fp32, so the rounding error is bf16's of each half's sum rather than of the total.
+to native autocast's bit for bit, except the weight and bias gradients of batches of
+:data:`SPLIT_ROWS` rows and more: the weight's is two half-batch products (each rounded to bf16, as
+autocast's one product is) summed in fp32, so the rounding error is bf16's of each half's sum
+rather than of the total; the bias's is ``ones @ g`` (the same fp32 accumulation and one rounding,
+in another summation order).
 
 Every linear layer of a vitflow model is a :class:`Linear` (an ``nn.Linear`` with the same
 parameters and state-dict names) whose attribute ``gemm`` holds its mode and whose forward makes
@@ -53,9 +55,10 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "bf16", "fp32")
 TIMED_CALLS = 3
 TIE = 0.05  # fp32 must be faster than the native kernel by more than this to be chosen
-# From this many rows the native kernel's weight gradient is two half-batch products summed: oneDNN
-# spreads one long-reduction GEMM over 2 threads poorly (Swin-T's stage 1-2 layers, 25-100k rows:
-# microbenchmarks 7-50% faster per product, the bf16 training step 2.5% faster in-process A/B).
+# From this many rows the native kernel's weight gradient is two half-batch products summed (oneDNN
+# spreads one long-reduction GEMM over 2 threads poorly: Swin-T's stage 1-2 layers, 25-100k rows,
+# microbenchmarks 7-50% faster per product, the bf16 training step 2.5% faster in-process A/B) and its
+# bias gradient a GEMM with a ones vector (bf16 column sums of 100352 x 384: 13.8 -> 3.5 ms).
 SPLIT_ROWS = 20000
 _CHOICES: dict[tuple, str] = {}
 
@@ -152,16 +155,25 @@ def _weight_gradient(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.bmm(g.view(2, rows // 2, -1).transpose(1, 2), x.view(2, rows // 2, -1)).sum(0, dtype=torch.float32)
 
 
+def _bias_gradient(g: torch.Tensor) -> torch.Tensor:
+    """The column sums of bf16 ``g (M, N)`` as bf16 ``(N,)``: ``g.sum(0)``, or for :data:`SPLIT_ROWS`
+    rows and more ``ones @ g`` through oneDNN (fp32 accumulation and one rounding to bf16 as
+    ``sum``'s, another summation order; 1.4-4x faster there)."""
+    if g.shape[0] < SPLIT_ROWS:
+        return g.sum(0)
+    return (g.new_ones(1, g.shape[0]) @ g).view(-1)
+
+
 def _bf16_backward(grad: torch.Tensor, x16: torch.Tensor, w16: torch.Tensor, needs: tuple[bool, bool, bool],
                    dtypes: tuple) -> tuple:
     """Gradients ``(x, weight, bias)`` of :func:`linear_bf16`, as native autocast computes them (bf16
-    GEMMs, rounded to bf16, widened to each input's dtype; the weight gradient of a long batch by
-    :func:`_weight_gradient`); ``None`` where not needed."""
+    GEMMs, rounded to bf16, widened to each input's dtype; the weight and bias gradients of a long
+    batch by :func:`_weight_gradient` and :func:`_bias_gradient`); ``None`` where not needed."""
     x_dtype, w_dtype, b_dtype = dtypes
     g = grad.to(torch.bfloat16).reshape(-1, grad.shape[-1])
     gx = (g @ w16).view(x16.shape).to(x_dtype) if needs[0] else None
     gw = _weight_gradient(g, x16.reshape(-1, x16.shape[-1])).to(w_dtype) if needs[1] else None
-    gb = g.sum(0).to(b_dtype) if b_dtype is not None and needs[2] else None
+    gb = _bias_gradient(g).to(b_dtype) if b_dtype is not None and needs[2] else None
     return gx, gw, gb
 
 
