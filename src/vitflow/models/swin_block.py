@@ -112,8 +112,8 @@ class WindowAttention(nn.Module):
         V1's qkv bias gets its gradient from the kernel (:class:`~vitflow.models.swin_attention.WindowContext`:
         the fused kernel sums it while writing qkv's gradient, one pass over that gradient less)."""
         b = self.qkv.bias
-        if self.version == 1 and b is not None and b.requires_grad and torch.is_grad_enabled() and not tracing() \
-                and type(self.qkv) is Linear and not self.qkv._forward_hooks:
+        if self.version == 1 and type(b) is nn.Parameter and b.requires_grad and torch.is_grad_enabled() \
+                and not tracing() and type(self.qkv) is Linear and not self.qkv._forward_hooks:
             out = self.kernel(self.qkv(x, detach_bias=True), self.num_heads, self.context(bias, b))
         else:
             out = self.kernel(self.project(x), self.num_heads, self.context(bias))
