@@ -180,12 +180,20 @@ inline float exp_row(float* s, float shift, const Geometry& g) {
   return reduce_add(sum + e);
 }
 
+// Ask for [p, p + bytes) to be brought into the cache (the next window's rows while this one is computed:
+// a window's heads are interleaved in its rows, which the hardware prefetcher alone follows poorly).
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
 template <typename T>
 void forward_kernel(const T* qkv, const float* bias, const Geometry& g, float scale, T* out, T* probs) {
   at::parallel_for(0, g.bw * g.heads, 1, [&](int64_t begin, int64_t end) {
     Tiles x(g);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t w = item / g.heads, h = item % g.heads;
+      if (h == 0 && item + g.heads < end) prefetch(qkv + (w + 1) * g.n * 3 * g.c, g.n * 3 * g.c * sizeof(T));
       load_qkv(qkv, g, w, h, scale, x, false);
       small_gemm(x.q, g.dp, 1, x.kt, g.np, g.n, g.np, g.d, x.s, g.np);
       const float* bias_wh = bias ? bias + ((w % g.nb) * g.heads + h) * g.n * g.n : nullptr;
@@ -228,6 +236,11 @@ void backward_kernel(const T* qkv, const T* probs, const T* grad, const Geometry
       float* colsum = colsum_parts + chunk * 3 * g.c;
       for (int64_t item = chunk * per; item < std::min(items, (chunk + 1) * per); ++item) {
         const int64_t w = item / g.heads, h = item % g.heads, slot = (w % g.nb) * g.heads + h;
+        if (h == 0 && w + 1 < g.bw) {
+          prefetch(qkv + (w + 1) * g.n * 3 * g.c, g.n * 3 * g.c * sizeof(T));
+          prefetch(grad + (w + 1) * g.n * g.c, g.n * g.c * sizeof(T));
+          prefetch(probs + (w + 1) * g.heads * nn, g.heads * nn * sizeof(T));
+        }
         load_qkv(qkv, g, w, h, scale, x, true);
         for (int64_t i = 0; i < g.n; ++i) copy_row(grad + (w * g.n + i) * g.c + h * g.d, x.dout + i * g.dp, g.d, 1.0f);
         small_gemm(x.dout, g.dp, 1, x.vt, g.np, g.n, g.np, g.d, x.ds, g.np);  // dP = dO V^T
