@@ -1,7 +1,7 @@
 """vitflow's C++ CPU kernels (vitflow.models.cpu_kernels): the fused window attention against
 the explicit math kernel in value and in every gradient, on the shapes Swin uses and on awkward
 ones (tokens and head widths that are not multiples of 16), in float32 and bfloat16; a Swin model
-on the fused backend against math; the fallbacks."""
+on the fused backend against math; the fallbacks; the LayerNorm backward against float64."""
 
 import pytest
 import torch
@@ -110,3 +110,32 @@ def test_unavailable_kernels_say_why(monkeypatch, caplog):
     assert "VITFLOW_CPU_KERNELS=0" in caplog.text
     with pytest.raises(RuntimeError, match="unavailable"):
         cpu_kernels.ops()
+
+
+@pytest.mark.parametrize("dtype,cols", [(torch.float32, 96), (torch.float32, 40), (torch.bfloat16, 96)])
+def test_layer_norm_backward_kernel_matches_float64(dtype, cols):
+    """vitflow's LayerNorm (one-pass backward) against float64 nn.LayerNorm on the same input
+    values: input gradient to the dtype's rounding, weight and bias gradients to float32 summation
+    (for bf16 inputs too: PyTorch's CPU kernel sums those two far less exactly there); a permuted
+    (non-contiguous) input as Swin's patch embedding gives it."""
+    from vitflow.models.layers import LayerNorm
+
+    torch.manual_seed(0)
+    norm = LayerNorm(cols)
+    with torch.no_grad():
+        norm.weight.normal_(), norm.bias.normal_()
+    x = (torch.randn(3, cols, 10, 10) * 2 + 1).to(dtype).permute(0, 2, 3, 1)  # (B, H, W, C), not contiguous
+    g = torch.randn(3, 10, 10, cols).to(dtype)
+    xd = x.double().requires_grad_()
+    w, b = norm.weight.double().requires_grad_(), norm.bias.double().requires_grad_()
+    ref = torch.nn.functional.layer_norm(xd, (cols,), w, b, norm.eps)
+    dx_ref, dw_ref, db_ref = torch.autograd.grad(ref, (xd, w, b), g.double())
+    xi = x.detach().requires_grad_()
+    out = norm(xi)
+    out.backward(g)
+    assert out.dtype == dtype and xi.grad.dtype == dtype and norm.weight.grad.dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref.detach(), atol=tol, rtol=tol)
+    torch.testing.assert_close(xi.grad.double(), dx_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(norm.weight.grad.double(), dw_ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(norm.bias.grad.double(), db_ref, atol=1e-4, rtol=1e-5)

@@ -4,7 +4,8 @@ The sources are built with ``torch.utils.cpp_extension.load`` (a C++17 compiler 
 seconds, once: the library is cached under ``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``) with ``-O3 -march=native`` and PyTorch's OpenMP, and register
 their operators under ``torch.ops.vitflow``: ``window_attention_forward`` / ``_backward``
-(:func:`vitflow.models.swin_attention.fused_window_attention`). The library's name carries a fingerprint of the
+(:func:`vitflow.models.swin_attention.fused_window_attention`) and ``layer_norm_backward``
+(:class:`vitflow.models.layers.LayerNorm`, Swin's norms). The library's name carries a fingerprint of the
 CPU's instruction sets and of the sources, so a cache shared between machines never hands one
 CPU's build to another, and an edited source is rebuilt.
 
@@ -26,7 +27,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("window_attention.cpp",)  # plus the header vec.h
+SOURCES = ("window_attention.cpp", "layer_norm.cpp")  # plus the header vec.h
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
 

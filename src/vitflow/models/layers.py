@@ -7,10 +7,49 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from vitflow.models import cpu_kernels
 from vitflow.models.matmul import Linear
+from vitflow.timing import tracing
 
 LN_EPS = 1e-6  # the ViT / timm LayerNorm epsilon (CLIP towers use 1e-5)
 ACT_LAYERS = ("gelu", "gelu_tanh", "quick_gelu")  # timm's act_layer names of the MLP activation
+
+
+class _LayerNormFn(torch.autograd.Function):
+    """LayerNorm over the last dimension: PyTorch's forward, vitflow's one-pass backward
+    (``torch.ops.vitflow.layer_norm_backward``: the weight and bias gradients summed in float32 per
+    thread; PyTorch's CPU kernel spends ~2/3 of its backward on those sums in separate passes, and
+    for bf16 inputs its sums are far less exact: 0.6 off on values ~17 in a 300 x 96 test)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float):
+        x = x.contiguous()  # (native_layer_norm makes it so too)
+        y, mean, rstd = torch.ops.aten.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
+        ctx.save_for_backward(x, mean, rstd, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, mean, rstd, weight = ctx.saved_tensors
+        dx, dw, db = cpu_kernels.ops().layer_norm_backward(grad.to(x.dtype).contiguous(), x, mean.view(-1),
+                                                           rstd.view(-1), weight)
+        return dx, dw.to(weight.dtype), db.to(weight.dtype), None
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameters and state-dict names) whose backward, on the CPU for a
+    float32 / bfloat16 input normalised over its last dimension with float32 affine
+    parameters, runs vitflow's one-pass kernel (:class:`_LayerNormFn`; where vitflow's CPU kernels
+    are unavailable, or anywhere else, ``nn.LayerNorm``'s). ``(..., C) -> (..., C)``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        if (torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+                and len(self.normalized_shape) == 1 and w is not None and b is not None
+                and w.dtype == b.dtype == torch.float32 and type(x) is torch.Tensor and type(w) is nn.Parameter
+                and type(b) is nn.Parameter and not tracing() and cpu_kernels.available()):
+            return _LayerNormFn.apply(x, w, b, self.eps)
+        return super().forward(x)
 
 
 class QuickGELU(nn.Module):

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vitflow.models.block import wanted_layers
 from vitflow.models.grad_checkpointing import CheckpointPlan
-from vitflow.models.layers import classifier_head
+from vitflow.models.layers import LayerNorm, classifier_head
 from vitflow.models.matmul import set_gemm_mode
 from vitflow.models.swin_block import PatchMerging, SwinBlock
 from vitflow.models.swin_plan import plan_swin_checkpointing
@@ -38,7 +38,7 @@ class SwinPatchEmbed(nn.Module):
         super().__init__()
         self.patch_size = patch_size
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
-        self.norm = nn.LayerNorm(embed_dim)
+        self.norm = LayerNorm(embed_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, w = x.shape[-2:]
@@ -129,7 +129,7 @@ class SwinTransformer(nn.Module):
             stages.append(SwinStage(down, blocks))
             first += depth
         self.layers = nn.Sequential(*stages)
-        self.norm = nn.LayerNorm(self.num_features)
+        self.norm = LayerNorm(self.num_features)
         self.head = SwinHead(self.num_features, num_classes, drop_rate)
         self.checkpoint_plan = CheckpointPlan()
         self.cpu_bf16_matmul = "auto"

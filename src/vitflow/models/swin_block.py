@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitflow.models.layers import DropPath, Mlp, active
+from vitflow.models.layers import DropPath, LayerNorm, Mlp, active
 from vitflow.models.matmul import Linear
 from vitflow.models.swin_attention import (
     WindowContext,
@@ -145,11 +145,11 @@ class SwinBlock(nn.Module):
         self.window = tuple(r if r <= window else window for r in resolution)
         self.shift = tuple(0 if r <= w or not shifted else window // 2 for r, w in zip(resolution, self.window))
         self.post_norm = version == 2
-        self.norm1 = nn.LayerNorm(dim)
+        self.norm1 = LayerNorm(dim)
         self.attn = WindowAttention(dim, num_heads, self.window, version, qkv_bias, attn_drop, drop,
                                     (pretrained_window, pretrained_window), backend)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.norm2 = nn.LayerNorm(dim)
+        self.norm2 = LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self._masks: dict[tuple, torch.Tensor | None] = {}
@@ -251,7 +251,7 @@ class PatchMerging(nn.Module):
         super().__init__()
         self.out_dim = out_dim or 2 * dim
         self.post_norm = version == 2
-        self.norm = nn.LayerNorm(self.out_dim if self.post_norm else 4 * dim)
+        self.norm = LayerNorm(self.out_dim if self.post_norm else 4 * dim)
         self.reduction = Linear(4 * dim, self.out_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
