@@ -83,6 +83,19 @@ def test_an_in_place_op_may_follow_either_gemm(gemm):
     assert torch.isfinite(layer.weight.grad).all() and layer.weight.grad.abs().sum() > 0
 
 
+def _autocast_and_ours(layer, x, grad):
+    """``(y, x.grad, weight.grad, bias.grad, ops seen)`` of native autocast's ``F.linear`` and of
+    ``layer``, forward and backward under bf16 autocast."""
+    results = []
+    for run in (lambda: F.linear(x, layer.weight, layer.bias), lambda: layer(x)):
+        x.grad = layer.weight.grad = layer.bias.grad = None
+        with _autocast(), RecordedOps() as seen:
+            y = run()
+            y.backward(grad)
+        results.append((y, x.grad, layer.weight.grad, layer.bias.grad, seen.ops))
+    return results
+
+
 @pytest.mark.skipif(not onednn.BF16, reason="no oneDNN bf16 kernels on this CPU")
 @pytest.mark.parametrize("lead", [(37,), (3, 29)])
 def test_native_bf16_adds_the_bias_in_the_gemm_bit_equal_to_autocast(lead):
@@ -94,14 +107,7 @@ def test_native_bf16_adds_the_bias_in_the_gemm_bit_equal_to_autocast(lead):
     with torch.no_grad():
         layer.weight.copy_(w), layer.bias.copy_(b)
     grad = torch.randn(*lead, 24, generator=torch.Generator().manual_seed(2)).to(BF16)
-    results = []
-    for run in (lambda: F.linear(x, layer.weight, layer.bias), lambda: layer(x)):
-        x.grad = layer.weight.grad = layer.bias.grad = None
-        with _autocast(), RecordedOps() as seen:
-            y = run()
-        y.backward(grad)
-        results.append((y, x.grad, layer.weight.grad, layer.bias.grad, seen.ops))
-    (*native, native_ops), (*ours, ours_ops) = results
+    (*native, native_ops), (*ours, ours_ops) = _autocast_and_ours(layer, x, grad)
     assert "addmm" in native_ops and "addmm" not in ours_ops and "_linear_pointwise" in ours_ops
     for a, b_ in zip(native, ours):
         assert a.dtype == b_.dtype and torch.equal(a, b_)
@@ -120,14 +126,7 @@ def test_long_batches_weight_and_bias_gradients(monkeypatch):
         long = rows >= matmul.SPLIT_ROWS
         x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows), requires_grad=True)
         grad = torch.randn(rows, 24, generator=torch.Generator().manual_seed(2)).to(BF16)
-        results = []
-        for run in (lambda: F.linear(x, layer.weight, layer.bias), lambda: layer(x)):
-            x.grad = layer.weight.grad = layer.bias.grad = None
-            with _autocast(), RecordedOps() as seen:
-                y = run()
-                y.backward(grad)
-            results.append((y, x.grad, layer.weight.grad.clone(), layer.bias.grad, seen.ops))
-        (y0, gx0, gw0, gb0, _), (y1, gx1, gw1, gb1, ops) = results
+        (y0, gx0, gw0, gb0, _), (y1, gx1, gw1, gb1, ops) = _autocast_and_ours(layer, x, grad)
         assert ("bmm" in ops) == split, rows
         assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
         if long:  # ones @ g: fp32 accumulation, one rounding to bf16 (another summation order than sum's)
