@@ -104,8 +104,8 @@ class _Bf16Linear(torch.autograd.Function):
     _fp32_backward)`` computes ``round_bf16(round_bf16(x) @ round_bf16(W)^T + round_bf16(b))`` with
     the GEMMs in fp32 (see the module docstring); ``(_bf16_forward, _bf16_backward)`` is native
     autocast with the bias inside oneDNN's GEMM (instead of ``addmm``'s copy of the broadcast bias
-    into the output: one pass less), bit-equal to it (but for long batches' weight gradient, see the
-    module docstring). Both run with autocast off and save the bf16 input and weight, as native
+    into the output: one pass less), bit-equal to it (but for long batches' weight and bias gradients,
+    see the module docstring). Both run with autocast off and save the bf16 input and weight, as native
     autocast does."""
 
     @staticmethod
@@ -155,11 +155,12 @@ def _weight_gradient(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.bmm(g.view(2, rows // 2, -1).transpose(1, 2), x.view(2, rows // 2, -1)).sum(0, dtype=torch.float32)
 
 
-def _bias_gradient(g: torch.Tensor) -> torch.Tensor:
-    """The column sums of bf16 ``g (M, N)`` as bf16 ``(N,)``: ``g.sum(0)``, or for :data:`SPLIT_ROWS`
-    rows and more ``ones @ g`` through oneDNN (fp32 accumulation and one rounding to bf16 as
-    ``sum``'s, another summation order; 1.4-4x faster there)."""
-    if g.shape[0] < SPLIT_ROWS:
+def bias_gradient(g: torch.Tensor) -> torch.Tensor:
+    """A linear layer's bias gradient, the column sums of its output's gradient ``g (M, N)``, as
+    ``(N,)`` in ``g``'s dtype: ``g.sum(0)``, or for bf16 ``g`` of :data:`SPLIT_ROWS` rows and more
+    ``ones @ g`` through oneDNN (fp32 accumulation and one rounding to bf16 as ``sum``'s, another
+    summation order; 1.4-4x faster there)."""
+    if g.shape[0] < SPLIT_ROWS or g.dtype != torch.bfloat16:
         return g.sum(0)
     return (g.new_ones(1, g.shape[0]) @ g).view(-1)
 
@@ -168,18 +169,18 @@ def _bf16_backward(grad: torch.Tensor, x16: torch.Tensor, w16: torch.Tensor, nee
                    dtypes: tuple) -> tuple:
     """Gradients ``(x, weight, bias)`` of :func:`linear_bf16`, as native autocast computes them (bf16
     GEMMs, rounded to bf16, widened to each input's dtype; the weight and bias gradients of a long
-    batch by :func:`_weight_gradient` and :func:`_bias_gradient`); ``None`` where not needed."""
+    batch by :func:`_weight_gradient` and :func:`bias_gradient`); ``None`` where not needed."""
     x_dtype, w_dtype, b_dtype = dtypes
     g = grad.to(torch.bfloat16).reshape(-1, grad.shape[-1])
     gx = (g @ w16).view(x16.shape).to(x_dtype) if needs[0] else None
     gw = _weight_gradient(g, x16.reshape(-1, x16.shape[-1])).to(w_dtype) if needs[1] else None
-    gb = _bias_gradient(g).to(b_dtype) if b_dtype is not None and needs[2] else None
+    gb = bias_gradient(g).to(b_dtype) if b_dtype is not None and needs[2] else None
     return gx, gw, gb
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """bf16-autocast ``F.linear`` through oneDNN's bf16 GEMM, bit-equal to native autocast (but for
-    long batches' weight gradient, see the module docstring), with
+    long batches' weight and bias gradients, see the module docstring), with
     the bias inside the GEMM where oneDNN has bf16 on this CPU and the tensors are plain (not
     subclasses such as FSDP's DTensor); else ``F.linear``. ``x (..., K)``, ``weight (N, K)``,
     ``bias (N,)`` -> bf16 ``(..., N)``; differentiable."""

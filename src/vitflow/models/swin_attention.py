@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from vitflow.models import cpu_kernels
 from vitflow.models.attention import AttentionContext, AttentionKernel, AutoKernel, packed_math_attention, split_heads
+from vitflow.models.matmul import bias_gradient
 from vitflow.timing import tracing
 
 WINDOW_BACKENDS = ("sdpa", "math", "fused", "auto")
@@ -63,12 +64,12 @@ class _BiasGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.dtype)
+        return grad, bias_gradient(grad.reshape(-1, grad.shape[-1])).to(ctx.dtype)
 
 
 def with_bias_gradient(qkv: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
     """``qkv`` unchanged, with ``ctx.qkv_bias`` (if any) receiving the column sums of its gradient
-    (as a linear layer's backward computes its bias gradient)."""
+    as the native bf16 linear layer's backward computes them (:func:`~vitflow.models.matmul.bias_gradient`)."""
     bias = getattr(ctx, "qkv_bias", None)
     return qkv if bias is None else _BiasGradient.apply(qkv, bias)
 
