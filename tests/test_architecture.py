@@ -188,7 +188,7 @@ def bad_package(tmp_path: Path) -> Path:
         _write(root, f"{pkg}__init__.py", "")
     _write(root, "data/a.py", "from vitflow.data import b\n")  # a cycle: a -> b -> a
     _write(root, "data/b.py", "def f():\n    from vitflow.data.a import x\n")  # (a lazy import counts too)
-    _write(root, "models/vit.py", "def g():\n    from vitflow.train import loop\n")  # models -> train
+    _write(root, "models/vit/model.py", "def g():\n    from vitflow.train import loop\n")  # models -> train
     _write(root, "train/loop.py", "import vitflow.models\n")  # allowed
     _write(root, "data/big.py", "x = 1\n" * 401)
     _write(root, "data/long.py", "def h():\n" + "    y = 1\n" * 60)
@@ -198,7 +198,7 @@ def bad_package(tmp_path: Path) -> Path:
 def test_the_checks_catch_each_kind_of_violation(bad_package):
     graph = import_graph(bad_package)
     assert cycles(graph) == [["vitflow.data.a", "vitflow.data.b"]]
-    assert layer_violations(graph) == ["vitflow.models.vit -> vitflow.train.loop (models may not import train)"]
+    assert layer_violations(graph) == ["vitflow.models.vit.model -> vitflow.train.loop (models may not import train)"]
     assert long_files(bad_package) == ["vitflow/data/big.py: 401 lines"]
     assert long_functions(bad_package, allowed={}) == ["vitflow.data.long.h: 61 lines"]
     assert long_functions(bad_package, allowed={"vitflow.data.long.h": "a reason"}) == []

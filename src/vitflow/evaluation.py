@@ -13,8 +13,8 @@ import torch
 
 from vitflow.data import SkipReport, model_input
 from vitflow.data.transforms import Preprocess
-from vitflow.metrics import choose_threshold, multilabel_metrics
-from vitflow.metrics_cls import ECE_BINS, PER_CLASS_KEYS, calibration, calibration_counts, confusion_metrics
+from vitflow.metrics.classification import ECE_BINS, PER_CLASS_KEYS, calibration, calibration_counts, confusion_metrics
+from vitflow.metrics.multilabel import choose_threshold, multilabel_metrics
 from vitflow.runtime import Precision
 
 
@@ -35,8 +35,8 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
         "images": images scored, "skipped": unreadable images in this pass (summed over the ranks),
         "confusion": C x C counts (row: true class, column: predicted class), "per_class_top1": C
         fractions (``None`` for a class without images)}``, and the keys of
-        :func:`vitflow.metrics_cls.confusion_metrics` (precision / recall / F1 / support per class,
-        macro and weighted averages, balanced accuracy) and :func:`vitflow.metrics_cls.calibration`
+        :func:`vitflow.metrics.classification.confusion_metrics` (precision / recall / F1 / support per class,
+        macro and weighted averages, balanced accuracy) and :func:`vitflow.metrics.classification.calibration`
         (``ece``, ``reliability``), computed from integer sums: exact in a distributed evaluation.
     Raises:
         ValueError: no readable image (on every rank together).
@@ -89,7 +89,7 @@ def evaluate_multilabel(model: torch.nn.Module, loader, device: torch.device, pr
 
     Args:
         threshold: the probability from which a label is predicted; ``None`` chooses the one that
-            maximises micro F1 on this pass (:func:`vitflow.metrics.choose_threshold`) — do that
+            maximises micro F1 on this pass (:func:`vitflow.metrics.multilabel.choose_threshold`) — do that
             on the validation split only, and pass its threshold to the test split.
     Returns:
         ``{"loss": mean binary cross-entropy per label, "map": macro mean average precision over

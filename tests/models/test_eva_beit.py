@@ -187,7 +187,7 @@ def test_weight_decay_names_and_layer_ids():
 def test_timm_weights_file_loads_with_head_reset_and_resampling(tmp_path):
     """A timm-named .safetensors through create_model(pretrained=...) at another size and class
     count: EVA-02's pos_embed resampled, the head reset; the rest is timm's weights."""
-    from vitflow.models.weights import save_safetensors
+    from vitflow.models.pretrained.weights import save_safetensors
 
     ref = _pair("eva02_tiny_patch14_224")[0]
     save_safetensors(ref, tmp_path / "eva.safetensors")

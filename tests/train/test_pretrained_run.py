@@ -13,7 +13,7 @@ from helpers import digits_config
 from vitflow.checkpoint import load_checkpoint
 from vitflow.config import ConfigError, build_config
 from vitflow.models import check_config, create_model
-from vitflow.models.pretrained_config import apply_pretrained
+from vitflow.models.pretrained.config import apply_pretrained
 from vitflow.train import Trainer
 
 MEAN, STD = [0.3, 0.35, 0.4], [0.2, 0.21, 0.22]
@@ -72,7 +72,7 @@ def test_auto_needs_a_config(tmp_path, snapshot):
 
 def test_create_pretrained_model(snapshot):
     """The architecture, sizes and weights from the snapshot; a head of another class count reset."""
-    from vitflow.models.pretrained_config import create_pretrained_model
+    from vitflow.models.pretrained.config import create_pretrained_model
 
     folder, source = snapshot
     model, pre = create_pretrained_model(str(folder))

@@ -14,7 +14,7 @@ from helpers import comparable_records, digits_config, kill_at_first_checkpoint,
 from vitflow import checkpoint as ckpt
 from vitflow.cli import main
 from vitflow.config import build_config
-from vitflow.models import onednn
+from vitflow.models.kernels import onednn
 from vitflow.train import Trainer
 
 
@@ -92,7 +92,7 @@ def test_resume_rejects_other_classes(tmp_path):
 
 
 def test_resume_keeps_the_fp32_gemm_of_the_run(tmp_path):
-    """A resumed run multiplies with the GEMM its first process chose (vitflow.models.onednn), so
+    """A resumed run multiplies with the GEMM its first process chose (vitflow.models.kernels.onednn), so
     that it rounds as an uninterrupted run would even where a new timing would choose the other."""
     run = tmp_path / "run"
     with onednn.forced("torch"):

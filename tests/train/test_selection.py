@@ -112,5 +112,5 @@ def test_selection_rules_and_refusals():
     with pytest.raises(ConfigError, match="train.early_stopping_patience"):
         build_config(overrides=["train.early_stopping_patience=3", "train.eval_every=10"])
     with pytest.raises(ConfigError, match="reserved"):
-        from vitflow.data.evals import parse_evals
+        from vitflow.data.sources.evals import parse_evals
         parse_evals("val:train[:10%]")

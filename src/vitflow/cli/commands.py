@@ -11,12 +11,12 @@ import os
 import signal
 import sys
 
-from vitflow.config import build_config, list_presets, preset_tree, to_yaml
-from vitflow.data import check_config as check_data_config
 from vitflow.cli.deploy import cmd_export, cmd_prune, cmd_quantize
 from vitflow.cli.outputs import chosen, live_report_hook, train_epilogue
 from vitflow.cli.outputs import print_json as _print_json
-from vitflow.data.readers import display_name
+from vitflow.config import build_config, list_presets, preset_tree, to_yaml
+from vitflow.data import check_config as check_data_config
+from vitflow.data.sources.readers import display_name
 from vitflow.models import check_config as check_model_config
 
 # the layers' config checks, run by every command that builds a config
@@ -45,7 +45,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = planned_config(args.overrides, CONFIG_CHECKS)  # a photo folder: the recipe from the data
     cfg = cfg or build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS)
     if args.print_config:
-        from vitflow.models.pretrained_config import apply_pretrained
+        from vitflow.models.pretrained.config import apply_pretrained
 
         apply_pretrained(cfg)  # model.name=auto and the weights' preprocessing, as training takes them
         print(to_yaml(cfg), end="")
@@ -123,7 +123,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from vitflow.evaluation import headline, split_results
     from vitflow.infer.evaluate import evaluate_checkpoint
-    from vitflow.metrics_cls import per_class_text
+    from vitflow.metrics.classification import per_class_text
 
     if args.knn:
         return _eval_knn(args)
@@ -267,7 +267,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_lr_schedule(args: argparse.Namespace) -> int:
     cfg = build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS)
     if args.print_config:
-        from vitflow.models.pretrained_config import apply_pretrained
+        from vitflow.models.pretrained.config import apply_pretrained
 
         apply_pretrained(cfg)  # model.name=auto and the weights' preprocessing, as training takes them
         print(to_yaml(cfg), end="")

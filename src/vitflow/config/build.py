@@ -269,7 +269,7 @@ def build_config(preset: str | None = None, config_file: str | Path | None = Non
         if e.key in origins:
             raise ConfigError(f"{e} (in {origins[e.key]})", e.key) from None
         raise
-    cfg.key_origins = origins  # type: ignore[attr-defined]  # read by vitflow.models.pretrained_config
+    cfg.key_origins = origins  # type: ignore[attr-defined]  # read by vitflow.models.pretrained.config
     return cfg
 
 

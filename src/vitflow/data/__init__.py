@@ -6,11 +6,11 @@ or batched) -> ``uint8`` batches -> finished on the device (crop/flip, normalise
 from vitflow.data.cache import cache_in_memory
 from vitflow.data.decode import CorruptImageError, decode_image
 from vitflow.data.device import DevicePipeline, Prefetcher
-from vitflow.data.dispatch import open_split
 from vitflow.data.loader import EpochSampler, SkipReport, make_loader
 from vitflow.data.pipeline import Datasets, TrainLoader, eval_loader, open_datasets, train_loader
-from vitflow.data.sources import DataError, ImageSource
-from vitflow.data.splits import check_config
+from vitflow.data.sources.base import DataError, ImageSource
+from vitflow.data.sources.dispatch import open_split
+from vitflow.data.sources.splits import check_config
 from vitflow.data.transforms import Preprocess, eval_transform, model_input, train_transform
 
 __all__ = ["CorruptImageError", "DataError", "Datasets", "DevicePipeline", "EpochSampler", "ImageSource",

@@ -12,7 +12,7 @@ Paths measured (images/s over full passes, same image size, augmentation and wor
   crop (the CIFAR recipe), then a flip;
 - ``vitflow``: vitflow's loader reading the folder or tar in place (no RAM cache), finished by
   its device pipeline (normalised float32 batches, like the baseline's); WebDataset shards are
-  streamed as training streams them (:mod:`vitflow.data.wdsstream`);
+  streamed as training streams them (:mod:`vitflow.data.wds.stream`);
 - ``packed``: vitflow's loader on a packed copy (``vitflow prepare``: raw at <= 64 px when the
   images share one size, else JPEG at ``max_side``);
 - ``folder`` (for a label file or a Hugging Face dataset only): vitflow's loader on the same images
@@ -45,13 +45,13 @@ import torch
 
 from vitflow.config import DataConfig
 from vitflow.data.decode import CorruptImageError, decode_image
-from vitflow.data.dispatch import TABLE_KINDS, open_split, source_kind
-from vitflow.data.folder import open_folder_split, open_images
-from vitflow.data.packed import FORMAT, VERSION, common_size, open_packed, write_split
 from vitflow.data.pipeline import train_loader
-from vitflow.data.sources import DataError, ImageSource
+from vitflow.data.sources.base import DataError, ImageSource
+from vitflow.data.sources.dispatch import TABLE_KINDS, open_split, source_kind
+from vitflow.data.sources.folder import open_folder_split, open_images
+from vitflow.data.sources.packed import FORMAT, VERSION, common_size, open_packed, write_split
 from vitflow.data.transforms import resolve_augment
-from vitflow.data.wdsstream import open_shard_stream
+from vitflow.data.wds.stream import open_shard_stream
 from vitflow.runtime import configure_allocator, settled_heap
 from vitflow.timing import busy_warning
 

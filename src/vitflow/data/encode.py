@@ -12,7 +12,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from vitflow.data.decode import CorruptImageError, decode_image, reducible_size
-from vitflow.data.sources import ImageSource
+from vitflow.data.sources.base import ImageSource
 from vitflow.data.transforms import _interp
 from vitflow.runtime import quiet
 

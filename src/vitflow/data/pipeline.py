@@ -24,18 +24,17 @@ import torch
 
 from vitflow.config import DataConfig
 from vitflow.data.augment import MixupCutmix
-from vitflow.data.balanced import epoch_sampler
 from vitflow.data.cache import CenterCropSource, cache_in_memory, cache_resolution, in_ram, photo_cache_size
 from vitflow.data.decode import CorruptImageError
 from vitflow.data.device import DevicePipeline, Prefetcher
-from vitflow.data.dispatch import open_split, resolve_eval_splits, source_kind
-from vitflow.data.loader import EpochSampler, make_loader
-from vitflow.data.remote import RemoteError
-from vitflow.data.remote import configure_from as configure_remote
-from vitflow.data.sources import DataError, FileSource, ImageSource
+from vitflow.data.loader import EpochSampler, epoch_sampler, make_loader
+from vitflow.data.remote.fs import RemoteError
+from vitflow.data.remote.fs import configure_from as configure_remote
+from vitflow.data.sources.base import DataError, FileSource, ImageSource
+from vitflow.data.sources.dispatch import open_split, resolve_eval_splits, source_kind
 from vitflow.data.stream import StreamBatches
-from vitflow.data.wdsstream import ShardStream, open_shard_stream, shard_loader
 from vitflow.data.transforms import Preprocess, eval_transform, resolve_augment, train_transform
+from vitflow.data.wds.stream import ShardStream, open_shard_stream, shard_loader
 from vitflow.runtime import mix_seed
 
 log = logging.getLogger(__name__)
@@ -66,17 +65,17 @@ class Datasets:
 
 def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
     """Open ``cfg.train_split`` and the validation and test splits (see
-    :func:`~vitflow.data.dispatch.resolve_eval_splits`; labelled with the train classes) and cache
+    :func:`~vitflow.data.sources.dispatch.resolve_eval_splits`; labelled with the train classes) and cache
     them in RAM when they fit ``cfg.max_in_memory`` (the training split not in stream access).
 
     Raises:
-        DataError: see :func:`vitflow.data.dispatch.open_split`; a validation or test split that
+        DataError: see :func:`vitflow.data.sources.dispatch.open_split`; a validation or test split that
             selects no images.
     """
     raise_open_file_limit()
-    configure_remote(cfg)  # retries and the local cache of remote data (vitflow.data.remote)
+    configure_remote(cfg)  # retries and the local cache of remote data (vitflow.data.remote.fs)
     val_split, test_split = resolve_eval_splits(cfg)
-    streamed = source_kind(cfg.path, cfg.source) == "wds"  # shards train by streaming (data/wdsstream.py)
+    streamed = source_kind(cfg.path, cfg.source) == "wds"  # shards train by streaming (data/wds/stream.py)
     train = open_shard_stream(str(cfg.path), cfg.train_split, cfg.classes) if streamed else open_split(
         cfg.path, cfg.train_split, cfg.source, cfg=cfg)
     if streamed:

@@ -1,5 +1,5 @@
 """``vitflow prepare``: convert an image folder, a tar or CIFAR batches into a packed dataset
-(:mod:`vitflow.data.packed`), every split it finds, written to ``OUT.partial`` and renamed when
+(:mod:`vitflow.data.sources.packed`), every split it finds, written to ``OUT.partial`` and renamed when
 complete."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import json
 import shutil
 from pathlib import Path
 
-from vitflow.data.cifar import cifar_batches_source, is_cifar_batches
-from vitflow.data.dispatch import open_split
-from vitflow.data.packed import FORMAT, VERSION, common_size, is_packed, write_split
-from vitflow.data.sources import DataError, ImageSource
-from vitflow.data.wdsprepare import prepare_shards
+from vitflow.data.sources.base import DataError, ImageSource
+from vitflow.data.sources.cifar import cifar_batches_source, is_cifar_batches
+from vitflow.data.sources.dispatch import open_split
+from vitflow.data.sources.packed import FORMAT, VERSION, common_size, is_packed, write_split
+from vitflow.data.wds.prepare import prepare_shards
 
 
 def _splits_of(src: str | Path) -> dict[str, ImageSource]:
@@ -39,7 +39,7 @@ def prepare(src: str | Path, out: str | Path, fmt: str = "auto", max_side: int |
         fmt: ``raw`` (uint8 pixels; every image the same size), ``jpeg`` (re-encoded at
             ``quality``, longer side capped at ``max_side``), or ``auto`` (raw when every image of
             the first 256 is the same size and at most 64 px, else jpeg); ``wds``: WebDataset shards of
-            ``shard_size`` samples (default 1000) instead (:mod:`vitflow.data.wdsprepare`).
+            ``shard_size`` samples (default 1000) instead (:mod:`vitflow.data.wds.prepare`).
         workers: decode/encode processes.
         force: replace an existing packed dataset (``wds``: shard folder) at ``out``.
     Returns:
@@ -48,7 +48,7 @@ def prepare(src: str | Path, out: str | Path, fmt: str = "auto", max_side: int |
         DataError: ``out`` exists (without ``force``, or not a packed dataset / shard folder),
         unreadable source, mixed sizes for raw, ``shard_size`` given for another format than ``wds``.
     """
-    if fmt == "wds":  # WebDataset shards (data/wdsprepare.py)
+    if fmt == "wds":  # WebDataset shards (data/wds/prepare.py)
         return prepare_shards(_splits_of(src), out, 1000 if shard_size is None else shard_size, str(src), force)
     if shard_size is not None:
         raise DataError(f"--shard-size {shard_size} applies to --format wds only (the format is {fmt})")

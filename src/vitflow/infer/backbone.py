@@ -21,8 +21,8 @@ from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.data.transforms import Preprocess
 from vitflow.infer.hub_folder import CONFIG_NAME, is_hub_folder, read_hub_folder
 from vitflow.models import create_model
-from vitflow.models.hub import resolve_pretrained
-from vitflow.models.pretrained_config import create_pretrained_model
+from vitflow.models.pretrained.config import create_pretrained_model
+from vitflow.models.pretrained.hub import resolve_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def _foreign_snapshot(folder: Path) -> bool:
 
 
 def load_plain_weights(spec: str | Path, model_name: str | None) -> Backbone:
-    """A headless backbone from weights (:func:`vitflow.models.hub.resolve_pretrained`): a weights
+    """A headless backbone from weights (:func:`vitflow.models.pretrained.hub.resolve_pretrained`): a weights
     file, a snapshot folder (timm, transformers or OpenCLIP config) or an ``hf-hub:`` name. The
     architecture is ``model_name`` or, without it, the one the snapshot's config names; the
     preprocessing is the one saved with the weights (mean, std, size, crop, interpolation), else

@@ -39,9 +39,9 @@ import torch
 
 from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.infer.export import export_onnx, optimize_onnx
+from vitflow.infer.hub_folder import timm_model_args
 from vitflow.infer.onnx_model import ModelInfo, OnnxModel
 from vitflow.infer.quantize import quantize_onnx
-from vitflow.infer.hub_folder import timm_model_args
 from vitflow.models import family_of, model_kwargs
 from vitflow.runtime import cpu_bf16_supported
 from vitflow.timing import busy_warning

@@ -11,8 +11,8 @@ import torch
 from vitflow.config import build_config
 from vitflow.data import eval_loader, model_input, open_split
 from vitflow.data.decode import CorruptImageError, decode_image
-from vitflow.data.dispatch import scored_split
-from vitflow.data.sources import ImageSource
+from vitflow.data.sources.base import ImageSource
+from vitflow.data.sources.dispatch import scored_split
 from vitflow.data.transforms import Preprocess, eval_transform
 from vitflow.evaluation import evaluate, evaluate_multilabel
 from vitflow.infer.predict import collect_images

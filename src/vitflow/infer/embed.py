@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from vitflow.config import build_config
-from vitflow.data import check_config as check_data_config
 from vitflow.data import SkipReport, eval_loader, model_input, open_split
-from vitflow.data.dispatch import scored_split
+from vitflow.data import check_config as check_data_config
+from vitflow.data.sources.dispatch import scored_split
 from vitflow.data.transforms import Preprocess, eval_transform
 from vitflow.infer.backbone import Backbone, load_backbone
 from vitflow.infer.knn import TEMPERATURE, knn_top1

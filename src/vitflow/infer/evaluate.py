@@ -12,12 +12,12 @@ from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.config import build_config
 from vitflow.data import check_config as check_data_config
 from vitflow.data import eval_loader, open_split
-from vitflow.data.dispatch import scored_split
+from vitflow.data.sources.dispatch import scored_split
 from vitflow.data.transforms import Preprocess
 from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
 from vitflow.infer.tta import parse_tta, with_tta
-from vitflow.metrics_cls import PER_CLASS_KEYS
-from vitflow.models import onednn
+from vitflow.metrics.classification import PER_CLASS_KEYS
+from vitflow.models.kernels import onednn
 from vitflow.runtime import resolve_device, resolve_precision
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import torch
 from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.data import model_input
 from vitflow.data.decode import CorruptImageError, decode_image, is_image_name
-from vitflow.data.readers import TarReader, is_hidden
+from vitflow.data.sources.readers import TarReader, is_hidden
 from vitflow.data.transforms import Preprocess, eval_transform
 from vitflow.infer.hub_folder import is_hub_folder, read_hub_folder
 from vitflow.infer.onnx_model import OnnxModel, is_onnx

@@ -33,12 +33,12 @@ import torch.nn.functional as F
 from vitflow.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 from vitflow.config import build_config
 from vitflow.data import ImageSource, eval_loader, model_input, train_loader
-from vitflow.data.splits import parse_split
+from vitflow.data.sources.splits import parse_split
 from vitflow.data.transforms import Preprocess
 from vitflow.infer.bench import time_paths
 from vitflow.infer.calibration import accuracy, checkpoint_split
 from vitflow.infer.quantize import inference_state
-from vitflow.models.matmul import Linear
+from vitflow.models.kernels.matmul import Linear
 from vitflow.runtime import resolve_precision
 
 log = logging.getLogger(__name__)

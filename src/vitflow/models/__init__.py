@@ -11,7 +11,7 @@ from vitflow.models.registry import (
                                      model_args,
                                      model_kwargs,
 )
-from vitflow.models.vit import VisionTransformer
+from vitflow.models.vit.model import VisionTransformer
 
 __all__ = ["FAMILIES", "MODELS", "VisionTransformer", "check_config", "create_model", "family_of", "list_models",
            "model_args", "model_kwargs"]

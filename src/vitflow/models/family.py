@@ -21,7 +21,7 @@ class ModelFamily:
         build: constructor arguments -> a model with ``forward_features`` / ``forward_head``.
         load_pretrained: ``(model, spec)`` -> None, loading weights into a built model: a file, a
             snapshot folder or ``hf-hub:ORG/NAME[@rev]`` (the generic
-            :func:`vitflow.models.weights.load_pretrained` for every family with timm's names;
+            :func:`vitflow.models.pretrained.weights.load_pretrained` for every family with timm's names;
             raises ValueError for weights that do not fit), or ``None`` when the family reads no
             foreign weights.
         summary: variant arguments -> a short column text for ``vitflow models``.

@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vitflow.models.kernels.matmul import Linear
 from vitflow.models.layers import LN_EPS, Mlp
-from vitflow.models.matmul import Linear
 
 POOLS = ("token", "avg", "map")
 
@@ -53,7 +53,7 @@ class AttentionPoolLatent(nn.Module):
 
     def init_weights(self) -> None:
         """The latent from a truncated normal with std ``dim ** -0.5`` (timm's); the linears and
-        the norm are initialised by the model's :meth:`~vitflow.models.vit.VisionTransformer.init_weights`."""
+        the norm are initialised by the model's :meth:`~vitflow.models.vit.model.VisionTransformer.init_weights`."""
         nn.init.trunc_normal_(self.latent, std=self.latent.shape[-1] ** -0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Each family (:class:`~vitflow.models.family.ModelFamily`) owns a set of variant names;
 :func:`create_model` finds the family that owns a name and builds the variant with the given
-overrides. Families today: ViT and DeiT (:mod:`vitflow.models.vit_variants`); a new
+overrides. Families today: ViT and DeiT (:mod:`vitflow.models.vit.variants`); a new
 architecture adds its family to :data:`FAMILIES`.
 """
 
@@ -17,13 +17,13 @@ import torch.nn as nn
 
 from vitflow.config import ConfigError, ModelConfig
 from vitflow.models.attention import EXACT_BACKENDS
-from vitflow.models.beit import BEIT
-from vitflow.models.eva_variants import DINOV3, EVA02
+from vitflow.models.eva.beit import BEIT
+from vitflow.models.eva.variants import DINOV3, EVA02
 from vitflow.models.family import ModelFamily
 from vitflow.models.grad_checkpointing import CheckpointPlan
-from vitflow.models.pretrained_variants import PRETRAINED_FAMILIES
-from vitflow.models.swin_variants import SWIN
-from vitflow.models.vit_variants import VIT
+from vitflow.models.swin.variants import SWIN
+from vitflow.models.vit.pretrained import PRETRAINED_FAMILIES
+from vitflow.models.vit.variants import VIT
 
 FAMILIES: tuple[ModelFamily, ...] = (VIT, *PRETRAINED_FAMILIES, BEIT, EVA02, DINOV3, SWIN)
 MODELS: dict[str, dict[str, Any]] = {name: args for f in FAMILIES for name, args in f.variants.items()}
@@ -68,7 +68,7 @@ def create_model(name: str, pretrained: str | Path | None = None, **overrides: A
         pretrained: a weights file (``.safetensors``, ``.pt``/``.pth``/``.bin`` state dict or
             vitflow checkpoint, ``.npz``; timm, Hugging Face, OpenCLIP or big_vision names
             converted), a hub snapshot folder or ``hf-hub:ORG/NAME[@rev]``
-            (:func:`vitflow.models.hub.resolve_pretrained`). A head of another class count is
+            (:func:`vitflow.models.pretrained.hub.resolve_pretrained`). A head of another class count is
             reset; a position embedding of another grid is resampled bicubically.
         **overrides: constructor arguments (for ViT: ``num_classes``, ``img_size``,
             ``drop_path_rate``, ``attention``, ..., ``distilled=True`` for DeiT's distilled ViT,

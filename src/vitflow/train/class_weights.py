@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from vitflow.config import Config, ConfigError
-from vitflow.data.balanced import DISTRIBUTION_FILE, class_counts
+from vitflow.data.loader import DISTRIBUTION_FILE, class_counts
 
 log = logging.getLogger(__name__)
 

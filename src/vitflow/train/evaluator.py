@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from vitflow.data import Datasets, SkipReport, eval_loader
-from vitflow.data.sources import ImageSource
+from vitflow.data.sources.base import ImageSource
 from vitflow.evaluation import evaluate, evaluate_multilabel, headline, scalar_metrics
 from vitflow.rundir import EVAL
 from vitflow.runtime import Precision

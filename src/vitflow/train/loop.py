@@ -25,12 +25,13 @@ from vitflow import checkpoint as ckpt
 from vitflow.config import Config, parse_duration
 from vitflow.data import check_config as check_data_config
 from vitflow.data import open_datasets, train_loader
-from vitflow.data.evals import open_evals
-from vitflow.data.remote import RemoteError
+from vitflow.data.remote.fs import RemoteError
+from vitflow.data.sources.evals import open_evals
 from vitflow.evaluation import scalar_metrics
 from vitflow.models import check_config as check_model_config
-from vitflow.models import model_args, model_kwargs, onednn
-from vitflow.models.pretrained_config import apply_pretrained
+from vitflow.models import model_args, model_kwargs
+from vitflow.models.kernels import onednn
+from vitflow.models.pretrained.config import apply_pretrained
 from vitflow.runtime import configure_allocator, mix_seed, quiet, resolve_device, rng_state, set_rng_state, settled_heap
 from vitflow.train.budget import ProgressiveResizing, TimeBudget
 from vitflow.train.class_weights import setup_imbalance, write_distribution

@@ -19,10 +19,10 @@ import numpy as np
 from vitflow.config import Config, build_config, to_yaml
 from vitflow.data import DataError, open_split
 from vitflow.data.decode import CorruptImageError
-from vitflow.data.dispatch import source_kind
-from vitflow.data.remote import configure_from as configure_remote
-from vitflow.data.wds import first_image_sizes
-from vitflow.data.wdsstream import open_shard_stream
+from vitflow.data.remote.fs import configure_from as configure_remote
+from vitflow.data.sources.dispatch import source_kind
+from vitflow.data.wds.shards import first_image_sizes
+from vitflow.data.wds.stream import open_shard_stream
 from vitflow.models import family_of, model_kwargs
 from vitflow.runtime import resolve_device
 

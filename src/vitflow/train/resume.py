@@ -14,7 +14,7 @@ import yaml
 
 from vitflow import checkpoint as ckpt
 from vitflow.config import DEFAULT_PRESET, Config, build_config, flatten, parse_override, to_yaml
-from vitflow.models import onednn
+from vitflow.models.kernels import onednn
 from vitflow.rundir import CONFIG
 from vitflow.train.distributed import DistEnv
 from vitflow.train.run_dir import check_new_run, run_dir_for
@@ -170,7 +170,7 @@ def restore_model(model: torch.nn.Module, state: dict, classes: list[str], name:
 
 def restore_training(state: dict, trainer) -> None:
     """Load a checkpoint's optimizer, schedule, loss scale, EMA and guard state (and the fp32 GEMM
-    its run chose, :mod:`vitflow.models.onednn`) into a
+    its run chose, :mod:`vitflow.models.kernels.onednn`) into a
     :class:`~vitflow.train.loop.Trainer` built for the resumed run. A changed
     ``train.total_steps`` stretches the restored schedule to it."""
     t = trainer.cfg.train

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from vitflow import checkpoint as ckpt
 from vitflow.config import Config, to_yaml
-from vitflow.data.sources import FileSource, ImageSource, export_samples
+from vitflow.data.sources.base import FileSource, ImageSource, export_samples
 from vitflow.rundir import CONFIG, RUN, is_run_dir
 
 log = logging.getLogger(__name__)

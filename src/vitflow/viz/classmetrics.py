@@ -21,7 +21,7 @@ def plot_reliability(reliability: dict[str, Any], ece: float, path: str | Path, 
 
     Args:
         reliability: ``{"bins": M + 1 edges, "accuracy": M values or None, "confidence": ...,
-            "count": M ints}`` (:func:`vitflow.metrics_cls.calibration`).
+            "count": M ints}`` (:func:`vitflow.metrics.classification.calibration`).
         ece: the expected calibration error, shown in the title.
     """
     edges, acc, conf, count = (reliability[k] for k in ("bins", "accuracy", "confidence", "count"))
