@@ -18,9 +18,10 @@ from vitflow.config import build_config, list_presets, preset_tree, to_yaml
 from vitflow.data import check_config as check_data_config
 from vitflow.data.sources.readers import display_name
 from vitflow.models import check_config as check_model_config
+from vitflow.train import check_config as check_train_config
 
 # the layers' config checks, run by every command that builds a config
-CONFIG_CHECKS = {"model": check_model_config, "data": check_data_config}
+CONFIG_CHECKS = {"model": check_model_config, "data": check_data_config, "train": check_train_config}
 
 
 def _default_preset(args: argparse.Namespace) -> str | None:

@@ -21,7 +21,8 @@ from vitflow.evaluation import evaluate, evaluate_multilabel, headline, scalar_m
 from vitflow.rundir import EVAL
 from vitflow.runtime import Precision
 from vitflow.train.distributed import DistEnv
-from vitflow.train.logging import MetricsLog
+from vitflow.train.logging import MetricsLog, ProgressLog
+from vitflow.train.run_dir import write_samples
 
 log = logging.getLogger(__name__)
 SUMMARY_KEYS = ("loss", "top1", "top5", "map", "micro_f1", "macro_f1", "threshold", "weighted_f1", "macro_precision",
@@ -146,3 +147,23 @@ def summary_figures(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out.update({f"{role}_{k}": v for k, v in result.items() if k in SUMMARY_KEYS + ("skipped",)})
         out.update({f"raw_{role}_{k[4:]}": v for k, v in result.items() if k.startswith("raw_")})
     return out
+
+
+def run_summary(trainer, results: dict[str, dict[str, Any]], checkpoint: Path | None) -> dict[str, Any]:
+    """The summary of a finished run (a :class:`~vitflow.train.loop.Trainer` after its final
+    evaluations ``results``): ``step``, ``run_dir``, ``checkpoint``, the best checkpoint's figure,
+    ``train_images_per_s`` (all ranks, from the end of the first step), ``skipped_images``, ``skipped_steps``, ``elapsed_s``, fine-tuning's
+    summary, each split's figures (:func:`summary_figures`), ``stopped`` (a callback's reason
+    other than early stopping's, which says ``early_stopped``) and, on rank 0, ``samples`` (held-out
+    images written for ``vitflow predict``, for data without image files)."""
+    summary = {"step": trainer.step, "run_dir": str(trainer.run_dir), "checkpoint": str(checkpoint),
+               **trainer.selection.summary(), "train_images_per_s": trainer.callbacks.find(ProgressLog).images_per_s(),
+               "skipped_images": trainer.epochs.skips.total, "skipped_steps": trainer.guard.skipped,
+               "elapsed_s": time.perf_counter() - trainer.started, **trainer.tuning.summary(),
+               **summary_figures(results)}
+    if trainer.stop_reason and not trainer.selection.stopped:
+        summary["stopped"] = trainer.stop_reason
+    shown = trainer.evaluator.splits[trainer.evaluator.monitored][1]
+    if trainer.dist.is_main and (samples := write_samples(shown, trainer.run_dir)):
+        summary["samples"] = samples
+    return summary

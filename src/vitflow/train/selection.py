@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from vitflow.config import ConfigError
 from vitflow.config.schema import SELECTION_METRICS
+from vitflow.train.callbacks import Callback
 
 ALIASES = {"f1": "macro_f1"}  # val_f1 = val_macro_f1
 BEST = "best.pt"
@@ -49,8 +49,10 @@ def parse_metric(name: str, splits: list[str]) -> tuple[str, str, str]:
                       "prefix, e.g. val_top1)", "train.keep_best")
 
 
-class Selection:
-    """The best-checkpoint and early-stopping decisions of a run.
+class Selection(Callback):
+    """The best-checkpoint and early-stopping decisions of a run, a callback: after each evaluation
+    of the monitored split it writes ``best.pt`` when the figure improved and asks the run to stop
+    when early stopping fires; its counters travel in checkpoints (``selection``).
 
     Args:
         keep_best: the figure ``best.pt`` is chosen by, or ``None``.
@@ -70,10 +72,27 @@ class Selection:
         self.watch = parse_metric(stop_metric, splits) if patience and stop_metric else None
         self.names = {"keep": keep_best, "stop": stop_metric}
         self.patience, self.min_delta = patience, min_delta
-        s = state or {}
+        self.load_state_dict(state or {})
+
+    state_key = "selection"
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        s = state
         self.best, self.best_step = s.get("best"), s.get("best_step")
         self.watched_best, self.bad_evals = s.get("watched_best"), int(s.get("bad_evals", 0))
         self.stopped = s.get("stopped")  # the reason line once early stopping fired
+
+    def on_fit_start(self, trainer) -> None:
+        if self.stopped:  # a resumed run that early stopping had ended: only its final evaluation is left
+            trainer.request_stop(self.stopped)
+
+    def on_evaluation(self, trainer, split: str, metrics: dict[str, Any]) -> None:
+        if split != trainer.evaluator.monitored:
+            return
+        if self.update(trainer.step, {split: metrics, **trainer.evaluator.named_results}):
+            trainer.save(best=True)
+        if self.stopped:
+            trainer.request_stop(self.stopped)
 
     @staticmethod
     def _value(figures: dict[str, dict[str, Any]], metric: tuple[str, str, str]) -> float | None:
@@ -116,12 +135,3 @@ class Selection:
             out["early_stopped"] = self.stopped
         return out
 
-
-def after_eval(hook: Callable[[Path], Any] | None, run_dir: Path, step: int) -> None:
-    """Call ``hook(run_dir)`` (the live report) if given; its failure is a warning, never the run's end."""
-    if hook is None:
-        return
-    try:
-        hook(run_dir)
-    except Exception as e:  # noqa: BLE001 - a report must never stop a run
-        log.warning("after the evaluation at step %d: %s: %s", step, type(e).__name__, e)

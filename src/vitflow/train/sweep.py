@@ -39,6 +39,7 @@ import yaml
 from vitflow.config import build_config
 from vitflow.config.build import all_keys
 from vitflow.config.schema import DEFAULT_PRESET
+from vitflow.train.callbacks import Callback
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +106,10 @@ def _suggest(trial, space: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
     return values
 
 
-class Pruning:
-    """The trainer's ``on_eval`` callback: reports the metric (``split``'s ``key``) of each
-    evaluation during training to the Optuna trial and stops a trial the pruner prunes (after a
-    ``pruned`` record in its run's metrics).
+class Pruning(Callback):
+    """A trial's callback: reports the metric (``split``'s ``key``) of each evaluation during
+    training to the Optuna trial and stops a trial the pruner prunes (after a ``pruned`` record in
+    its run's metrics).
 
     Raises:
         optuna.TrialPruned: the pruner stops the trial.
@@ -119,10 +120,12 @@ class Pruning:
         self.trial, self.metric = trial, metric
         self.split, _, self.key = metric.partition("_")
 
-    def __call__(self, trainer, result: dict[str, Any]) -> None:
+    def on_evaluation(self, trainer, split: str, result: dict[str, Any]) -> None:
         import optuna
 
         monitored = trainer.evaluator.monitored
+        if split != monitored or trainer.finishing:  # the evaluations during training
+            return
         if self.split != monitored:
             raise SweepError(f"--metric {self.metric}: the runs evaluate {monitored} during training, not "
                              f"{self.split} (set data.val_split, or choose --metric {monitored}_{self.key})")
@@ -240,8 +243,7 @@ def _run_trial(study, space: Mapping[str, dict[str, Any]], base: dict[str, Any],
         assigned = [f"{k}={json.dumps(v)}" for k, v in values.items()]
         cfg = build_config(base["preset"], base["config_file"], [*base["overrides"], *assigned,
                                                                   f"train.run_dir={run_dir}"], checks=base["checks"])
-        trainer = Trainer(cfg)
-        trainer.on_eval.append(Pruning(trial, metric))
+        trainer = Trainer(cfg, [Pruning(trial, metric)])
         summary = trainer.fit()
         if "interrupted" in summary:
             note = f"{summary['interrupted']} at step {summary['step']}"
