@@ -3,12 +3,13 @@ and short functions. Every import counts, also those inside functions.
 
 Units and what each may import (besides itself and the standard library / third parties):
 
-- ``config`` (pure data), ``timing``, ``rundir``: nothing of vitflow;
+- ``config`` (pure data), ``timing``, ``rundir``, ``metrics`` (the metric table and the metrics'
+  computations): nothing of vitflow;
 - ``runtime`` (allocator, device, precision, seeding): ``timing``;
 - ``models``: the foundation (``config``, ``runtime``, ``timing``); no other layer;
 - ``data``: ``config``, ``runtime``, ``timing``; no ``models`` / ``train`` / ``infer``;
 - ``checkpoint`` (files, ``model_from_checkpoint``): ``models``;
-- ``evaluation`` (a model over batches): ``data``, ``runtime``;
+- ``evaluation`` (a model over batches): ``data``, ``runtime``, ``metrics``;
 - ``train``: every layer to its left and the shared services;
 - ``infer``: the same but ``train``;
 - ``viz``: ``infer`` and what it may import, ``rundir``; no ``train``;
@@ -30,15 +31,15 @@ MAX_FUNCTION_LINES = 60
 
 FOUNDATION = {"config", "runtime", "timing"}
 ALLOWED: dict[str, set[str]] = {
-    "config": set(), "timing": set(), "rundir": set(), "metrics": set(), "metrics_cls": set(),
+    "config": set(), "timing": set(), "rundir": set(), "metrics": set(),
     "runtime": {"timing"},
     "models": FOUNDATION,
     "data": {"config", "runtime", "timing"},
     "checkpoint": {"models"},
-    "evaluation": {"data", "runtime", "metrics", "metrics_cls"},
-    "train": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics", "metrics_cls", "rundir"},
-    "infer": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics", "metrics_cls"},
-    "viz": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics", "metrics_cls", "infer", "rundir"},
+    "evaluation": {"data", "runtime", "metrics"},
+    "train": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics", "rundir"},
+    "infer": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics"},
+    "viz": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics", "infer", "rundir"},
     "package": {"models"},  # vitflow/__init__.py: create_model and friends
 }
 # functions allowed over MAX_FUNCTION_LINES, each with its reason

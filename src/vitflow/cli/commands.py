@@ -18,9 +18,10 @@ from vitflow.config import build_config, list_presets, preset_tree, to_yaml
 from vitflow.data import check_config as check_data_config
 from vitflow.data.sources.readers import display_name
 from vitflow.models import check_config as check_model_config
+from vitflow.train.selection import check_config as check_train_config
 
 # the layers' config checks, run by every command that builds a config
-CONFIG_CHECKS = {"model": check_model_config, "data": check_data_config}
+CONFIG_CHECKS = {"model": check_model_config, "data": check_data_config, "train": check_train_config}
 
 
 def _default_preset(args: argparse.Namespace) -> str | None:
@@ -60,7 +61,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             ["--config", args.config] if args.config else []) + (["--json"] if args.json else []) + args.overrides
         cmd = torchrun_command(args.nproc, argv)
         os.execv(cmd[0], cmd)
-    from vitflow.evaluation import headline, split_results
+    from vitflow.evaluation import split_results
+    from vitflow.metrics import headline
     from vitflow.train import train
     from vitflow.train.guards import NonFiniteError
 
@@ -121,8 +123,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from vitflow.evaluation import headline, split_results
+    from vitflow.evaluation import split_results
     from vitflow.infer.evaluate import evaluate_checkpoint
+    from vitflow.metrics import headline
     from vitflow.metrics.classification import per_class_text
 
     if args.knn:
