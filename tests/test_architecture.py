@@ -3,12 +3,13 @@ and short functions. Every import counts, also those inside functions.
 
 Units and what each may import (besides itself and the standard library / third parties):
 
-- ``config`` (pure data), ``timing``, ``rundir``: nothing of vitflow;
+- ``config`` (pure data), ``timing``, ``rundir``, ``metrics`` (the metric table and the metrics'
+  computations): nothing of vitflow;
 - ``runtime`` (allocator, device, precision, seeding): ``timing``;
 - ``models``: the foundation (``config``, ``runtime``, ``timing``); no other layer;
 - ``data``: ``config``, ``runtime``, ``timing``; no ``models`` / ``train`` / ``infer``;
 - ``checkpoint`` (files, ``model_from_checkpoint``): ``models``;
-- ``evaluation`` (a model over batches): ``data``, ``runtime``;
+- ``evaluation`` (a model over batches): ``data``, ``runtime``, ``metrics``;
 - ``train``: every layer to its left and the shared services;
 - ``infer``: the same but ``train``;
 - ``viz``: ``infer`` and what it may import, ``rundir``; no ``train``;

@@ -14,7 +14,7 @@ from vitflow.rundir import read_metrics
 from vitflow.train.callbacks import LiveReport
 from vitflow.train.loop import Trainer
 from vitflow.train.preempt import Preemption
-from vitflow.train.selection import Selection
+from vitflow.train.selection import Selection, check_config
 
 FAST = ("train.batch_size=32", "optim.warmup_steps=2", "train.total_steps=20", "train.eval_every=2",
         "train.tensorboard=false", "train.live_report=false")
@@ -109,8 +109,11 @@ def test_selection_rules_and_refusals():
     assert Selection("val_ece", 0, 0, None, ["val"]).keep[2] == "min"
     with pytest.raises(ConfigError, match="'test' is not evaluated during training"):
         Selection("test_top1", 0, 0, None, ["val"])
-    with pytest.raises(ConfigError, match="train.keep_best='val_accuracy' is not a known metric"):
-        build_config(overrides=["train.keep_best=val_accuracy"])
+    with pytest.raises(ConfigError, match=r"train.keep_best='val_accuracy' is not a known metric: .* one of top1, "
+                                          r"top5, loss, .*, ece \(e.g. val_top1\) \(in command line\)"):
+        build_config(overrides=["train.keep_best=val_accuracy"], checks={"train": check_config})  # the layer's check
+    with pytest.raises(ConfigError, match="train.early_stopping_metric='val_threshold' is not a known metric"):
+        Selection("val_top1", 2, 0, "val_threshold", ["val"])  # the trainer's own: a figure, not a score
     with pytest.raises(ConfigError, match="train.early_stopping_patience"):
         build_config(overrides=["train.early_stopping_patience=3", "train.eval_every=10"])
     with pytest.raises(ConfigError, match="reserved"):

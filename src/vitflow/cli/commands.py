@@ -61,7 +61,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             ["--config", args.config] if args.config else []) + (["--json"] if args.json else []) + args.overrides
         cmd = torchrun_command(args.nproc, argv)
         os.execv(cmd[0], cmd)
-    from vitflow.evaluation import headline, split_results
+    from vitflow.evaluation import split_results
+    from vitflow.metrics import headline
     from vitflow.train import train
     from vitflow.train.guards import NonFiniteError
 
@@ -122,8 +123,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from vitflow.evaluation import headline, split_results
+    from vitflow.evaluation import split_results
     from vitflow.infer.evaluate import evaluate_checkpoint
+    from vitflow.metrics import headline
     from vitflow.metrics.classification import per_class_text
 
     if args.knn:

@@ -8,6 +8,7 @@ import sys
 
 from vitflow.cli.outputs import chosen
 from vitflow.cli.outputs import print_json as _print_json
+from vitflow.metrics import TASKS, primary_metric
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -56,7 +57,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     except AccuracyDropError as e:
         print(f"refused: {e}", file=sys.stderr)
         return 1
-    for figure, name in (("top1", "top-1"), ("map", "mAP")):
+    for figure, name in ((m.name, m.label) for m in map(primary_metric, TASKS)):  # top-1, mAP
         if f"{figure}_before" in r:
             print(f"{name} on {r['images']} images: {r[f'{figure}_before']:.2%} -> {r[f'{figure}_after']:.2%} "
                   f"(drop {r['drop_points']:.2f} points, allowed {args.max_drop:g})")

@@ -1,9 +1,10 @@
 """The typed configuration tree: one dataclass per section, each with its own ``validate()``.
 
 These checks need no other part of vitflow (ranges, combinations of values). Checks that need a
-layer's knowledge (model variant names, split syntax, checkpointing specs) are that layer's:
-:func:`vitflow.models.check_config` and :func:`vitflow.data.check_config`, which
-:func:`vitflow.config.build_config` runs when given them (the CLI and the trainer do).
+layer's knowledge (model variant names, split syntax, checkpointing specs, metric names) are that
+layer's: :func:`vitflow.models.check_config`, :func:`vitflow.data.check_config` and
+:func:`vitflow.train.selection.check_config`, which :func:`vitflow.config.build_config` runs when
+given them (the CLI does; the trainer runs them too).
 
 The ``model`` section's field names are the arguments of :func:`vitflow.create_model`, so a
 checkpoint's ``model_args`` are this section as it is (plus the class count found in the data).
@@ -197,23 +198,10 @@ class TrainConfig:
                 raise ConfigError(f"train.time_budget: {e}", "train.time_budget") from None
 
 
-# the figures train.keep_best / train.early_stopping_metric may name (after a split prefix), and which way is better
-SELECTION_METRICS = {"top1": "max", "top5": "max", "loss": "min", "map": "max", "micro_f1": "max", "macro_f1": "max",
-                     "f1": "max", "weighted_f1": "max", "macro_precision": "max", "macro_recall": "max",
-                     "micro_precision": "max", "micro_recall": "max", "balanced_accuracy": "max", "ece": "min"}
-
-
 def _check_selection(t: "TrainConfig") -> None:
-    """train.keep_best / early stopping: a known figure after a split prefix (val_top1, NAME_loss)."""
-    for key in ("keep_best", "early_stopping_metric"):
-        value = getattr(t, key)
-        if value is None:
-            continue
-        known = [m for m in SELECTION_METRICS if value.endswith("_" + m) and len(value) > len(m) + 1]
-        if not known:
-            raise ConfigError(f"train.{key}={value!r} is not a known metric: use SPLIT_METRIC with SPLIT val, test or "
-                              f"a data.evals name and METRIC one of {', '.join(SELECTION_METRICS)} (e.g. val_top1)",
-                              f"train.{key}")
+    """Early stopping's numbers. Whether train.keep_best / train.early_stopping_metric name a known
+    metric is checked by the train layer (vitflow.train.selection.check_config), which reads the
+    metric table."""
     _check(t.early_stopping_patience >= 0, "train.early_stopping_patience", t.early_stopping_patience, ">= 0")
     _check(t.early_stopping_min_delta >= 0, "train.early_stopping_min_delta", t.early_stopping_min_delta, ">= 0")
     _check(not t.early_stopping_patience or t.keep_best or t.early_stopping_metric, "train.early_stopping_patience",

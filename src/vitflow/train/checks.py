@@ -5,9 +5,17 @@ layers' checks)."""
 from __future__ import annotations
 
 from vitflow.config import TrainConfig
+from vitflow.train.selection import check_config as check_selection
 from vitflow.train.trackers import check_trackers
 
 
 def check_config(t: TrainConfig) -> None:
-    """Raises ConfigError (a TrackerError) when a tracker is switched on without its package."""
+    """The metrics ``train.keep_best`` / ``train.early_stopping_metric`` name (the metric table's
+    scores after a split prefix) and the trackers' packages.
+
+    Raises:
+        ConfigError: an unknown metric (naming the key, the known ones and an example);
+            TrackerError: a tracker switched on without its package.
+    """
+    check_selection(t)
     check_trackers(t)

@@ -39,13 +39,13 @@ import yaml
 from vitflow.config import build_config
 from vitflow.config.build import all_keys
 from vitflow.config.schema import DEFAULT_PRESET
+from vitflow.metrics import canonical_key, split_metric
 from vitflow.train.callbacks import Callback
 
 log = logging.getLogger(__name__)
 
 SETTINGS, STORAGE, TABLE, BEST = "sweep.json", "sweep.db", "sweep.csv", "best.yaml"
 TYPES = ("float", "int", "categorical")
-MINIMIZED = ("loss", "ece")  # metrics whose default direction is minimize (by the name's ending)
 
 
 class SweepError(ValueError):
@@ -57,8 +57,10 @@ class SweepInterrupted(RuntimeError):
 
 
 def default_direction(metric: str) -> str:
-    """``minimize`` for a loss or a calibration error (``val_loss``, ``val_ece``), else ``maximize``."""
-    return "minimize" if metric.endswith(MINIMIZED) else "maximize"
+    """``minimize`` for a figure the metric table says is better lower (``val_loss``, ``val_ece``),
+    else ``maximize``."""
+    found = split_metric(metric)
+    return "minimize" if found and found[1].better == "min" else "maximize"
 
 
 def read_space(path: str | Path) -> dict[str, dict[str, Any]]:
@@ -118,7 +120,7 @@ class Pruning(Callback):
 
     def __init__(self, trial, metric: str):
         self.trial, self.metric = trial, metric
-        self.split, _, self.key = metric.partition("_")
+        self.split, _, self.key = canonical_key(metric).partition("_")
 
     def on_evaluation(self, trainer, split: str, result: dict[str, Any]) -> None:
         import optuna
@@ -249,9 +251,9 @@ def _run_trial(study, space: Mapping[str, dict[str, Any]], base: dict[str, Any],
             note = f"{summary['interrupted']} at step {summary['step']}"
             raise SweepInterrupted(f"{summary['interrupted']}: trial {trial.number} stopped at step "
                                    f"{summary['step']} (it runs again when the sweep continues)")
-        if metric not in summary:
+        if canonical_key(metric) not in summary:
             raise SweepError(f"--metric {metric}: not among the run's figures ({', '.join(_figures(summary))})")
-        state, value = TrialState.COMPLETE, float(summary[metric])
+        state, value = TrialState.COMPLETE, float(summary[canonical_key(metric)])
     except optuna.TrialPruned as e:
         state, note = TrialState.PRUNED, str(e)
     except (SweepInterrupted, KeyboardInterrupt):
