@@ -54,6 +54,19 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _source_kinds() -> tuple[str, str]:
+    """``data.source``'s type cell and the list of its kinds, from the table of source kinds (in
+    detection order), so that a new kind appears without an edit here."""
+    from vitflow.data.sources.table import KINDS
+
+    kinds = "; ".join(f"`{k.name}`: {k.about}" + (" (by name only)" if k.detect is None else "") for k in KINDS)
+    choices = " \\| ".join(f"`{n}`" for n in ("auto", *(k.name for k in KINDS)))
+    return choices, f". The kinds, in the order auto tries them: {kinds}"
+
+
+GENERATED = {"data.source": _source_kinds}  # keys whose choices are a table of the code, not a Literal
+
+
 def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ").replace("<", "&lt;").replace(">", "&gt;")
 
@@ -80,8 +93,9 @@ def config_reference() -> str:
         for f in dataclasses.fields(cls):
             default = getattr(value, f.name)
             default = "null" if default is None else f"`{list(default) if isinstance(default, tuple) else default}`"
-            lines.append(f"| `{section.name}.{f.name}` | {_cell(_type_name(hints[f.name]))} | {_cell(default)} | "
-                         f"{_cell(comments.get(f.name, ''))} |")
+            key = f"{section.name}.{f.name}"
+            kind, more = GENERATED[key]() if key in GENERATED else (_cell(_type_name(hints[f.name])), "")
+            lines.append(f"| `{key}` | {kind} | {_cell(default)} | {_cell(comments.get(f.name, '') + more)} |")
         lines.append("")
     return "\n".join(lines)
 

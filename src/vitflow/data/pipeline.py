@@ -31,10 +31,10 @@ from vitflow.data.loader import EpochSampler, epoch_sampler, make_loader
 from vitflow.data.remote.fs import RemoteError
 from vitflow.data.remote.fs import configure_from as configure_remote
 from vitflow.data.sources.base import DataError, FileSource, ImageSource
-from vitflow.data.sources.dispatch import open_split, resolve_eval_splits, source_kind
+from vitflow.data.sources.dispatch import open_split, open_training, resolve_eval_splits
 from vitflow.data.stream import StreamBatches
 from vitflow.data.transforms import Preprocess, eval_transform, resolve_augment, train_transform
-from vitflow.data.wds.stream import ShardStream, open_shard_stream, shard_loader
+from vitflow.data.wds.stream import ShardStream, shard_loader
 from vitflow.runtime import mix_seed
 
 log = logging.getLogger(__name__)
@@ -75,9 +75,8 @@ def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
     raise_open_file_limit()
     configure_remote(cfg)  # retries and the local cache of remote data (vitflow.data.remote.fs)
     val_split, test_split = resolve_eval_splits(cfg)
-    streamed = source_kind(cfg.path, cfg.source) == "wds"  # shards train by streaming (data/wds/stream.py)
-    train = open_shard_stream(str(cfg.path), cfg.train_split, cfg.classes) if streamed else open_split(
-        cfg.path, cfg.train_split, cfg.source, cfg=cfg)
+    train = open_training(cfg)  # shards train by streaming (data/wds/stream.py)
+    streamed = isinstance(train, ShardStream)
     if streamed:
         log.info("%s: %d shard(s), %d samples, %d classes", cfg.train_split, len(train.shards.urls), len(train),
                  len(train.classes))

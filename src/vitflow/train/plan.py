@@ -17,12 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from vitflow.config import Config, build_config, to_yaml
-from vitflow.data import DataError, open_split
-from vitflow.data.decode import CorruptImageError
+from vitflow.data import DataError
 from vitflow.data.remote.fs import configure_from as configure_remote
-from vitflow.data.sources.dispatch import source_kind
-from vitflow.data.wds.shards import first_image_sizes
-from vitflow.data.wds.stream import open_shard_stream
+from vitflow.data.sources.dispatch import open_training
+from vitflow.data.sources.table import reads_path
 from vitflow.models import family_of, model_kwargs
 from vitflow.runtime import resolve_device
 
@@ -52,17 +50,8 @@ def profile_data(cfg: Config) -> DataProfile:
         DataError: see :func:`vitflow.data.open_split`; no readable image in the sample.
     """
     configure_remote(cfg.data)  # the run's retries, backoff and cache apply to the plan's reads too
-    if source_kind(cfg.data.path, cfg.data.source) == "wds":  # shards: the index's counts, the first shard's sizes
-        stream = open_shard_stream(str(cfg.data.path), cfg.data.train_split, cfg.data.classes)
-        return _profile(cfg, len(stream), len(stream.classes), first_image_sizes(stream.shards.urls[0], SAMPLE))
-    src = open_split(cfg.data.path, cfg.data.train_split, cfg.data.source, cfg=cfg.data)
-    sizes = []
-    for i in np.linspace(0, len(src) - 1, min(SAMPLE, len(src))).astype(int):
-        try:
-            sizes.append(src.image_size(int(i)))
-        except CorruptImageError:
-            continue
-    return _profile(cfg, len(src), len(src.classes), sizes)
+    src = open_training(cfg.data)  # shards: streamed, the index's counts, the first shard's sizes
+    return _profile(cfg, len(src), len(src.classes), src.sample_sizes(SAMPLE))
 
 
 def _profile(cfg: Config, images: int, classes: int, sizes: list[tuple[int, int]]) -> DataProfile:
@@ -189,8 +178,8 @@ def planned_config(overrides: list[str], checks, preset: str = PHOTO_PRESET) -> 
 
 def is_planned(preset: str | None, config_file: str | None, overrides: list[str]) -> bool:
     """Whether ``vitflow train`` plans the run: ``--preset photos-auto``, or no preset and no
-    config file with a ``data.path`` (and not the embedded digits)."""
+    config file with a ``data.path`` (and not built-in data such as the embedded digits)."""
     if preset == PHOTO_PRESET:
         return True
     keys = {o.split("=", 1)[0].strip(): o.split("=", 1)[1] for o in overrides if "=" in o}
-    return not preset and not config_file and "data.path" in keys and keys.get("data.source") != "digits"
+    return not preset and not config_file and "data.path" in keys and reads_path(keys.get("data.source", "auto"))

@@ -28,9 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
+from vitflow.config import DataConfig
 from vitflow.data.remote.fs import basename, exists, is_remote, join, open_stream, parent
 from vitflow.data.sources import labels as L
 from vitflow.data.sources.base import DataError, FileSource
+from vitflow.data.sources.kind import SourceKind
 from vitflow.data.sources.readers import FolderReader
 
 EXTENSIONS = (".csv", ".tsv", ".jsonl")
@@ -221,3 +223,14 @@ def open_label_file_split(path: Path, split: str, classes: list[str] | None = No
         raise DataError(f"{where} split {split!r}: no usable rows ({len(dropped)} left out; see the warning above)")
     keys = np.array([os.fsencode(rels[i]) for i in encoded.keep])
     return FileSource(list(classes), encoded.labels, FolderReader(base), keys)
+
+
+def _open(where: Path, split: str, classes: list[str] | None, cfg: DataConfig) -> FileSource:
+    return open_label_file_split(where, split, classes, cfg.root, cfg.image_column, cfg.label_column, cfg.split_column,
+                                 cfg.task == "multilabel", cfg.label_separator, cfg.classes)
+
+
+KIND = SourceKind("labels", "a label file (.csv, .tsv or .jsonl) of image paths and labels",
+                  lambda where, cfg: label_file_splits(where, cfg.split_column), _open, detect=is_label_file,
+                  what="label file (.csv, .tsv or .jsonl)", remote=lambda url: _suffix(url) in EXTENSIONS,
+                  table_labels=True)
