@@ -4,7 +4,6 @@ record of a run, can stop it, and keeps state across a kill and resume like the 
 from __future__ import annotations
 
 from helpers import digits_config
-
 from vitflow import checkpoint as ckpt
 from vitflow.rundir import read_metrics
 from vitflow.train import Callback, Trainer

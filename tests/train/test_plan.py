@@ -58,16 +58,16 @@ def test_is_planned_only_without_a_preset_or_config_and_with_a_path():
 
 def test_size_warnings_name_the_tokens_and_the_upsampling():
     cfg = build_config(overrides=["model.img_size=224", "model.patch_size=4", "train.device=cpu"])
-    warnings = size_warnings(cfg, DataProfile(100, 2, 64, 64))
+    warnings = size_warnings(cfg.model, cfg.train.device, DataProfile(100, 2, 64, 64))
     assert any("3136 tokens per image (224 px in 4-px patches) on a CPU" in w and "model.patch_size=28" in w
                for w in warnings)
     assert any("model.img_size=224 is over twice the images' median short side (64 px)" in w for w in warnings)
-    assert size_warnings(build_config(overrides=["model.img_size=32", "model.patch_size=4"]),
+    assert size_warnings(build_config(overrides=["model.img_size=32", "model.patch_size=4"]).model, "auto",
                          DataProfile(100, 2, 32, 32)) == []
     # a Swin's window attention grows linearly with the tokens: no patch-size advice, only the upsampling
     swin = build_config(overrides=["model.name=swin_tiny_patch4_window7_224", "model.pos_embed=learned",
                                    "train.device=cpu"])
-    assert [w.split(":")[0] for w in size_warnings(swin, DataProfile(100, 2, 64, 64))] == [
+    assert [w.split(":")[0] for w in size_warnings(swin.model, "cpu", DataProfile(100, 2, 64, 64))] == [
         "model.img_size=224 is over twice the images' median short side (64 px)"]
 
 

@@ -147,16 +147,16 @@ class Trainer:
         self.started, summary = time.perf_counter(), None
         self.metrics.write("start", **start_record(self))
         try:
-            # log lines above the progress bar, not inside it; the set-up's objects out of the collector's walks
-            with logging_redirect_tqdm(), settled_heap():
-                self.callbacks.call("on_fit_start", self)
-                try:
+            try:
+                self.callbacks.call("on_fit_start", self)  # first: a signal from here on stops the run cleanly
+                # log lines above the progress bar, not inside it; the set-up's objects out of the collector's walks
+                with logging_redirect_tqdm(), settled_heap():
                     self._loop()
-                except RemoteError as e:  # the store stayed unreachable: checkpoint, then one line
-                    stop_on_store_error(self, e, getattr(self, "_step_start", self.epochs.position), self.started)
-                finally:
-                    self.callbacks.call("on_train_end", self)
-                    self.loader.close()
+            except RemoteError as e:  # the store stayed unreachable: checkpoint, then one line
+                stop_on_store_error(self, e, getattr(self, "_step_start", self.epochs.position), self.started)
+            finally:
+                self.callbacks.call("on_train_end", self)
+                self.loader.close()
             summary = interrupted_end(self) if self.interrupted else self._finish()
             return summary
         finally:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vitflow.config import Config, build_config, to_yaml
+from vitflow.config import Config, DataConfig, ModelConfig, build_config, to_yaml
 from vitflow.data import DataError
 from vitflow.data.remote.fs import configure_from as configure_remote
 from vitflow.data.sources.dispatch import open_training
@@ -41,22 +41,22 @@ class DataProfile:
     long_side: int
 
 
-def profile_data(cfg: Config) -> DataProfile:
-    """Open the training split of ``cfg.data`` and read the sizes of up to :data:`SAMPLE` images
+def profile_data(d: DataConfig) -> DataProfile:
+    """Open the training split of the data section ``d`` and read the sizes of up to :data:`SAMPLE` images
     spread over it (from the encoded headers; decoded sources give their fixed size). A shard set
     is not read whole: its counts come from the index and the sizes from its first shard.
 
     Raises:
         DataError: see :func:`vitflow.data.open_split`; no readable image in the sample.
     """
-    configure_remote(cfg.data)  # the run's retries, backoff and cache apply to the plan's reads too
-    src = open_training(cfg.data)  # shards: streamed, the index's counts, the first shard's sizes
-    return _profile(cfg, len(src), len(src.classes), src.sample_sizes(SAMPLE))
+    configure_remote(d)  # the run's retries, backoff and cache apply to the plan's reads too
+    src = open_training(d)  # shards: streamed, the index's counts, the first shard's sizes
+    return _profile(d.path, len(src), len(src.classes), src.sample_sizes(SAMPLE))
 
 
-def _profile(cfg: Config, images: int, classes: int, sizes: list[tuple[int, int]]) -> DataProfile:
+def _profile(path: str, images: int, classes: int, sizes: list[tuple[int, int]]) -> DataProfile:
     if not sizes:
-        raise DataError(f"{cfg.data.path}: no readable image among the {min(SAMPLE, images)} sampled")
+        raise DataError(f"{path}: no readable image among the {min(SAMPLE, images)} sampled")
     short, long = np.median([min(s) for s in sizes]), np.median([max(s) for s in sizes])
     return DataProfile(images, classes, int(short), int(long))
 
@@ -127,19 +127,20 @@ def resolve_plan(plan: list[tuple[str, object, str]], cfg_batch: int, images: in
     return out
 
 
-def size_warnings(cfg: Config, profile: DataProfile) -> list[str]:
+def size_warnings(m: ModelConfig, device: str, profile: DataProfile) -> list[str]:
     """Warnings when the input is far above what the images hold: over 256 tokens per image on a
     CPU for a model with global attention (a Swin attends within fixed windows: its cost grows
     linearly with the tokens), or an input size over twice the images' median short side
     (upsampled pixels carry no detail, and cost ``(size / patch)^2`` tokens). None for
-    ``model.name=auto`` (the weights' architecture is known only once they are read)."""
-    if cfg.model.name == "auto":
+    ``model.name=auto`` (the weights' architecture is known only once they are read). ``m``: the
+    model section; ``device``: ``train.device``."""
+    if m.name == "auto":
         return []
-    out, defaults = [], model_kwargs(cfg.model.name)
-    image, patch_size = cfg.model.img_size or defaults["img_size"], cfg.model.patch_size or defaults["patch_size"]
+    out, defaults = [], model_kwargs(m.name)
+    image, patch_size = m.img_size or defaults["img_size"], m.patch_size or defaults["patch_size"]
     tokens = (image // patch_size) ** 2
-    windowed = family_of(cfg.model.name).name == "swin"
-    if tokens > 256 and not windowed and not cfg.train.device.startswith("cuda"):
+    windowed = family_of(m.name).name == "swin"
+    if tokens > 256 and not windowed and not device.startswith("cuda"):
         better = max(patch_size, image // 8)
         out.append(f"{tokens} tokens per image ({image} px in {patch_size}-px patches) on a CPU: attention cost grows "
                    f"with the square of the tokens; model.patch_size={better} would give {(image // better) ** 2}")
@@ -159,7 +160,7 @@ def planned_config(overrides: list[str], checks, preset: str = PHOTO_PRESET) -> 
     """
     set_by_user = {o.split("=", 1)[0].strip() for o in overrides}
     base = build_config(preset, overrides=overrides, checks=checks)
-    profile = profile_data(base)
+    profile = profile_data(base.data)
     log.info("plan: %d training images of %d classes, median %dx%d px", profile.images, profile.classes,
              profile.long_side, profile.short_side)
     family = "vit" if base.model.name == "auto" else family_of(base.model.name).name
@@ -170,7 +171,7 @@ def planned_config(overrides: list[str], checks, preset: str = PHOTO_PRESET) -> 
     for key, value, why in plan:
         log.info("plan: %s=%s  (%s)", key, value, why)
     cfg = build_config(preset, overrides=[f"{k}={v}" for k, v, _ in plan] + overrides, checks=checks)
-    for warning in size_warnings(cfg, profile):
+    for warning in size_warnings(cfg.model, cfg.train.device, profile):
         log.warning("%s", warning)
     log.info("resolved config (save it and pass --config FILE to repeat the run):\n%s", to_yaml(cfg).rstrip())
     return cfg
