@@ -185,19 +185,24 @@ def training_state(trainer, records: dict[str, int] | None = None) -> dict[str, 
     rngs = trainer.dist.gather(rng_state())
     if not trainer.dist.is_main:
         return None
-    return {
+    state = {
         "step": trainer.step, "model": model_state, "optimizer": optimizer_state,
         "scheduler": trainer.scheduler.state_dict(),
         "scaler": trainer.precision.scaler.state_dict() if trainer.precision.scaler else None,
         "rng": rngs[0], "rng_ranks": rngs if trainer.dist.enabled else None,
         "data": {"position": list(trainer.epochs.position), "skipped": dict(trainer.epochs.skips.per_epoch)},
-        "records": records or trainer.metrics.offsets(), **trainer.callbacks.state_dict(),
+        "records": records or trainer.metrics.offsets(),
         "config": trainer.cfg.to_dict(), "model_args": trainer.model_args, "classes": trainer.data.classes,
         "preprocess": trainer.data.preprocess.to_dict(), "metrics": scalar_metrics(trainer.last_eval or {}),
         "task": trainer.data.task, "threshold": trainer.evaluator.threshold,
         "ema": trainer.ema.state_dict() if trainer.ema is not None else None, "guard": trainer.guard.state_dict(),
         "eval_due": trainer.eval_due, "fp32_gemm": onednn.decided(),
     }
+    for key, value in trainer.callbacks.state_dict().items():  # (ProgressLog: "meter", Selection: "selection")
+        if key in state:
+            raise ValueError(f"a callback's state_key {key!r} is a key vitflow's checkpoints use: choose another")
+        state[key] = value
+    return state
 
 
 def restore_training(state: dict, trainer) -> None:
