@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from vitflow.cli.serve import add_serve_command
+
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="named recipe (see `vitflow presets`); default digits-vit-tiny")
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     _training_commands(sub)
     _sweep_command(sub)
     _deployment_commands(sub)
+    add_serve_command(sub)
     _data_and_view_commands(sub)
     bench = _bench_commands(sub)
     _listing_commands(sub)
