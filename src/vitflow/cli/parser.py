@@ -168,11 +168,15 @@ def _deployment_commands(sub) -> None:
                        "folder), verified")
     p.add_argument("checkpoint", help="checkpoint file or run directory")
     _add_checkpoint_choice(p)
-    p.add_argument("--format", default="onnx", choices=["onnx", "torchscript", "exported-program", "tensorrt", "hub"],
+    p.add_argument("--format", default="onnx", choices=["onnx", "torchscript", "exported-program", "tensorrt", "hub",
+                                                       "triton"],
                    help="hub: a new folder of config.json, model.safetensors (timm names) and README.md (model card) "
-                   "that timm and vitflow load")
-    p.add_argument("-o", "--output", required=True, help="output file (.onnx, .ts, .pt2, .engine) or, for hub, a "
-                   "new (or empty) folder")
+                   "that timm and vitflow load; triton: a new Triton model repository (config.pbtxt with dynamic "
+                   "batching, labels.txt, 1/model.onnx)")
+    p.add_argument("--max-batch", type=_positive, default=16, help="triton: max_batch_size (16)")
+    p.add_argument("--max-wait-ms", type=float, default=5.0, help="triton: dynamic batching's max queue delay in ms (5)")
+    p.add_argument("-o", "--output", required=True, help="output file (.onnx, .ts, .pt2, .engine) or, for hub and "
+                   "triton, a new (or empty) folder")
     p.add_argument("--optimize", action="store_true", help="ONNX: apply ONNX Runtime's transformer fusions")
     p.add_argument("--target", choices=["cpu", "gpu"], help="--optimize for this target (default: gpu if CUDA "
                    "is available, else cpu)")
