@@ -28,8 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import (closed_loop, cpu_flags, free_port, load_images, measure, open_loop, scrape,  # noqa: E402
-                        start_server)
+from serve_load import closed_loop, cpu_flags, free_port, load_images, measure, open_loop, scrape, start_server  # noqa: E402
 
 
 def workers(parent: int) -> list[int]:

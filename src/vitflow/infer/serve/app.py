@@ -47,6 +47,30 @@ def error_response(e: RequestError) -> JSONResponse:
     return JSONResponse({"error": e.message, "kind": e.kind, "status": e.status}, e.status, headers=e.headers)
 
 
+async def answer(request: Request, route: str, settings: ServeSettings) -> Response:
+    """One ``/v1/classify`` or ``/v1/embed`` request: read, check, decode, batch, answer."""
+    service: Service = request.app.state.service
+    t0 = time.monotonic()
+    try:
+        deadline = t0 + request_timeout(request, settings.timeout)
+        service.check_capacity()
+        body = await read_body(request, settings.max_body_bytes, deadline)
+        upload = await parse_upload(request, body, settings.max_images)
+        k = top_k(request, upload.options, settings.topk)
+        rows, info, timing = await service.run(route, upload, deadline)
+    except RequestError as e:
+        request.state.error_kind = e.kind
+        return error_response(e)
+    out = {"model": service.info}
+    if route == "classify":
+        out["predictions"] = service.predictor.answers(rows, k)
+    else:
+        out["embeddings"], out["dim"] = rows.tolist(), int(rows.shape[1])
+    out["batch_size"] = info.size
+    out["timing_ms"] = {**timing, "total_ms": round((time.monotonic() - t0) * 1e3, 2)}
+    return JSONResponse(out)
+
+
 def create_app(settings: ServeSettings) -> FastAPI:
     """The application for prepared ``settings`` (:func:`vitflow.infer.serve.backends.prepare`);
     the model is loaded and warmed up in its lifespan start-up, before it accepts requests."""
@@ -62,36 +86,13 @@ def create_app(settings: ServeSettings) -> FastAPI:
                   description=f"Image classification with {settings.name} ({settings.source})")
     app.add_middleware(AccessLog, service=lambda: getattr(app.state, "service", None), log_json=settings.log_json)
 
-    async def handle(request: Request, route: str) -> Response:
-        service: Service = request.app.state.service
-        t0 = time.monotonic()
-        try:
-            deadline = t0 + request_timeout(request, settings.timeout)
-            service.check_capacity()
-            body = await read_body(request, settings.max_body_bytes, deadline)
-            upload = await parse_upload(request, body, settings.max_images)
-            k = top_k(request, upload.options, settings.topk)
-            rows, info, timing = await service.run(route, upload, deadline)
-        except RequestError as e:
-            request.state.error_kind = e.kind
-            return error_response(e)
-        out = {"model": service.info}
-        if route == "classify":
-            out["predictions"] = service.predictor.answers(rows, k)
-        else:
-            out["embeddings"], out["dim"] = rows.tolist(), int(rows.shape[1])
-        request.state.images = len(rows)
-        out["batch_size"] = info.size
-        out["timing_ms"] = {**timing, "total_ms": round((time.monotonic() - t0) * 1e3, 2)}
-        return JSONResponse(out)
-
     @app.post("/v1/classify", openapi_extra=IMAGE_BODY, summary="top-k classes of one or more images")
     async def classify(request: Request) -> Response:
-        return await handle(request, "classify")
+        return await answer(request, "classify", settings)
 
     @app.post("/v1/embed", openapi_extra=IMAGE_BODY, summary="pooled features of one or more images")
     async def embed(request: Request) -> Response:
-        return await handle(request, "embed")
+        return await answer(request, "embed", settings)
 
     @app.get("/healthz", summary="the process answers")
     async def healthz() -> dict:

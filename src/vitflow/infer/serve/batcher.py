@@ -21,7 +21,7 @@ import math
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -100,11 +100,12 @@ class Batcher:
         max_batch: images per call, at most.
         max_wait: seconds the first image of a batch waits for more.
         on_batch: called after each call with its :class:`BatchInfo` (metrics).
-        queued_gauge: a gauge set to the queue length (metrics), or None.
+        queued_gauge: a Prometheus gauge set to the queue length, or None.
+        on_dequeue: called with each image's wait in the queue (seconds) as its batch starts.
     """
 
     def __init__(self, run: Callable[[torch.Tensor], torch.Tensor], executor: Executor, max_batch: int,
-                 max_wait: float, on_batch: Callable[[BatchInfo], None] | None = None, queued_gauge=None,
+                 max_wait: float, on_batch: Callable[[BatchInfo], None] | None = None, queued_gauge: Any = None,
                  on_dequeue: Callable[[float], None] | None = None):
         self.run, self.executor, self.max_batch, self.max_wait = run, executor, max_batch, max_wait
         self.on_batch, self.queued_gauge, self.on_dequeue = on_batch, queued_gauge, on_dequeue

@@ -23,6 +23,7 @@ import functools
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
 
@@ -111,16 +112,17 @@ def _config(name: str, onnx: Path, max_batch: int, max_wait_ms: float, instances
 
 def write_triton_repository(checkpoint: str | Path, out: str | Path, name: str | None = None,
                             max_batch: int = 16, max_wait_ms: float = 5.0, instances: int = 1,
-                            kind: str = "KIND_CPU", **export_kwargs) -> dict:
+                            kind: str = "KIND_CPU", **export_kwargs: Any) -> dict:
     """Write the repository (layout in the module docstring) for ``checkpoint``.
 
     Args:
-        export_kwargs: to :func:`vitflow.infer.export.export_checkpoint`, which writes and
+        **export_kwargs: to :func:`vitflow.infer.export.export_checkpoint`, which writes and
             verifies ``<name>/1/model.onnx`` (``optimize``, ``target``, ``verify_data``, ``log``, ...).
         name: the model's name in Triton (default: the checkpoint's run or file name, as letters,
             digits, ``_`` and ``-``).
         max_batch: ``max_batch_size``; ``max_wait_ms``: ``max_queue_delay_microseconds`` / 1000.
-        instances, kind: the ``instance_group`` (``KIND_CPU`` or ``KIND_GPU``).
+        instances: the ``instance_group``'s count.
+        kind: the ``instance_group``'s kind, ``KIND_CPU`` or ``KIND_GPU``.
     Returns:
         the export's result with ``repository``, ``model``, ``config`` (the path) and
         ``dynamic_batching`` (as read back).
