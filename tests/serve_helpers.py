@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -60,3 +61,46 @@ class Served:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise
+
+
+class Clients:
+    """``n`` threads calling ``request()`` (an httpx call) again and again inside the ``with``
+    block; ``outcomes``: ``(time.monotonic(), status)``, the status ``"hang"`` for a client
+    timeout and ``"connection error"`` for a dropped or refused connection."""
+
+    def __init__(self, n: int, request):
+        self.request, self.outcomes, self.stop = request, [], threading.Event()
+        self.threads = [threading.Thread(target=self._run) for _ in range(n)]
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                status = self.request().status_code
+            except httpx.TimeoutException:
+                status = "hang"
+            except httpx.TransportError:
+                status = "connection error"
+            self.outcomes.append((time.monotonic(), status))
+
+    def statuses(self) -> list:
+        return [s for _, s in self.outcomes]
+
+    def __enter__(self) -> "Clients":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+
+def wait_until(done, seconds: float, every: float = 0.1) -> float | None:
+    """Seconds until ``done()`` first holds, or None when it did not within ``seconds``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        if done():
+            return time.monotonic() - t0
+        time.sleep(every)
+    return None

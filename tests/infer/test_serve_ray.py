@@ -5,13 +5,13 @@ and a replica actor killed under load costs error answers, not hangs, and is rep
 from __future__ import annotations
 
 import base64
-import threading
 import time
 
 import httpx
 import pytest
 
 from helpers import make_folder
+from serve_helpers import Clients, wait_until
 from servers import free_port
 from vitflow.infer import Predictor, collect_images
 from vitflow.infer.serve import ServeSettings
@@ -59,35 +59,16 @@ def test_two_replicas_answer_as_predict_and_a_killed_replica_is_replaced(tiny_ru
     before = replica_actors()
     assert len(before) == 2
 
-    outcomes, stop = [], threading.Event()
-
-    def client():
-        while not stop.is_set():
-            try:
-                outcomes.append(httpx.post(url + "/v1/classify", json=body, timeout=20).status_code)
-            except httpx.TimeoutException:
-                outcomes.append("hang")
-            except httpx.TransportError:
-                outcomes.append("connection error")
-
-    threads = [threading.Thread(target=client) for _ in range(3)]
-    for t in threads:
-        t.start()
-    time.sleep(1.0)
-    killed_at = time.monotonic()
-    ray.kill(ray.get_actor(before[0], namespace="serve"), no_restart=True)
-    replaced = None
-    while time.monotonic() - killed_at < 90 and replaced is None:
+    def replaced_and_running() -> bool:
         now = replica_actors()
-        if len(now) == 2 and before[0] not in now:
-            status = serve.status().applications["vitflow"]
-            if status.status == "RUNNING":
-                replaced = time.monotonic() - killed_at
-        time.sleep(0.2)
-    stop.set()
-    for t in threads:
-        t.join(60)
+        return len(now) == 2 and before[0] not in now and serve.status().applications["vitflow"].status == "RUNNING"
+
+    with Clients(3, lambda: httpx.post(url + "/v1/classify", json=body, timeout=20)) as clients:
+        time.sleep(1.0)
+        ray.kill(ray.get_actor(before[0], namespace="serve"), no_restart=True)
+        replaced = wait_until(replaced_and_running, 90, every=0.2)
     assert replaced is not None, f"the killed replica was not replaced: {replica_actors()}"
+    outcomes = clients.statuses()
     assert "hang" not in outcomes and outcomes.count(200) >= 3, outcomes
     assert set(outcomes) <= {200, 500, 502, 503, "connection error"}, outcomes
     assert [httpx.post(url + "/v1/classify", json=body, timeout=30).status_code for _ in range(6)] == [200] * 6
