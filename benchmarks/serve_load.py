@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tarfile
@@ -281,4 +282,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers started here (finally blocks)
     sys.exit(main())

@@ -234,8 +234,8 @@ def test_onnx_answers_batches_deadlines_and_the_sigterm_drain(tiny_run, images, 
     run, _ = tiny_run
     onnx = tmp_path / "model.onnx"
     export_checkpoint(run, onnx, verify_data=str(images), log=lambda m: None)
-    s = Served(onnx, "--max-batch", "32", "--max-wait-ms", "1500", "--log-json", log=tmp_path / "server.log")
-    check_parity(s.url, predict(onnx, images), one_by_one=False)  # batches of 4 (each waits 1.5 s for more)
+    s = Served(onnx, "--max-batch", "32", "--max-wait-ms", "3000", "--log-json", log=tmp_path / "server.log")
+    check_parity(s.url, predict(onnx, images), one_by_one=False)  # batches of 4 (each waits 3 s for more)
     data = (images / "a" / "000.png").read_bytes()
     t0 = time.monotonic()
     r = httpx.post(s.url + "/v1/classify?timeout=0.5", content=data, headers={"Content-Type": PNG})
@@ -249,9 +249,20 @@ def test_onnx_answers_batches_deadlines_and_the_sigterm_drain(tiny_run, images, 
     assert [r.json()["batch_size"] for r in batch] == [6] * 6  # gathered into one model call
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(call, i) for i in range(8)]
-        time.sleep(0.6)  # all 8 wait in the batcher (1.5 s for a batch of 32)
+        time.sleep(0.6)  # all 8 wait in the batcher (3 s for a batch of 32)
         s.proc.send_signal(signal.SIGTERM)
+
+        def refused() -> bool:
+            try:
+                httpx.get(s.url + "/healthz", timeout=1)
+                return False
+            except httpx.ConnectError:
+                return True
+
+        refused_after = wait_until(refused, 10, every=0.05)  # stops accepting while the 8 are still queued
+        assert not any(f.done() for f in futures)
         answers = [f.result() for f in futures]
+    assert refused_after is not None
     assert [r.status_code for r in answers] == [200] * 8
     assert s.proc.wait(30) == 0
     with pytest.raises(httpx.ConnectError):
@@ -279,7 +290,7 @@ def test_bad_sources_and_options_fail_before_listening_with_one_line(tmp_path, t
 def test_a_sigkilled_worker_costs_errors_not_hangs_and_is_replaced(server, images):
     """One of the two workers killed under load: its requests in flight fail at once (the
     connection drops), the other worker answers throughout (the service is back at once) and the
-    supervisor starts a replacement that serves once warmed up (seconds; a minute allowed here,
+    supervisor starts a replacement that serves once warmed up (seconds; 3 minutes allowed here,
     where the test machine's load slows a Python start-up)."""
     old = server.workers()
     assert len(old) == 2
@@ -296,8 +307,8 @@ def test_a_sigkilled_worker_costs_errors_not_hangs_and_is_replaced(server, image
         time.sleep(1.0)
         killed_at = time.monotonic()
         os.kill(old[0], signal.SIGKILL)
-        replaced = wait_until(new_worker_answers, 60)
-    assert replaced is not None, f"no replacement worker answered within 60 s: {server.workers()}"
+        replaced = wait_until(new_worker_answers, 180)
+    assert replaced is not None, f"no replacement worker answered within 180 s: {server.workers()}"
     statuses = clients.statuses()
     assert "hang" not in statuses and set(statuses) <= {200, "connection error"}, statuses
     first_ok_after = min(t for t, o in clients.outcomes if o == 200 and t > killed_at)

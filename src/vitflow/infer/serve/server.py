@@ -36,13 +36,28 @@ def describe(s: ServeSettings) -> str:
             f"{s.max_queue} images, timeout {s.timeout:g} s; API docs at {where}/docs")
 
 
+def _supervisor_class():
+    from uvicorn.supervisors import Multiprocess
+
+    class Supervisor(Multiprocess):
+        """uvicorn's supervisor that, on SIGTERM / SIGINT, closes its own copy of the listening socket
+        before the workers drain: once they have closed theirs, a new connection is refused at once
+        instead of waiting in the kernel's backlog until the parent exits."""
+
+        def terminate_all(self) -> None:
+            for sock in self.sockets:
+                sock.close()
+            super().terminate_all()
+
+    return Supervisor
+
+
 def run_server(settings: ServeSettings, say: Callable[[str], None] = print) -> int:
     """Serve until SIGTERM / SIGINT; returns the exit status (0 after a drain, 1 when the workers
     could not start). Raises FileNotFoundError / ValueError for a bad source or option, before
     anything listens."""
     import uvicorn
     from uvicorn.config import STARTUP_FAILURE
-    from uvicorn.supervisors import Multiprocess
 
     with tempfile.TemporaryDirectory(prefix="vitflow-serve-") as tmp:
         prepared = prepare(settings, tmp, say)
@@ -55,6 +70,6 @@ def run_server(settings: ServeSettings, say: Callable[[str], None] = print) -> i
                                 log_level="warning", access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=int(prepared.timeout) + 5)
         say(describe(prepared))
-        supervisor = Multiprocess(config, sockets=[config.bind_socket()])
+        supervisor = _supervisor_class()(config, sockets=[config.bind_socket()])
         supervisor.run()
         return 1 if any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes) else 0
