@@ -14,6 +14,7 @@ import sys
 from vitflow.cli.deploy import cmd_export, cmd_prune, cmd_quantize
 from vitflow.cli.outputs import chosen, live_report_hook, train_epilogue
 from vitflow.cli.outputs import print_json as _print_json
+from vitflow.cli.serve import cmd_serve
 from vitflow.config import build_config, list_presets, preset_tree, to_yaml
 from vitflow.data import check_config as check_data_config
 from vitflow.data.sources.readers import display_name
@@ -327,7 +328,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 COMMANDS = {"train": cmd_train, "resume": cmd_resume, "eval": cmd_eval, "predict": cmd_predict, "attention": cmd_attention,
             "embed": cmd_embed,
-            "export": cmd_export, "quantize": cmd_quantize, "prune": cmd_prune, "prepare": cmd_prepare,
+            "export": cmd_export, "serve": cmd_serve, "quantize": cmd_quantize, "prune": cmd_prune, "prepare": cmd_prepare,
             "bench": cmd_bench, "lr-schedule": cmd_lr_schedule, "report": cmd_report, "presets": cmd_presets,
             "models": cmd_models,
             "sweep": cmd_sweep}
