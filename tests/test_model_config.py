@@ -131,6 +131,9 @@ def test_auto_takes_the_weights_family_where_their_config_can_be_read(tmp_path, 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     assert config_class("auto", str(snap / "model.safetensors")) is ViTConfig
     assert config_class("auto", "hf-hub:nobody/nothing") is ViTConfig
+    with pytest.raises(ConfigError, match=r"model\.window_size is not a key of ViT / DeiT models \(model\.name=auto\)"
+                                          r".*the weights' config could not be read without the network"):
+        family_config("model.name=auto", "model.pretrained=hf-hub:nobody/nothing", "model.window_size=2")
     late = build_config(overrides=["model.name=auto", f"model.pretrained={snap}"])  # without the model layer
     assert type(late.model) is ViTConfig
     apply_pretrained(late)

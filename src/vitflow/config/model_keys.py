@@ -74,8 +74,10 @@ def not_a_key(leaf: str, cls: type[ModelConfig], name: str, value: Any = datacla
     """The one-line refusal of ``model.LEAF`` for a section of ``cls`` (naming the model and the
     keys the section takes)."""
     shown = "" if value is dataclasses.MISSING else f"={value!r}"
+    auto = " (model.name=auto: the weights' config could not be read without the network; name the model or give " \
+        "a snapshot folder)" if name == "auto" else ""
     return ConfigError(f"model.{leaf}{shown} is not a key of {cls.label} models (model.name={name}); their keys: "
-                       f"{', '.join(field_names(cls))}", f"model.{leaf}")
+                       f"{', '.join(field_names(cls))}{auto}", f"model.{leaf}")
 
 
 def retype_model(m: ModelConfig, cls: type[ModelConfig]) -> ModelConfig:

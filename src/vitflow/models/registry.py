@@ -117,10 +117,12 @@ def create_model(name: str, pretrained: str | Path | None = None, **overrides: A
         **overrides: constructor arguments (for ViT: ``num_classes``, ``img_size``,
             ``drop_path_rate``, ``attention``, ..., ``distilled=True`` for DeiT's distilled ViT,
             ``grad_checkpointing``); ``None`` values are ignored. These are the names of the
-            config's ``model`` section.
+            family's ``model`` section (:func:`config_class`) and of its model's constructor; the
+            keys of an older flat section that the family lacks are ignored at their old defaults.
     Raises:
-        ValueError: unknown name, invalid arguments or incompatible weights; FileNotFoundError:
-        missing weights file.
+        ValueError: unknown name, an argument the family does not take (naming it and the
+        family's keys), invalid arguments or incompatible weights; FileNotFoundError: missing
+        weights file.
     """
     family = family_of(name)
     model = family.build(**_accepted(family, model_kwargs(name, **overrides)))
