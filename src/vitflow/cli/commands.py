@@ -19,6 +19,7 @@ from vitflow.config import build_config, list_presets, preset_tree, to_yaml
 from vitflow.data import check_config as check_data_config
 from vitflow.data.sources.readers import display_name
 from vitflow.models import check_config as check_model_config
+from vitflow.models import config_class
 from vitflow.train import check_config as check_train_config
 
 # the layers' config checks, run by every command that builds a config
@@ -45,7 +46,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                                              "(change keys with key=value)")
     if cfg is None and is_planned(args.preset, args.config, args.overrides):
         cfg = planned_config(args.overrides, CONFIG_CHECKS)  # a photo folder: the recipe from the data
-    cfg = cfg or build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS)
+    cfg = cfg or build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS, model_config=config_class)
     if args.print_config:
         from vitflow.models.pretrained.config import apply_pretrained
 
@@ -269,7 +270,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_lr_schedule(args: argparse.Namespace) -> int:
-    cfg = build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS)
+    cfg = build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS, model_config=config_class)
     if args.print_config:
         from vitflow.models.pretrained.config import apply_pretrained
 
@@ -304,7 +305,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
     if args.name:
         preset_tree(args.name)  # fails with the nearest names if unknown
         checks = {k: v for k, v in CONFIG_CHECKS.items() if k != "model"}  # model.name=auto needs the weights
-        print(to_yaml(build_config(args.name, checks=checks)), end="")
+        print(to_yaml(build_config(args.name, checks=checks, model_config=config_class)), end="")
         return 0
     for name, desc in list_presets().items():
         print(f"{name:28s} {desc}")

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch.nn as nn
 
-from vitflow.config import Config, ConfigError, ModelConfig
+from vitflow.config import Config, ConfigError, retype_model
 from vitflow.models.convert.hf_swin import swin_model_config_keys
 from vitflow.models.pretrained.hub import Pretrained, resolve_pretrained
-from vitflow.models.registry import MODELS, create_model
+from vitflow.models.registry import MODELS, config_class, create_model
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def explicit_keys(cfg: Config) -> set[str]:
     origins = getattr(cfg, "key_origins", None)
     auto = cfg.model.name == "auto"
     if origins is None:
-        default = Config()
+        default = Config(model=type(cfg.model)())
         return {k for k in (*PREPROCESS_KEYS, *(f"model.{s}" for s in SIZE_KEYS))
                 if _get(cfg, k) != _get(default, k)}
     return {k for k, origin in origins.items()
@@ -49,21 +49,25 @@ def explicit_keys(cfg: Config) -> set[str]:
 
 def _get(cfg: Config, key: str) -> Any:
     section, leaf = key.split(".")
-    return getattr(getattr(cfg, section), leaf)
+    return getattr(getattr(cfg, section), leaf, None)  # (a family's section lacks some model keys)
 
 
 def apply_pretrained(cfg: Config) -> Pretrained | None:
     """Fill ``cfg`` in place from ``model.pretrained``'s metadata: the architecture for
     ``model.name=auto`` (with the weights' sizes), and ``data.mean/std/crop_pct/interpolation``
     and ``model.img_size`` from its preprocessing, each unless set explicitly
-    (:func:`explicit_keys`); logs what it took. Returns the resolved weights, or None when there
-    is nothing to take (no ``model.pretrained``, or every key set by the user).
+    (:func:`explicit_keys`); logs what it took. ``cfg.model`` becomes the named family's section
+    class (:func:`vitflow.config.retype_model`: a config built without the family's class, or
+    ``auto`` resolved here). Returns the resolved weights, or None when there is nothing to take
+    (no ``model.pretrained``, or every key set by the user).
 
     Raises:
         ConfigError: ``model.name=auto`` without ``model.pretrained`` or without a config naming
-        the architecture. ValueError / FileNotFoundError: from
-        :func:`~vitflow.models.pretrained.hub.resolve_pretrained`.
+        the architecture; an unknown model name; a key the named family does not take.
+        ValueError / FileNotFoundError: from :func:`~vitflow.models.pretrained.hub.resolve_pretrained`.
     """
+    if cfg.model.name != "auto":
+        cfg.model = retype_model(cfg.model, config_class(cfg.model.name))
     m = cfg.model
     if not m.pretrained:
         if m.name == "auto":
@@ -84,6 +88,7 @@ def apply_pretrained(cfg: Config) -> Pretrained | None:
                               "does not build (see vitflow models)", "model.name")
         m.name = pre.model_name
         _reset_preset_arch_keys(cfg)
+        cfg.model = m = retype_model(m, config_class(m.name))
         taken = {k: v for k, v in pre.model_kwargs.items() if k in SIZE_KEYS and f"model.{k}" not in explicit}
         if m.name.startswith("swin"):  # stage depths / heads, window: convert_hf_swin
             taken = swin_model_config_keys(pre.model_kwargs, m, explicit)
@@ -100,8 +105,8 @@ def apply_pretrained(cfg: Config) -> Pretrained | None:
 
 def _reset_preset_arch_keys(cfg: Config) -> None:
     origins = getattr(cfg, "key_origins", {})
-    default = ModelConfig()
-    reset = [k for k in ARCH_KEYS if origins.get(f"model.{k}", "").startswith("preset ")]
+    default = type(cfg.model)()
+    reset = [k for k in ARCH_KEYS if origins.get(f"model.{k}", "").startswith("preset ") and hasattr(default, k)]
     for k in reset:
         setattr(cfg.model, k, getattr(default, k))
     if reset:
