@@ -249,8 +249,9 @@ def test_onnx_answers_batches_deadlines_and_the_sigterm_drain(tiny_run, images, 
     assert [r.json()["batch_size"] for r in batch] == [6] * 6  # gathered into one model call
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(call, i) for i in range(8)]
-        time.sleep(0.6)  # all 8 wait in the batcher (3 s for a batch of 32)
-        s.proc.send_signal(signal.SIGTERM)
+        queued = ("vitflow_serve_queued_images", ())
+        assert wait_until(lambda: metrics(s.url).get(queued) == 8, 10, every=0.02) is not None  # all 8 accepted,
+        s.proc.send_signal(signal.SIGTERM)  # waiting in the batcher (3 s for a batch of 32)
 
         def refused() -> bool:
             try:
