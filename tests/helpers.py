@@ -168,3 +168,12 @@ class RecordedOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func.overloadpacket).split(".")[-1])
         return func(*args, **(kwargs or {}))
+
+
+def take_pretrained(cfg):
+    """``cfg`` filled from ``model.pretrained`` as the trainer fills it (architecture for
+    ``model.name=auto``, the weights' preprocessing); returns the resolved weights."""
+    from vitflow.models.pretrained.config import apply_pretrained
+
+    cfg.model, pre = apply_pretrained(cfg.model, cfg.data, getattr(cfg, "key_origins", None))
+    return pre

@@ -11,6 +11,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from helpers import take_pretrained
 from vitflow.cli import CONFIG_CHECKS, main
 from vitflow.config import (
     LEGACY_MODEL_DEFAULTS,
@@ -24,7 +25,6 @@ from vitflow.config import (
     retype_model,
 )
 from vitflow.models import FAMILIES, config_class, create_model, model_args
-from vitflow.models.pretrained.config import apply_pretrained
 
 SWIN = "swin_cifar_patch2_window4_32"
 
@@ -122,7 +122,7 @@ def test_auto_takes_the_weights_family_where_their_config_can_be_read(tmp_path, 
     assert config_class("auto", str(snap)) is SwinConfig
     cfg = family_config("model.name=auto", f"model.pretrained={snap}", "model.window_size=2")
     assert type(cfg.model) is SwinConfig and cfg.model.window_size == 2  # a Swin key, accepted before the weights
-    apply_pretrained(cfg)
+    take_pretrained(cfg)
     m = cfg.model
     assert (m.name, m.depths, m.num_heads, m.embed_dim, m.window_size, m.img_size) == (
         "swin_tiny_patch4_window7_224", (1, 1), (2, 4), 16, 2, 16)  # the user's window wins
@@ -136,7 +136,7 @@ def test_auto_takes_the_weights_family_where_their_config_can_be_read(tmp_path, 
         family_config("model.name=auto", "model.pretrained=hf-hub:nobody/nothing", "model.window_size=2")
     late = build_config(overrides=["model.name=auto", f"model.pretrained={snap}"])  # without the model layer
     assert type(late.model) is ViTConfig
-    apply_pretrained(late)
+    take_pretrained(late)
     assert type(late.model) is SwinConfig and late.model.depths == (1, 1)
 
 

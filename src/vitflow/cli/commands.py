@@ -50,7 +50,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.print_config:
         from vitflow.models.pretrained.config import apply_pretrained
 
-        apply_pretrained(cfg)  # model.name=auto and the weights' preprocessing, as training takes them
+        cfg.model, _ = apply_pretrained(cfg.model, cfg.data, cfg.key_origins)  # as training takes them
         print(to_yaml(cfg), end="")
         if cfg.data.path and not os.path.exists(cfg.data.path):  # shown, but training would stop here
             print(f"warning: data.path {cfg.data.path} does not exist", file=sys.stderr)
@@ -274,7 +274,7 @@ def cmd_lr_schedule(args: argparse.Namespace) -> int:
     if args.print_config:
         from vitflow.models.pretrained.config import apply_pretrained
 
-        apply_pretrained(cfg)  # model.name=auto and the weights' preprocessing, as training takes them
+        cfg.model, _ = apply_pretrained(cfg.model, cfg.data, cfg.key_origins)  # as training takes them
         print(to_yaml(cfg), end="")
         return 0
     from vitflow.models import model_kwargs
