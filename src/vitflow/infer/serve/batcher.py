@@ -100,7 +100,8 @@ class Batcher:
         max_batch: images per call, at most.
         max_wait: seconds the first image of a batch waits for more.
         on_batch: called after each call with its :class:`BatchInfo` (metrics).
-        queued_gauge: a Prometheus gauge set to the queue length, or None.
+        queued_gauge: a Prometheus gauge set to the images waiting for a model call (queued, or gathered
+            for the next batch), or None.
         on_dequeue: called with each image's wait in the queue (seconds) as its batch starts.
     """
 
@@ -112,6 +113,7 @@ class Batcher:
         self.images_per_s = 0.0  # moving average of the model's throughput (Retry-After)
         self._queue: asyncio.Queue[_Item | None] = asyncio.Queue()
         self._task: asyncio.Task | None = None
+        self._waiting = 0  # images submitted and not yet in a model call (queued, or gathered for the next batch)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -136,6 +138,7 @@ class Batcher:
         items = [_Item(img, deadline, loop.create_future()) for img in images]
         for item in items:
             self._queue.put_nowait(item)
+        self._waiting += len(items)
         self._gauge()
         gathered = asyncio.gather(*(i.future for i in items))
         done = await asyncio.wait_for(gathered, max(0.0, deadline - time.monotonic()))
@@ -143,10 +146,11 @@ class Batcher:
 
     def _gauge(self) -> None:
         if self.queued_gauge is not None:
-            self.queued_gauge.set(self._queue.qsize())
+            self.queued_gauge.set(self._waiting)
 
     async def _next_batch(self) -> list[_Item] | None:
-        """The next batch of live items (None: stop)."""
+        """The next batch of live items (None: stop); every item taken from the queue leaves the
+        waiting count, live or not."""
         first = await self._queue.get()
         if first is None:
             return None
@@ -167,6 +171,7 @@ class Batcher:
                 break
             batch.append(item)
         now = time.monotonic()
+        self._waiting -= len(batch)
         return [i for i in batch if not i.future.done() and i.deadline > now]
 
     async def _loop(self) -> None:
