@@ -233,8 +233,9 @@ def as_image(obj, name: str = "image") -> torch.Tensor:
     if not (is_array or isinstance(obj, torch.Tensor)):
         raise TypeError(f"{name} is a {type(obj).__name__}: expected a PIL image, a uint8 array or tensor, or a path")
     if obj.dtype not in (np.uint8, torch.uint8):
-        raise TypeError(f"{name} is a {obj.dtype} {'array' if is_array else 'tensor'}: vitflow takes uint8 images "
-                        "(0-255; it normalises on the device): leave ToTensor / Normalize out of the dataset's transform")
+        raise TypeError(f"{name} is a {str(obj.dtype).removeprefix('torch.')} {'array' if is_array else 'tensor'}: "
+                        "vitflow takes uint8 images (0-255; it normalises on the device): leave ToTensor / Normalize "
+                        "out of the transform")
     t = torch.from_numpy(np.ascontiguousarray(obj)) if is_array else obj.detach().cpu()
     if t.ndim == 2:
         t = t[None]
