@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vitflow.api.display import shown
 from vitflow.data.decode import as_image
 from vitflow.data.transforms import Preprocess
 from vitflow.infer import Predictor, collect_images
@@ -122,7 +123,7 @@ class Classifier:
         if len(refs) != 1:
             raise ValueError(f"attention_maps takes one image, got {len(refs)}")
         pixels = self._pixels(refs[0])
-        return attention_maps(self.predictor, pixels, layer, head_fusion, Path(refs[0].name).name)["figure"]
+        return shown(attention_maps(self.predictor, pixels, layer, head_fusion, Path(refs[0].name).name)["figure"])
 
     def _pixels(self, ref: ImageRef) -> torch.Tensor:
         from vitflow.infer.predict import decode_ref

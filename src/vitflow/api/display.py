@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -55,3 +56,21 @@ class Report:
         body = re.search(r"<body>(.*)</body>", page, flags=re.S)
         style = f"<style>{scoped_css(css.group(1))}</style>" if css else ""
         return f'<div class="{SCOPE}">{style}{body.group(1) if body else page}</div>'
+
+
+def shown(figure):
+    """``figure`` (a matplotlib ``Figure`` made without pyplot), set to show inline when this runs
+    in IPython / Jupyter: matplotlib's PNG printer is registered for figures once, as ``%matplotlib
+    inline`` would (a figure that pyplot does not manage has no printer until then)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is not None:
+        from IPython.core.pylabtools import print_figure
+        from matplotlib.figure import Figure
+
+        png = shell.display_formatter.formatters["image/png"]
+        try:
+            png.lookup_by_type(Figure)
+        except KeyError:
+            png.for_type(Figure, lambda fig: print_figure(fig, "png", bbox_inches="tight"))
+    return figure
