@@ -25,10 +25,15 @@ class _TrainingPackage(types.ModuleType):
     """The ``vitflow.train`` package, callable: ``vitflow.train(data=..., model=..., preset=None,
     callbacks=(), **overrides)`` is :func:`vitflow.api.train`."""
 
-    def __call__(self, data=None, model=None, preset=None, callbacks=(), **overrides):
+    def __call__(self, data=None, model=None, preset=None, callbacks=(), *, config=None, val=None, test=None,
+                 **overrides):
+        """Train (``vitflow train`` from Python) and return the :class:`vitflow.Run`; the arguments
+        are :func:`vitflow.api.train`'s (``help(vitflow.api.train)``): ``data`` a path or a Dataset /
+        iterable / DataFrame, ``model`` a name, weights or a run, ``preset`` a preset or YAML file,
+        config keys as ``section__key=value``."""
         from vitflow.api import train
 
-        return train(data, model, preset, callbacks, **overrides)
+        return train(data, model, preset, callbacks, config=config, val=val, test=test, **overrides)
 
 
 _training.__class__ = _TrainingPackage

@@ -160,3 +160,23 @@ def test_config_errors_name_the_key_like_the_command_line():
     cfg = vitflow.Config(preset=PRESET, train__total_steps=7, optim={"lr": 5e-4})
     assert isinstance(cfg, vitflow.config.Config) and (cfg.train.total_steps, cfg.optim.lr) == (7, 5e-4)
     assert cfg.train.batch_size == 256  # the preset's
+
+
+def test_a_config_edited_as_attributes_trains_and_is_checked_again(tmp_path):
+    cfg = vitflow.Config(train__total_steps=8, train__eval_every=0, train__live_report=False,
+                         train__run_dir=str(tmp_path / "run"))
+    cfg.train.total_steps, cfg.optim.warmup_steps = 3, 1
+    run = vitflow.train(cfg)
+    assert run.step == 3 and vitflow.Run(run.folder).config["train"]["total_steps"] == 3
+    cfg.train.batch_size = 0
+    with pytest.raises(ConfigError, match="train.batch_size=0 is invalid"):
+        vitflow.train(config=cfg, train__run_dir=str(tmp_path / "other"))
+    assert not (tmp_path / "other").exists()
+
+
+def test_import_vitflow_loads_neither_the_api_nor_the_loop():
+    out = subprocess.run([sys.executable, "-c", "import sys, vitflow; print(sorted(m for m in ('vitflow.api', "
+                          "'vitflow.train.loop', 'vitflow.data.pipeline') if m in sys.modules)); "
+                          "print(callable(vitflow.train), vitflow.Callback is vitflow.train.Callback)"],
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    assert out.stdout.split("\n")[:2] == ["[]", "True True"], out.stderr[-1000:]

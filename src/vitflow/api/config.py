@@ -127,7 +127,10 @@ def build(data: Any = None, model: Any = None, preset: str | os.PathLike | None 
     try:
         if base is not None:
             cfg = build_config(base=base.to_dict(), overrides=lines, checks=CONFIG_CHECKS)
-            cfg.key_origins = {**_origins(base), **{k: ORIGIN for k in items}}  # type: ignore[attr-defined]
+            if hasattr(base, "key_origins"):  # else, as a tree built by hand: its non-default values count as set
+                cfg.key_origins = {**_origins(base), **{k: ORIGIN for k in items}}  # type: ignore[attr-defined]
+            else:
+                del cfg.key_origins  # type: ignore[attr-defined]
             return cfg
         file = preset if preset is not None and (str(preset).endswith((".yaml", ".yml")) or Path(preset).is_file()) \
             else None
