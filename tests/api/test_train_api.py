@@ -125,6 +125,9 @@ def test_a_user_dataset_with_two_workers_trains_what_the_tar_trains(tar_run, cif
     assert run.config["data"]["num_workers"] == 2 and run.config["data"]["path"].startswith("python:")
     assert_same_weights(weights(run), weights(tar_run))
     assert run.figures == tar_run.figures
+    again = run.evaluate(data=test)  # vitflow eval on Python data: the final evaluation's figures
+    assert (again["top1"], again["images"]) == (run.figures["test"]["top1"], 60)
+    assert abs(again["loss"] - run.figures["test"]["loss"]) < 1e-6
     assert comparable_records(run.folder) == comparable_records(tar_run.folder)
 
 

@@ -115,8 +115,9 @@ class Run:
         """
         from vitflow.infer.evaluate import evaluate_checkpoint
 
-        items = {} if data is None else (data_items(data) if isinstance(data, (str, os.PathLike)) else
-                                         {**data_items(None, test=data), "data.val_split": "none"})
+        items = {} if data is None else data_items(data)
+        if data is not None and not isinstance(data, (str, os.PathLike)):  # Python data: evaluated whole
+            items.update({"data.test_split": "train", "data.val_split": "none"})
         items.update({k.replace("__", "."): v for k, v in overrides.items()})
         r = evaluate_checkpoint(self._checkpoint(which), [f"{k}={yaml_value(v)}" for k, v in items.items()],
                                 weights=weights, tta=tta)
