@@ -3,7 +3,7 @@ iterable of such pairs, or a pandas DataFrame of image paths and labels, handed 
 ``vitflow.train(data=..., val=..., test=...)``.
 
 They join the pipeline as one more source kind, ``python``: the objects are registered in this
-process under a key (``data.path=python:1``) and each split opens as an
+process under a key (``data.path=python:1:ImageFolder``) and each split opens as an
 :class:`~vitflow.data.sources.base.ImageSource`, so the RAM cache, the batched path, device-side
 augmentation, mixed precision, evaluation and split expressions (``data.val_split='train[90%:]'``)
 apply to them unchanged.
@@ -55,7 +55,8 @@ _keys = itertools.count(1)
 
 def register(splits: dict[str, Any]) -> str:
     """Register ``{split name: Dataset, iterable or DataFrame}`` in this process; returns the
-    ``data.path`` that opens them (``python:N``). Iterables are read into lists now.
+    ``data.path`` that opens them (``python:N:CLASS``, e.g. ``python:1:ImageFolder``). Iterables are
+    read into lists now.
 
     Raises:
         DataError: an object that is none of these (naming its split and type).
@@ -70,7 +71,8 @@ def register(splits: dict[str, Any]) -> str:
                                 "Dataset of (image, label) items, an iterable of them, or a pandas DataFrame")
             obj = _Items(list(obj), type(obj).__name__)  # no random access: read once
         objects[split] = obj
-    key = f"{PREFIX}{next(_keys)}"
+    first = next(iter(objects.values()), None)
+    key = f"{PREFIX}{next(_keys)}" + (f":{getattr(first, 'about', type(first).__name__)}" if first is not None else "")
     _REGISTRY[key] = objects
     return key
 
@@ -257,5 +259,5 @@ def _plain(label: Any) -> Any:
 
 
 KIND = SourceKind("python", "Python objects given to vitflow.train(data=...): a torch Dataset of (image, label) "
-                  "items, an iterable of them or a pandas DataFrame (data.path=python:N, set by vitflow.train)",
-                  split_names, open_split, detect=is_key, spec=True, what="key of Python objects (python:N)")
+                  "items, an iterable of them or a pandas DataFrame (data.path=python:N:CLASS, set by vitflow.train)",
+                  split_names, open_split, detect=is_key, spec=True, what="key of Python objects (python:N:CLASS)")

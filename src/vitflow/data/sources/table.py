@@ -1,7 +1,7 @@
 """The table of source kinds (:class:`~vitflow.data.sources.kind.SourceKind`), in detection
 order: ``data.source=auto`` takes the first row whose ``detect`` holds. Keys of Python objects
-(``python:N``) and shard specs (patterns, lists) are recognised before anything else, then packed datasets, CIFAR batches, Hugging Face
-datasets and label files, which are folders or files with a mark of their own; an image folder
+(``python:N:CLASS``) and shard specs (patterns, lists) are recognised before anything else, then
+packed datasets, CIFAR batches, Hugging Face datasets and label files, which are folders or files with a mark of their own; an image folder
 (any directory) and a tar come last. :mod:`vitflow.data.sources.dispatch` reads the table, and
 :func:`check_config` checks ``data.source`` against it.
 
