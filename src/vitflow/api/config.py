@@ -99,6 +99,9 @@ def model_items(model: Any) -> dict[str, Any]:
     if model is None:
         return {}
     folder = getattr(model, "folder", None)
+    if folder is None and not isinstance(model, (str, os.PathLike)):
+        raise ConfigError(f"model={type(model).__name__}: give a model name (vitflow models), weights (a file, a hub "
+                          "folder, hf-hub:ORG/NAME) or a vitflow run or checkpoint")
     spec = os.fspath(folder if folder is not None else model)
     path = Path(spec).expanduser()
     if spec == "auto" or spec in list_models() or not (path.exists() or spec.startswith("hf-hub:")):
