@@ -20,8 +20,8 @@ from vitflow.data.sources.splits import check_splits
 from vitflow.data.wds import kind as wds
 
 # the last row is the catch-all: its ``what`` is what a path that no kind detects is said not to be
-KINDS: tuple[SourceKind, ...] = (digits.KIND, pyobjects.KIND, wds.KIND, packed.KIND, cifar.KIND, hf.KIND, labelfile.KIND,
-                                 folder.FOLDER, folder.TAR)
+KINDS: tuple[SourceKind, ...] = (digits.KIND, wds.KIND, packed.KIND, cifar.KIND, hf.KIND, pyobjects.KIND,
+                                 labelfile.KIND, folder.FOLDER, folder.TAR)
 
 
 def kind_named(name: str) -> SourceKind:
