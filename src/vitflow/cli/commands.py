@@ -16,37 +16,15 @@ from vitflow.cli.outputs import chosen, live_report_hook, train_epilogue
 from vitflow.cli.outputs import print_json as _print_json
 from vitflow.cli.serve import cmd_serve
 from vitflow.config import build_config, list_presets, preset_tree, to_yaml
-from vitflow.data import check_config as check_data_config
 from vitflow.data.sources.readers import display_name
-from vitflow.models import check_config as check_model_config
 from vitflow.models import config_class
-from vitflow.train import check_config as check_train_config
-
-# the layers' config checks, run by every command that builds a config
-CONFIG_CHECKS = {"model": check_model_config, "data": check_data_config, "train": check_train_config}
-
-
-def _default_preset(args: argparse.Namespace) -> str | None:
-    """``--preset``, or ``finetune`` for pretrained weights given without a recipe or config file."""
-    if args.preset or args.config or not any(o.startswith("model.pretrained=") for o in args.overrides):
-        return args.preset
-    logging.getLogger("vitflow").info("model.pretrained without --preset: using the finetune preset")
-    return "finetune"
+from vitflow.train.checks import CONFIG_CHECKS
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from vitflow.train.plan import is_planned, planned_config
-    from vitflow.train.resume import resume_config
+    from vitflow.train.configure import training_config
 
-    cfg = resume_config(args.preset, args.overrides, CONFIG_CHECKS)  # a resume: the run's own config
-    if cfg is None:
-        args.preset = _default_preset(args)
-    if cfg is not None and (args.preset or args.config):
-        logging.getLogger("vitflow").warning("--preset / --config ignored: a resumed run keeps its saved config "
-                                             "(change keys with key=value)")
-    if cfg is None and is_planned(args.preset, args.config, args.overrides):
-        cfg = planned_config(args.overrides, CONFIG_CHECKS)  # a photo folder: the recipe from the data
-    cfg = cfg or build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS, model_config=config_class)
+    cfg = training_config(args.preset, args.config, args.overrides, CONFIG_CHECKS)
     if args.print_config:
         from vitflow.models.pretrained.config import apply_pretrained
 

@@ -29,7 +29,8 @@ from vitflow.runtime import configure_allocator, resolve_device, resolve_precisi
 
 @dataclass
 class ImageRef:
-    """An image to predict: a display ``name`` and a callable returning its bytes."""
+    """An image to predict: a display ``name`` and a callable returning its encoded bytes, or the
+    image itself as ``uint8 (3, H, W)`` (an image held in Python: ``vitflow.load(...).predict``)."""
 
     name: str
     read: "callable"
@@ -213,7 +214,8 @@ class Predictor:
 def decode_ref(ref: ImageRef, transform) -> torch.Tensor | str:
     """``transform(decoded image)`` (``uint8 (3, S, S)``), or the error text naming the file."""
     try:
-        return transform(decode_image(ref.read(), ref.name))
+        data = ref.read()
+        return transform(data if isinstance(data, torch.Tensor) else decode_image(data, ref.name))
     except (CorruptImageError, OSError) as e:
         return str(e)
 
