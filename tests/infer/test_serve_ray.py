@@ -5,6 +5,7 @@ and a replica actor killed under load costs error answers, not hangs, and is rep
 from __future__ import annotations
 
 import base64
+import signal
 import time
 
 import httpx
@@ -23,12 +24,18 @@ serve = pytest.importorskip("ray.serve")
 
 @pytest.fixture
 def local_ray():
+    """A local Ray instance in this process; the signal handlers that ``ray.init`` installs (SIGTERM ->
+    ``sys.exit(15)``) are put back afterwards, or a later test that signals its own process gets a
+    SystemExit instead of vitflow's preemption handling."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     try:
         yield
     finally:
         serve.shutdown()
         ray.shutdown()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def replica_actors() -> list[str]:
