@@ -24,7 +24,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from vitflow import checkpoint as ckpt
 from vitflow.config import Config, parse_duration
 from vitflow.data import check_config as check_data_config
-from vitflow.data import open_datasets, train_loader
+from vitflow.data import train_loader
 from vitflow.data.remote.fs import RemoteError
 from vitflow.data.sources.evals import open_evals
 from vitflow.evaluation import scalar_metrics
@@ -43,6 +43,7 @@ from vitflow.train.evaluator import RunEvaluator, summary_figures
 from vitflow.train.finetune import FineTuning
 from vitflow.train.guards import NonFiniteGuard
 from vitflow.train.logging import EpochTracker, Meter, MetricsLog, StallHint, memory_mb
+from vitflow.train.normalize import open_run_datasets
 from vitflow.train.optim import build_optimizer
 from vitflow.train.preempt import Preemption, after_checkpoint
 from vitflow.train.resume import locate_run, restore_model, restore_training
@@ -82,7 +83,7 @@ class Trainer:
         apply_launch(cfg, lambda flag: self.dist.any(flag, self.device))  # restarts: a stable run_dir, resumed
         self.state, self.run_dir, start_over = locate_run(cfg, self.dist)
         image_size = cfg.model.img_size or model_kwargs(cfg.model.name)["img_size"]
-        self.data = open_datasets(cfg.data, image_size)
+        self.data = open_run_datasets(cfg, image_size, self.dist, bool(self.state))  # data.normalize=dataset first
         named = open_evals(cfg.data, self.data.classes)  # data.evals, and what keep_best / early stopping watch:
         self.selection = Selection(t.keep_best, t.early_stopping_patience, t.early_stopping_min_delta,
                                    t.early_stopping_metric, [self.data.monitored, *named], (self.state or {}).get("selection"))
@@ -395,6 +396,5 @@ class Trainer:
 
 
 def train(cfg: Config, on_eval: Callable[[Path], Any] | None = None) -> dict[str, Any]:
-    """Build a :class:`Trainer` for ``cfg`` and run it; returns :meth:`Trainer.fit`'s summary.
-    ``on_eval(run_dir)`` runs on rank 0 after every evaluation (the CLI's live report)."""
+    """:meth:`Trainer.fit` of a :class:`Trainer` for ``cfg``; ``on_eval(run_dir)``: rank 0, after every evaluation."""
     return Trainer(cfg, on_eval).fit()
