@@ -30,7 +30,7 @@ def _fine_tuning_start(checkpoint, size: int, setup) -> dict:
     return score(setup, model, replace(setup.preprocess, image_size=size))
 
 
-def test_own_size_row_is_vitflow_eval_and_other_sizes_are_the_fine_tuning_start(tiny_run, capsys):
+def test_rows_are_vitflow_eval_at_that_size_and_the_fine_tuning_start(tiny_run, capsys):
     from vitflow.checkpoint import latest_checkpoint
     from vitflow.cli import main
     from vitflow.infer.evaluate import eval_setup
@@ -51,6 +51,10 @@ def test_own_size_row_is_vitflow_eval_and_other_sizes_are_the_fine_tuning_start(
     for row in (r["rows"][0], r["rows"][2]):  # the learned pos_embed resampled from 4x4 to 2x2 / 6x6 patches
         start = _fine_tuning_start(latest_checkpoint(run), row["size"], setup)
         assert (row["top1"], row["loss"]) == (start["top1"], start["loss"])
+    assert main(["eval", str(run), "--json", "model.img_size=12"]) == 0  # eval at another size: the same row
+    at12 = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert at12["image_size"] == 12 and (at12["test_top1"], at12["test_loss"]) == (r["rows"][2]["top1"],
+                                                                                   r["rows"][2]["loss"])
     assert all(row["images_per_s"] > 0 and row["peak_memory_mib"] > 0 for row in r["rows"])
     assert r["rows"][0]["peak_memory_mib"] < r["rows"][2]["peak_memory_mib"]  # 4 vs 36 tokens
 
@@ -97,7 +101,7 @@ def test_no_size_fits_is_one_clear_error(tiny_run):
 def test_cli_table_plot_json_and_a_comparison_run(tiny_run, tmp_path):
     run, _ = tiny_run
     png = tmp_path / "res.png"
-    out = subprocess.run([sys.executable, "-m", "vitflow", "bench", "resolution", str(run), "--sizes", "6,8,10",
+    out = subprocess.run([sys.executable, "-m", "vitflow", "bench", "resolution", str(run), "--sizes", "6,8",
                           "--compare", str(run), "--repeats", "1", "--min-time", "0.01", "--batch-size", "8", "-o", str(png), "--json",
                           "train.precision=fp32"], capture_output=True, text=True, env=ENV, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

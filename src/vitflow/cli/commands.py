@@ -134,8 +134,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     role = r["split"]
     result = split_results(r)[role]
     tta = f", TTA {r['tta']}" if r["tta"] != "none" else ""
-    print(f"{role} {headline(result)}  ({result['images']} images of {r['split_expr']}, {r['weights']} weights"
-          f"{tta}, {r['images_per_s']:.0f} images/s, {r['checkpoint']})")
+    print(f"{role} {headline(result)}  ({result['images']} images of {r['split_expr']} at {r['image_size']} px, "
+          f"{r['weights']} weights{tta}, {r['images_per_s']:.0f} images/s, {r['checkpoint']})")
     if "f1" in result:  # single-label: the per-class table
         print(per_class_text(r["classes"], result))
     return _skipped_and_json(args, r, result["skipped"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -108,6 +108,9 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
     validation split (after ``key=value`` overrides, e.g. ``data.path=...`` or
     ``data.test_split=...``), labelling with the checkpoint's classes. A multi-label checkpoint
     is scored at the threshold saved with it (chosen on the validation split in training).
+    ``model.img_size=S`` among the overrides evaluates at ``S`` pixels: the model built for ``S``
+    with its position tables resampled as fine-tuning at ``S`` resamples them, the preprocessing at
+    ``S`` (a row of ``vitflow bench resolution``).
 
     Args:
         weights: ``auto`` (the EMA weights when saved, else the trained ones), ``ema`` or ``raw``.
@@ -118,20 +121,24 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
         role (``test_`` or ``val_``: scalars, and the per-class ``precision``, ``recall``, ``f1``,
         ``support``, ``confusion``, ``per_class_ap`` and the ``reliability`` diagram) plus ``classes``,
         ``split`` (the role), ``split_expr``, ``checkpoint``, ``step``, ``weights`` (``ema`` or ``raw``,
-        the weights evaluated), ``tta`` (the spec, ``none`` without) and ``images_per_s`` (the whole
-        pass, decoding included).
+        the weights evaluated), ``tta`` (the spec, ``none`` without), ``image_size`` (pixels) and
+        ``images_per_s`` (the whole pass, decoding included).
     Raises:
-        FileNotFoundError / ValueError: unreadable checkpoint; ConfigError; DataError.
+        FileNotFoundError / ValueError: unreadable checkpoint, a ``model.img_size`` the model cannot
+        take; ConfigError; DataError.
     """
     spec = parse_tta(tta)  # a bad spec fails before any work
     setup = eval_setup(path, overrides, device)
     state, role = setup.state, setup.role
-    model = with_tta(setup.model(weights), spec, setup.task)
+    size = setup.cfg.model.img_size if setup.cfg.model.img_size != setup.preprocess.image_size else None
+    model = with_tta(setup.model(weights, size), spec, setup.task)
+    pp = replace(setup.preprocess, image_size=size) if size else setup.preprocess
     t0 = time.perf_counter()
-    result = score(setup, model, setup.preprocess)
+    result = score(setup, model, pp)
     ips = result["images"] / max(time.perf_counter() - t0, 1e-9)
     used = "ema" if state.get("ema") and weights != "raw" else "raw"
     per_class = {k: result[k] for k in PER_CLASS_KEYS if k in result and k != "per_class_top1"}
     return {**{f"{role}_{k}": v for k, v in {**scalar_metrics(result), **per_class}.items()}, "split": role,
             "split_expr": setup.split, "classes": list(state["classes"]), "checkpoint": state["path"],
-            "step": state["step"], "weights": used, "tta": str(spec), "images_per_s": round(ips, 1)}
+            "step": state["step"], "weights": used, "tta": str(spec), "image_size": pp.image_size,
+            "images_per_s": round(ips, 1)}
