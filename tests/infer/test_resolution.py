@@ -6,15 +6,13 @@ bytes; the CLI writes a table, a PNG and JSON."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from helpers import ENV, digits_config
+from helpers import digits_config
 
 
 def _fine_tuning_start(checkpoint, size: int, setup) -> dict:
@@ -98,18 +96,19 @@ def test_no_size_fits_is_one_clear_error(tiny_run):
         bench_resolution(tiny_run[0], [7, 5], say=lambda m: None)
 
 
-def test_cli_table_plot_json_and_a_comparison_run(tiny_run, tmp_path):
+def test_cli_table_plot_json_and_a_comparison_run(tiny_run, tmp_path, capsys):
+    from vitflow.cli import main
+
     run, _ = tiny_run
     png = tmp_path / "res.png"
-    out = subprocess.run([sys.executable, "-m", "vitflow", "bench", "resolution", str(run), "--sizes", "6,8",
-                          "--compare", str(run), "--repeats", "1", "--min-time", "0.01", "--batch-size", "8", "-o", str(png), "--json",
-                          "train.precision=fp32"], capture_output=True, text=True, env=ENV, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert main(["bench", "resolution", str(run), "--sizes", "6,8", "--compare", str(run), "--repeats", "1",
+                 "--min-time", "0.01", "--batch-size", "8", "-o", str(png), "--json", "train.precision=fp32"]) == 0
+    out = capsys.readouterr()
+    result = json.loads(out.out.strip().splitlines()[-1])
     assert len(result["runs"]) == 2 and result["plot"] == str(png)
     a, b = result["runs"]
     assert [r["top1"] for r in a["rows"]] == [r["top1"] for r in b["rows"]]  # the same checkpoint twice
-    assert "<- trained size" in out.stderr and " size   top-1" in out.stderr  # the table (stdout goes to stderr)
+    assert "<- trained size" in out.err and " size   top-1" in out.err  # the table (stdout goes to stderr)
     with Image.open(png) as im:
         assert im.size == (576, 324)
         colours = np.unique(np.asarray(im.convert("RGB")).reshape(-1, 3), axis=0)
@@ -120,7 +119,7 @@ def test_a_one_token_window_table_resamples_to_its_constant():
     """A Swin stage whose grid is 1x1 at the trained size has a window of one token: a table of one
     offset. Fitted to a larger window (fine-tuning or benchmarking at a larger size) every offset
     takes that value (it used to divide by zero: NaN logits)."""
-    from vitflow.models.swin.resample import resample_swin_table
+    from vitflow.models.pretrained.swin_fit import resample_swin_table
 
     table = torch.tensor([[0.5, -2.0, 3.0]])
     out = resample_swin_table(table, (2, 2))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from vitflow.viz.curves import plt
+from matplotlib.figure import Figure  # no pyplot, as vitflow.viz.curves
 
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
 
@@ -29,7 +29,8 @@ def plot_resolution(results: Sequence[dict], path: str | Path, title: str | None
     results = [r for r in results if r["rows"]]
     if not results:
         raise ValueError("no measured sizes to plot")
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    fig = Figure(figsize=(6.4, 3.6))
+    ax = fig.add_subplot()
     ax2 = ax.twinx()
     for color, r in zip(COLORS * len(results), results):
         sizes = [row["size"] for row in r["rows"]]
@@ -52,5 +53,4 @@ def plot_resolution(results: Sequence[dict], path: str | Path, title: str | None
     ax.legend(h1 + h2, l1 + l2, loc="best", fontsize=7, framealpha=0.85)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
-    plt.close(fig)
     return Path(path)
