@@ -59,14 +59,16 @@ def test_rows_are_vitflow_eval_at_that_size_and_the_fine_tuning_start(tiny_run, 
 
 def test_swin_rows_use_the_fine_tuning_window_tables(tmp_path):
     """Swin at 8 px has 4x4, 2x2, 1x1 stage grids (windows clipped to them); at 16 px the second
-    stage's window grows 2 -> 4, so its relative position tables are resampled."""
+    stage's window grows 2 -> 4, so its relative position tables are resampled. (24 channels and 90 test
+    images keep it fast.)"""
     from vitflow.checkpoint import latest_checkpoint
     from vitflow.infer.evaluate import eval_setup
     from vitflow.infer.resolution import bench_resolution
     from vitflow.train import train
 
     run = tmp_path / "swin"
-    train(digits_config(run, "model.name=swin_cifar_patch2_window4_32", "model.img_size=8", "train.total_steps=3",
+    train(digits_config(run, "model.name=swin_cifar_patch2_window4_32", "model.img_size=8", "model.embed_dim=24",
+                        "data.test_split=train[80%:85%]", "train.total_steps=3",
                         "train.batch_size=32", "train.eval_every=0", "train.log_every=3", "optim.warmup_steps=1"))
     r = bench_resolution(run, [8, 16], batch_size=8, repeats=1, min_time=0.01, say=lambda m: None)
     assert [row["size"] for row in r["rows"]] == [8, 16] and r["model"] == "swin_cifar_patch2_window4_32"
