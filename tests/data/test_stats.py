@@ -163,3 +163,23 @@ def test_a_run_with_dataset_normalization_exports_and_predicts_with_those_number
         predictor = Predictor.load(path, device="cpu")
         assert list(predictor.pp.mean) == stats["mean"] and list(predictor.pp.std) == stats["std"]
         assert torch.allclose(predictor.predict(images), want, atol=1e-5)
+
+
+def test_a_resumed_run_keeps_the_numbers_it_was_trained_with(tmp_path):
+    """Resuming, ``data.normalize=dataset`` takes the checkpoint's saved mean / std (the split is not
+    measured again, even if it changed); a new run measures it."""
+    from vitflow.config import build_config
+    from vitflow.train.distributed import DistEnv
+    from vitflow.train.normalize import open_run_datasets
+
+    root = make_folder(tmp_path / "imgs", split="train")
+    keys = [f"data.path={root}", "data.source=auto", "data.train_split=train", "data.val_split=train[:4]",
+            "data.normalize=dataset"]
+    saved = {"config": {"data": {"mean": [0.1, 0.2, 0.3], "std": [0.4, 0.5, 0.6]}}}
+    resumed = build_config(overrides=keys)
+    open_run_datasets(resumed, 8, DistEnv(), saved)
+    assert (resumed.data.mean, resumed.data.std) == ((0.1, 0.2, 0.3), (0.4, 0.5, 0.6))
+    assert not (root / SIDECAR).exists()
+    new = build_config(overrides=keys)
+    open_run_datasets(new, 8, DistEnv(), None)
+    assert new.data.mean == measure_split(DataConfig(path=str(root)))[0].mean and (root / SIDECAR).exists()

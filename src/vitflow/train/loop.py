@@ -63,7 +63,7 @@ class Trainer:
         apply_launch(t, cfg.preset, lambda flag: self.dist.any(flag, self.device))  # restarts find their run
         self.state, self.run_dir, start_over = locate_run(t, cfg.preset, cfg.to_dict(), self.dist)
         image_size = cfg.model.img_size or model_kwargs(cfg.model.name)["img_size"]
-        self.data = open_run_datasets(cfg, image_size, self.dist, bool(self.state))  # data.normalize=dataset first
+        self.data = open_run_datasets(cfg, image_size, self.dist, self.state)  # data.normalize=dataset first
         named = open_evals(cfg.data, self.data.classes)  # data.evals, and what keep_best / early stopping watch:
         self.selection = Selection(t.keep_best, t.early_stopping_patience, t.early_stopping_min_delta,
                                    t.early_stopping_metric, [self.data.monitored, *named])
