@@ -104,7 +104,7 @@ def test_cli_table_plot_json_and_a_comparison_run(tiny_run, tmp_path, capsys):
     run, _ = tiny_run
     png = tmp_path / "res.png"
     assert main(["bench", "resolution", str(run), "--sizes", "6,8", "--compare", str(run), "--repeats", "1",
-                 "--min-time", "0.01", "--batch-size", "8", "-o", str(png), "--json", "train.precision=fp32"]) == 0
+                 "--min-time", "0.01", "--batch-size", "8", "-o", str(png), "--json", "train.precision=fp32", "data.test_split=train[80%:85%]"]) == 0
     out = capsys.readouterr()
     result = json.loads(out.out.strip().splitlines()[-1])
     assert len(result["runs"]) == 2 and result["plot"] == str(png)
