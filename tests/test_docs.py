@@ -81,7 +81,7 @@ def test_cli_reference_lists_every_command_and_option():
 
     page = _hooks().cli_reference()
     commands = ["train", "eval", "embed", "predict", "export", "quantize", "prune", "attention", "prepare", "bench data",
-                "bench infer", "lr-schedule", "report", "presets", "models"]
+                "bench infer", "bench resolution", "lr-schedule", "report", "presets", "models"]
     assert [c for c in commands if f"## `vitflow {c}`" not in page] == []
     options = {o for a in build_parser()._actions for o in a.option_strings} - {"-h", "--help"}
     sub = build_parser()._subparsers._group_actions[0].choices

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from vitflow.models import create_model
+from vitflow.models import create_model, model_kwargs
 from vitflow.models.kernels.matmul import as_plain_linear
-from vitflow.models.lora import apply_lora, has_lora_weights, merge_lora, split_lora_args
-from vitflow.models.pretrained.weights import load_error_reason
+from vitflow.models.lora import apply_lora, has_lora_weights, merge_lora, merge_lora_state_dict, split_lora_args
+from vitflow.models.pretrained.weights import load_adapted, load_error_reason
 
 FORMAT = "vitflow-checkpoint"
 VERSION = 1
@@ -233,7 +233,7 @@ def apply_quantization(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
 WEIGHTS = ("auto", "ema", "raw")
 
 
-def model_from_checkpoint(state: dict[str, Any], weights: str = "auto") -> torch.nn.Module:
+def model_from_checkpoint(state: dict[str, Any], weights: str = "auto", img_size: int | None = None) -> torch.nn.Module:
     """Rebuild the model a checkpoint was trained with and load its weights (eval mode, CPU).
 
     ``model_args`` may carry per-block head counts / MLP sizes (pruned models); a
@@ -245,9 +245,14 @@ def model_from_checkpoint(state: dict[str, Any], weights: str = "auto") -> torch
     Args:
         weights: ``auto``: the EMA weights when the checkpoint has them, else the trained ones;
             ``ema``: the EMA weights (error without); ``raw``: the trained weights.
+        img_size: build the model for this input size in pixels instead of the trained one, its
+            weights fitted as fine-tuning at ``model.img_size`` fits them
+            (:func:`vitflow.models.pretrained.weights.load_adapted`: position embeddings and
+            relative position tables resampled bicubically, logged); ``None`` = the trained size.
     Raises:
         ValueError: the weights do not fit the saved model arguments; ``ema`` asked for a
-            checkpoint without EMA; an unknown ``weights``.
+            checkpoint without EMA; an unknown ``weights``; an ``img_size`` the family cannot
+            take (its own message) or one asked of a quantized checkpoint.
     """
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
@@ -255,8 +260,10 @@ def model_from_checkpoint(state: dict[str, Any], weights: str = "auto") -> torch
     if weights == "ema" and not ema:
         raise ValueError(f"checkpoint {state.get('path')} has no EMA weights (trained without train.ema_decay)")
     args, lora = split_lora_args(state["model_args"])
-    model = create_model(args.pop("name"), **args)
     chosen = ema["module"] if ema and weights != "raw" else state["model"]
+    if img_size is not None and img_size != model_kwargs(**args).get("img_size"):
+        return _resized_model(state, args, chosen, lora, img_size)
+    model = create_model(args.pop("name"), **args)
     if lora and has_lora_weights(chosen):  # a training checkpoint keeps the adapters unmerged
         apply_lora(model, **lora)
     if state.get("quantization"):
@@ -266,3 +273,17 @@ def model_from_checkpoint(state: dict[str, Any], weights: str = "auto") -> torch
     except RuntimeError as e:
         raise ValueError(f"checkpoint {state.get('path')} does not fit its saved model arguments: {e}") from None
     return merge_lora(model).eval()
+
+
+def _resized_model(state: dict[str, Any], args: dict[str, Any], chosen: dict[str, torch.Tensor],
+                   lora: dict[str, Any] | None, img_size: int) -> torch.nn.Module:
+    """The checkpoint's model built for ``img_size`` px, its weights (adapters merged) fitted by the
+    fine-tuning loader (eval mode, CPU). Raises ValueError (see :func:`model_from_checkpoint`)."""
+    if state.get("quantization"):
+        raise ValueError(f"checkpoint {state.get('path')} is quantized ({state['quantization']}): its weights "
+                         "cannot be resampled to another input size; use the float checkpoint it came from")
+    if lora and has_lora_weights(chosen):
+        chosen = merge_lora_state_dict(chosen, lora["alpha"])
+    model = create_model(**{**args, "img_size": int(img_size)})
+    load_adapted(model, chosen, state.get("path", "checkpoint"))
+    return model.eval()

@@ -117,8 +117,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     role = r["split"]
     result = split_results(r)[role]
     tta = f", TTA {r['tta']}" if r["tta"] != "none" else ""
-    print(f"{role} {headline(result)}  ({result['images']} images of {r['split_expr']}, {r['weights']} weights"
-          f"{tta}, {r['images_per_s']:.0f} images/s, {r['checkpoint']})")
+    print(f"{role} {headline(result)}  ({result['images']} images of {r['split_expr']} at {r['image_size']} px, "
+          f"{r['weights']} weights{tta}, {r['images_per_s']:.0f} images/s, {r['checkpoint']})")
     if "f1" in result:  # single-label: the per-class table
         print(per_class_text(r["classes"], result))
     return _skipped_and_json(args, r, result["skipped"])
@@ -209,14 +209,28 @@ def cmd_attention(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
+    from vitflow.config import DataConfig
     from vitflow.data.prepare import prepare
+    from vitflow.data.stats_store import measure_split
 
-    meta = prepare(args.src, args.out, args.format, args.max_side, args.quality, args.workers or os.cpu_count() or 1,
-                   args.force, args.shard_size)
-    for name, info in meta["splits"].items():
-        print(f"{name}: {info['count']} images ({info['kind']}), {info['skipped']} skipped")
-    what = "WebDataset shards" if args.format == "wds" else "packed dataset"
-    print(f"{what}: {args.out}  (train with data.path={args.out})")
+    if args.out is None and not args.stats:
+        raise ValueError("vitflow prepare: give OUT, the packed dataset to write (or --stats alone to measure SRC's "
+                         "statistics in place)")
+    if args.stats_sample is not None and not args.stats:
+        raise ValueError("--stats-sample N goes with --stats")
+    workers = args.workers or os.cpu_count() or 1
+    if args.out is not None:
+        meta = prepare(args.src, args.out, args.format, args.max_side, args.quality, workers, args.force,
+                       args.shard_size)
+        for name, info in meta["splits"].items():
+            print(f"{name}: {info['count']} images ({info['kind']}), {info['skipped']} skipped")
+        what = "WebDataset shards" if args.format == "wds" else "packed dataset"
+        print(f"{what}: {args.out}  (train with data.path={args.out})")
+    if args.stats:
+        data = DataConfig(path=args.out or args.src, train_split=args.split)
+        stats, fingerprint, file = measure_split(data, args.stats_sample, workers)
+        print(f"{args.split}: {stats.describe()} ({stats.seconds:.1f} s, fingerprint {fingerprint})")
+        print(f"statistics: {file}  (train with data.path={data.path} data.normalize=dataset)")
     return 0
 
 
@@ -229,6 +243,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.json:
             _print_json(args, result)
         return 0
+    if args.what == "resolution":
+        return _bench_resolution(args)
     import torch
 
     from vitflow.infer.bench import PATHS, bench_infer, format_table
@@ -244,6 +260,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(format_table(results, notes, args.batch_size))
     if args.json:
         _print_json(args, results)
+    return 0
+
+
+def _bench_resolution(args: argparse.Namespace) -> int:
+    """``vitflow bench resolution``: :func:`vitflow.infer.resolution.bench_resolution` of the checkpoint
+    and each ``--compare``, their tables, one plot."""
+    import torch
+
+    from vitflow.infer.resolution import bench_resolution, format_table
+    from vitflow.viz.resolution import plot_resolution
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    runs = []
+    for path in [chosen(args), *args.compare]:
+        r = bench_resolution(path, args.sizes, args.overrides, args.weights, args.batch_size, args.repeats,
+                             args.min_time, args.device, say=lambda m: print(m, file=sys.stderr))
+        print(f"{r['checkpoint']} (step {r['step']}, {r['model']} trained at {r['trained_size']} px): top-1 on "
+              f"{r['split_expr']} ({r['weights']} weights); images/s at batch {r['batch_size']}, median of "
+              f"{args.repeats} rounds, {r['device']} {r['precision']}, {r['threads']} threads")
+        print(format_table(r))
+        runs.append(r)
+    plot = plot_resolution(runs, args.output)
+    print(f"plot: {plot}")
+    if args.json:
+        _print_json(args, {"runs": runs, "plot": str(plot)})
     return 0
 
 

@@ -270,7 +270,8 @@ def _data_and_view_commands(sub) -> None:
                        "memory-mapped dataset")
     p.add_argument("src", help="image folder, .tar of one, single-label label file, Hugging Face dataset or "
                    "Parquet files, or CIFAR-10/100 python batches folder")
-    p.add_argument("out", help="output folder (written as OUT.partial, renamed when complete)")
+    p.add_argument("out", nargs="?", help="output folder (written as OUT.partial, renamed when complete); omitted "
+                   "with --stats: measure SRC in place")
     p.add_argument("--format", choices=["auto", "raw", "jpeg", "wds"], default="auto",
                    help="raw uint8 (small fixed-size images) or re-encoded JPEG; auto picks; wds: WebDataset shards")
     p.add_argument("--shard-size", type=int, help="wds: samples a shard (default 1000)")
@@ -278,11 +279,19 @@ def _data_and_view_commands(sub) -> None:
     p.add_argument("--quality", type=int, default=90, help="jpeg quality (default 90)")
     p.add_argument("--workers", type=int, help="processes (default: one per core)")
     p.add_argument("--force", action="store_true", help="replace an existing packed dataset (wds: shard folder) at OUT")
+    p.add_argument("--stats", action="store_true", help="measure the per-channel mean and std of the training split "
+                   "(OUT's, or SRC's without OUT) in one pass over every image and store them beside the data, keyed "
+                   "by the split's content fingerprint, for data.normalize=dataset")
+    p.add_argument("--stats-sample", type=_positive, metavar="N", help="--stats over a random sample of N images "
+                   "instead of all of them")
+    p.add_argument("--split", default="train", help="--stats: the split to measure, as data.train_split names it "
+                   "(default train; e.g. 'train[:90%%]')")
 
 
 def _bench_commands(sub):
-    """bench data, bench infer; returns the bench sub-parsers."""
-    p = sub.add_parser("bench", help="measure throughput against baselines (data, infer)")
+    """bench data, bench infer, bench resolution; returns the bench sub-parsers."""
+    p = sub.add_parser("bench", help="measure throughput against baselines (data, infer) and accuracy against input "
+                       "size (resolution)")
     bench = p.add_subparsers(dest="what", required=True)
     b = bench.add_parser("data", help="input pipeline: decode limit, torchvision baseline, vitflow, packed")
     b.add_argument("--data", required=True, help="image folder or tar (class folders, or a flat folder of images), label file, Hugging Face dataset or WebDataset shards")
@@ -306,7 +315,38 @@ def _bench_commands(sub):
     b.add_argument("--attention", help="attention backend of the vitflow eager/compiled paths (default: the checkpoint's)")
     b.add_argument("--threads", type=int, help="torch and ONNX Runtime threads (default: torch's default)")
     b.add_argument("--json", action="store_true", help="end with one JSON line {path: {latency_ms_p50, ...}}")
+    _bench_resolution(bench)
     return bench
+
+
+def _sizes(text: str) -> list[int]:
+    """argparse type: comma-separated input sizes in pixels, each >= 1."""
+    return [_positive(part.strip()) for part in text.split(",") if part.strip()]
+
+
+def _bench_resolution(bench) -> None:
+    b = bench.add_parser("resolution", help="top-1, images/s and peak memory of a checkpoint at several input sizes "
+                         "(position tables resampled as fine-tuning at that size does), table and PNG plot")
+    b.add_argument("checkpoint", help="checkpoint file or run directory")
+    _add_checkpoint_choice(b)
+    b.add_argument("--sizes", type=_sizes, metavar="S1,S2,...", help="input sizes in pixels, e.g. 128,160,192,224,"
+                   "256,288 (default: 0.5, 0.75, 1, 1.25 and 1.5 times the trained size, multiples of the patch); a "
+                   "size the model cannot take is skipped with its reason")
+    b.add_argument("--compare", action="append", default=[], metavar="CHECKPOINT",
+                   help="another checkpoint or run measured at the same sizes and drawn on the same plot, e.g. the "
+                   "run fine-tuned at a larger size (FixRes) (repeatable)")
+    b.add_argument("-o", "--output", default="resolution.png", help="PNG to write (default resolution.png)")
+    b.add_argument("--batch-size", type=_positive, default=32, help="images per timed forward and in the memory "
+                   "measurement (32)")
+    b.add_argument("--repeats", type=_positive, default=3, help="timing rounds over all sizes (3)")
+    b.add_argument("--min-time", type=float, default=1.0, help="seconds of batch calls per size per round (1)")
+    b.add_argument("--device", help="where to run (default: the run's train.device)")
+    b.add_argument("--threads", type=int, help="torch threads (default: torch's default)")
+    _add_weights_arg(b)
+    b.add_argument("--json", action="store_true", help="end with one JSON line: {runs: [{rows: [{size, top1, "
+                   "images_per_s, peak_memory_mib, ...}], skipped, ...}], plot}")
+    b.add_argument("overrides", nargs="*", metavar="key=value", help="as for vitflow eval, e.g. "
+                   "data.test_split='test[:2000]' train.precision=fp32")
 
 
 def _listing_commands(sub) -> None:

@@ -48,6 +48,9 @@ class DataConfig:
     interpolation: Literal["bilinear", "bicubic"] = "bicubic"  # resizing filter
     mean: tuple[float, float, float] = IMAGENET_MEAN  # normalisation, per channel, 0..1 scale
     std: tuple[float, float, float] = IMAGENET_STD  # normalisation, per channel, 0..1 scale
+    # config: data.mean / data.std as set (by the preset, the pretrained weights or you); dataset: the training
+    # split's own, measured once (vitflow prepare --stats, else at the start of training) and stored beside the data
+    normalize: Literal["config", "dataset"] = "config"
     # per-image policy: RandAugment (2 ops, magnitude 9), TrivialAugmentWide, AutoAugment (ImageNet)
     auto_augment: Literal["none", "randaugment", "trivialaugment", "autoaugment"] = "none"
     color_jitter: float = 0.0  # brightness/contrast/saturation strength

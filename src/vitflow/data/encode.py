@@ -1,5 +1,5 @@
-"""Decoding (and re-encoding, or resizing) every image of a source with worker processes: what the
-RAM cache and ``vitflow prepare`` do to a whole split."""
+"""Decoding (and re-encoding, resizing, or summing) every image of a source with worker processes: what the
+RAM cache, ``vitflow prepare`` and its ``--stats`` do to a whole split."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from vitflow.runtime import quiet
 
 def _encode_one(source: ImageSource, i: int, kind: str, max_side: int | None, quality: int,
                 square: tuple[int, str, int | None, bool] | None = None):
-    """Worker: image ``i`` -> raw uint8 array, JPEG bytes or (``"resized"``) the ``uint8 (3, R, R)``
-    array of :func:`load_square` with ``square = (R, interpolation, center_on, exact)``;
-    ``(i, payload | None, why unreadable)``."""
+    """Worker: image ``i`` -> raw uint8 array, JPEG bytes, (``"sums"``) its :func:`pixel_sums` or
+    (``"resized"``) the ``uint8 (3, R, R)`` array of :func:`load_square` with
+    ``square = (R, interpolation, center_on, exact)``; ``(i, payload | None, why unreadable)``."""
     try:
         if kind == "resized":
             return i, load_square(source, i, *square).numpy(), None
@@ -30,7 +30,17 @@ def _encode_one(source: ImageSource, i: int, kind: str, max_side: int | None, qu
         return i, None, e.reason
     if kind == "raw":
         return i, img.numpy(), None
+    if kind == "sums":
+        return i, pixel_sums(img).numpy(), None
     return i, encode_jpeg(fit_max_side(img, max_side), quality), None
+
+
+def pixel_sums(images: torch.Tensor) -> torch.Tensor:
+    """``int64 (7,)``: per channel the sum of the values, per channel the sum of their squares, then
+    the pixel count per channel, of ``uint8 (3, H, W)`` or ``(B, 3, H, W)`` images (exact)."""
+    x = (images if images.dim() == 3 else images.transpose(0, 1)).reshape(3, -1)
+    return torch.cat([x.sum(1, dtype=torch.int64), x.to(torch.int32).square().sum(1, dtype=torch.int64),
+                      torch.tensor([x.shape[1]], dtype=torch.int64)])
 
 
 def fit_max_side(img: torch.Tensor, max_side: int | None) -> torch.Tensor:
@@ -123,7 +133,8 @@ def encode_images(source: ImageSource, kind: str, max_side: int | None, quality:
                   desc: str, square: tuple[int, str, int | None, bool] | None = None
                   ) -> Iterator[tuple[int, object, str | None]]:
     """Decode every image of ``source`` (``kind="raw"``: ``uint8 (3, H, W)`` arrays), also
-    re-encode it (``"jpeg"``: bytes at ``quality``, longer side <= ``max_side``) or decode it
+    re-encode it (``"jpeg"``: bytes at ``quality``, longer side <= ``max_side``), sum its pixels
+    (``"sums"``: the ``int64 (7,)`` arrays of :func:`pixel_sums`, computed in the workers) or decode it
     resized (``"resized"``: ``uint8 (3, R, R)`` arrays, :func:`load_square` with
     ``square = (R, interpolation, center_on, exact)``) with ``workers`` processes and a progress bar;
     yields ``(index, payload or None, why the image is unreadable or None)`` in index order."""

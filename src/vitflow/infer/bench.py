@@ -44,7 +44,7 @@ from vitflow.infer.onnx_model import ModelInfo, OnnxModel
 from vitflow.infer.quantize import quantize_onnx
 from vitflow.models import family_of, model_kwargs
 from vitflow.runtime import cpu_bf16_supported
-from vitflow.timing import busy_warning
+from vitflow.timing import busy_warning, sync
 
 PATHS = ("timm_eager_fp32", "timm_eager_bf16", "eager_fp32", "eager_bf16", "compiled", "onnxruntime_fp32",
          "onnxruntime_int8")
@@ -150,34 +150,44 @@ def build_paths(model: torch.nn.Module, info: ModelInfo, workdir: str | Path,
 
 
 @torch.inference_mode()
-def time_paths(runners: dict[str, Runner], image_size: int, batch_size: int = 32, repeats: int = 3,
-               latency_calls: int = 20, min_time: float = 1.0, log: Callable[[str], None] = print
-               ) -> dict[str, Timing]:
+def time_paths(runners: dict[str, Runner], image_size: int | dict[str, int], batch_size: int = 32, repeats: int = 3,
+               latency_calls: int = 20, min_time: float = 1.0, log: Callable[[str], None] = print,
+               device: torch.device | str = "cpu") -> dict[str, Timing]:
     """Time every runner (see the module docstring for the protocol).
 
+    Args:
+        image_size: the input side in pixels, one for all runners or ``{runner: pixels}``.
+        device: where the random inputs ``float32 (B, 3, S, S)`` live; on CUDA each timed call
+            ends with a synchronisation.
     Returns:
         ``{path: Timing}``.
     """
-    x1 = torch.randn(1, 3, image_size, image_size)
-    xb = torch.randn(batch_size, 3, image_size, image_size)
+    sizes = image_size if isinstance(image_size, dict) else dict.fromkeys(runners, image_size)
+    inputs = {name: (torch.randn(1, 3, s, s, device=device), torch.randn(batch_size, 3, s, s, device=device))
+              for name, s in sizes.items()}
+    device = torch.device(device)
     for name, run in runners.items():
         t0 = time.perf_counter()
+        x1, xb = inputs[name]
         for x in (x1, x1, xb, xb):
             run(x)
+        sync(device)
         log(f"warm-up {name}: {time.perf_counter() - t0:.1f} s")
     timings = {name: Timing() for name in runners}
     for r in range(repeats):
         for name, run in runners.items():
             time.sleep(IDLE_GAP_S)  # let the previous path's spinning worker threads go idle
-            t = timings[name]
+            t, (x1, xb) = timings[name], inputs[name]
             for _ in range(latency_calls):
                 t0 = time.perf_counter()
                 run(x1)
+                sync(device)
                 t.latencies_ms.append((time.perf_counter() - t0) * 1e3)
             n, t0 = 0, time.perf_counter()
             while n < 2 or time.perf_counter() - t0 < min_time:
                 run(xb)
                 n += 1
+            sync(device)
             t.throughputs.append(n * batch_size / (time.perf_counter() - t0))
         log(f"round {r + 1}/{repeats}: " + "  ".join(f"{k} {v.throughputs[-1]:.0f}" for k, v in timings.items()))
     return timings

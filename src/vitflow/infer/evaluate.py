@@ -5,20 +5,21 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, replace
 
 import torch
 
 from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
-from vitflow.config import build_config
+from vitflow.config import Config, build_config
+from vitflow.data import ImageSource, eval_loader, open_split
 from vitflow.data import check_config as check_data_config
-from vitflow.data import eval_loader, open_split
 from vitflow.data.sources.dispatch import scored_split
 from vitflow.data.transforms import Preprocess
 from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
 from vitflow.infer.tta import parse_tta, with_tta
 from vitflow.models import config_class
 from vitflow.models.kernels import onednn
-from vitflow.runtime import resolve_device, resolve_precision
+from vitflow.runtime import Precision, resolve_device, resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -33,28 +34,44 @@ def _apply_kernel_overrides(model: torch.nn.Module, saved: dict, wanted) -> None
         model.set_cpu_bf16_matmul(wanted.cpu_bf16_matmul)
 
 
-def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: str = "auto", tta: str | None = None
-                        ) -> dict:
-    """Evaluate a checkpoint on its config's test split — or, when the data has none, its
-    validation split (after ``key=value`` overrides, e.g. ``data.path=...`` or
-    ``data.test_split=...``), labelling with the checkpoint's classes. A multi-label checkpoint
-    is scored at the threshold saved with it (chosen on the validation split in training).
+@dataclass
+class EvalSetup:
+    """What an evaluation of a checkpoint needs before the model: the checkpoint, its config after
+    the overrides, the device and precision, the checkpoint's preprocessing and the opened split it
+    is scored on (``role`` ``test`` or ``val``, ``split`` its expression)."""
 
-    Args:
-        weights: ``auto`` (the EMA weights when saved, else the trained ones), ``ema`` or ``raw``.
-        tta: test-time augmentation (:mod:`vitflow.infer.tta`, e.g. ``flip``): the metrics are those of
-            the averaged probabilities (the loss their negative log-likelihood).
-    Returns:
-        :func:`evaluate`'s (or :func:`evaluate_multilabel`'s) metrics prefixed with the split's
-        role (``test_`` or ``val_``: scalars, and the per-class ``precision``, ``recall``, ``f1``,
-        ``support``, ``confusion``, ``per_class_ap`` and the ``reliability`` diagram) plus ``classes``,
-        ``split`` (the role), ``split_expr``, ``checkpoint``, ``step``, ``weights`` (``ema`` or ``raw``,
-        the weights evaluated), ``tta`` (the spec, ``none`` without) and ``images_per_s`` (the whole
-        pass, decoding included).
+    state: dict
+    cfg: Config
+    device: torch.device
+    precision: Precision
+    preprocess: Preprocess
+    role: str
+    split: str
+    source: ImageSource
+
+    @property
+    def task(self) -> str:
+        return self.state.get("task", "multiclass")
+
+    @property
+    def batch_size(self) -> int:
+        return self.cfg.data.eval_batch_size or 256
+
+    def model(self, weights: str = "auto", img_size: int | None = None) -> torch.nn.Module:
+        """The checkpoint's model on the device (:func:`~vitflow.checkpoint.model_from_checkpoint`,
+        at ``img_size`` px when given) with the overrides' kernel choices. Raises ValueError."""
+        model = model_from_checkpoint(self.state, weights, img_size).to(self.device)
+        _apply_kernel_overrides(model, self.state["config"].get("model", {}), self.cfg.model)
+        return model
+
+
+def eval_setup(path, overrides=(), device: str | None = None) -> EvalSetup:
+    """Read a checkpoint, build its config with ``key=value`` overrides and open the split it is
+    scored on (:func:`~vitflow.data.sources.dispatch.scored_split`), labelled with its classes.
+
     Raises:
         FileNotFoundError / ValueError: unreadable checkpoint; ConfigError; DataError.
     """
-    spec = parse_tta(tta)  # a bad spec fails before any work
     state = load_checkpoint(path)
     cfg = build_config(base=state["config"], overrides=overrides, checks={"data": check_data_config},
                        model_config=config_class)
@@ -65,25 +82,65 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
     quantized = bool(state.get("quantization"))
     dev = torch.device("cpu") if quantized else dev
     precision = resolve_precision("fp32" if quantized else cfg.train.precision, dev)
-    pp = Preprocess.from_dict(state["preprocess"])
     role, split = scored_split(cfg.data)
     source = open_split(cfg.data.path, split, cfg.data.source, classes=list(state["classes"]), cfg=cfg.data)
-    loader = eval_loader(source, pp, cfg.data.eval_batch_size or 256, cfg.data.num_workers)
-    model = model_from_checkpoint(state, weights).to(dev)
-    _apply_kernel_overrides(model, state["config"].get("model", {}), cfg.model)
-    model, t0 = with_tta(model, spec, state.get("task", "multiclass")), time.perf_counter()
-    with onednn.run_gemm(state.get("fp32_gemm")):  # the run's fp32 GEMM: rounds as its own evaluation did
-        if state.get("task", "multiclass") == "multilabel":
+    return EvalSetup(state, cfg, dev, precision, Preprocess.from_dict(state["preprocess"]), role, split, source)
+
+
+def score(setup: EvalSetup, model: torch.nn.Module, pp: Preprocess) -> dict:
+    """One pass of ``model`` over the setup's split at ``pp`` (its ``image_size``): :func:`evaluate`'s
+    metrics (:func:`evaluate_multilabel`'s at the saved threshold for a multi-label checkpoint),
+    in the run's fp32 GEMM (rounding as its own evaluation did)."""
+    state = setup.state
+    loader = eval_loader(setup.source, pp, setup.batch_size, setup.cfg.data.num_workers)
+    with onednn.run_gemm(state.get("fp32_gemm")):
+        if setup.task == "multilabel":
             if state.get("threshold") is None:
                 log.warning("%s has no saved threshold: choosing one on the %s split itself (optimistic F1)",
-                            state["path"], role)
-            result = evaluate_multilabel(model, loader, dev, precision, pp, threshold=state.get("threshold"))
-        else:
-            result = evaluate(model, loader, dev, precision, pp)
+                            state["path"], setup.role)
+            return evaluate_multilabel(model, loader, setup.device, setup.precision, pp,
+                                       threshold=state.get("threshold"))
+        return evaluate(model, loader, setup.device, setup.precision, pp)
+
+
+def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: str = "auto", tta: str | None = None
+                        ) -> dict:
+    """Evaluate a checkpoint on its config's test split — or, when the data has none, its
+    validation split (after ``key=value`` overrides, e.g. ``data.path=...`` or
+    ``data.test_split=...``), labelling with the checkpoint's classes. A multi-label checkpoint
+    is scored at the threshold saved with it (chosen on the validation split in training).
+    ``model.img_size=S`` among the overrides evaluates at ``S`` pixels: the model built for ``S``
+    with its position tables resampled as fine-tuning at ``S`` resamples them, the preprocessing at
+    ``S`` (a row of ``vitflow bench resolution``).
+
+    Args:
+        weights: ``auto`` (the EMA weights when saved, else the trained ones), ``ema`` or ``raw``.
+        tta: test-time augmentation (:mod:`vitflow.infer.tta`, e.g. ``flip``): the metrics are those of
+            the averaged probabilities (the loss their negative log-likelihood).
+    Returns:
+        :func:`evaluate`'s (or :func:`evaluate_multilabel`'s) metrics prefixed with the split's
+        role (``test_`` or ``val_``: scalars, and the per-class ``precision``, ``recall``, ``f1``,
+        ``support``, ``confusion``, ``per_class_ap`` and the ``reliability`` diagram) plus ``classes``,
+        ``split`` (the role), ``split_expr``, ``checkpoint``, ``step``, ``weights`` (``ema`` or ``raw``,
+        the weights evaluated), ``tta`` (the spec, ``none`` without), ``image_size`` (pixels) and
+        ``images_per_s`` (the whole pass, decoding included).
+    Raises:
+        FileNotFoundError / ValueError: unreadable checkpoint, a ``model.img_size`` the model cannot
+        take; ConfigError; DataError.
+    """
+    spec = parse_tta(tta)  # a bad spec fails before any work
+    setup = eval_setup(path, overrides, device)
+    state, role = setup.state, setup.role
+    size = setup.cfg.model.img_size if setup.cfg.model.img_size != setup.preprocess.image_size else None
+    model = with_tta(setup.model(weights, size), spec, setup.task)
+    pp = replace(setup.preprocess, image_size=size) if size else setup.preprocess
+    t0 = time.perf_counter()
+    result = score(setup, model, pp)
     ips = result["images"] / max(time.perf_counter() - t0, 1e-9)
     used = "ema" if state.get("ema") and weights != "raw" else "raw"
     scalars = scalar_metrics(result)
     per_class = {k: v for k, v in result.items() if k not in scalars and k != "per_class_top1"}  # = the recall
     return {**{f"{role}_{k}": v for k, v in {**scalars, **per_class}.items()}, "split": role,
-            "split_expr": split, "classes": list(state["classes"]), "checkpoint": state["path"],
-            "step": state["step"], "weights": used, "tta": str(spec), "images_per_s": round(ips, 1)}
+            "split_expr": setup.split, "classes": list(state["classes"]), "checkpoint": state["path"],
+            "step": state["step"], "weights": used, "tta": str(spec), "image_size": pp.image_size,
+            "images_per_s": round(ips, 1)}

@@ -21,7 +21,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from vitflow import checkpoint as ckpt
 from vitflow.config import Config, to_yaml
-from vitflow.data import open_datasets, train_loader
+from vitflow.data import train_loader
 from vitflow.data.remote.fs import RemoteError
 from vitflow.data.sources.evals import open_evals
 from vitflow.models import model_kwargs
@@ -34,6 +34,7 @@ from vitflow.train.distributed import micro_batch, shutdown
 from vitflow.train.elastic import apply_launch
 from vitflow.train.evaluator import RunEvaluator, run_summary
 from vitflow.train.logging import EpochTracker, MetricsLog, start_record
+from vitflow.train.normalize import open_run_datasets
 from vitflow.train.preempt import interrupted_end
 from vitflow.train.resume import locate_run, restore_training, seed_ranks, training_state
 from vitflow.train.run_dir import open_run_dir
@@ -61,7 +62,8 @@ class Trainer:
         self.dist, self.device, self.precision = start_process(t)
         apply_launch(t, cfg.preset, lambda flag: self.dist.any(flag, self.device))  # restarts find their run
         self.state, self.run_dir, start_over = locate_run(t, cfg.preset, cfg.to_dict(), self.dist)
-        self.data = open_datasets(cfg.data, image_size := cfg.model.img_size or model_kwargs(cfg.model.name)["img_size"])
+        image_size = cfg.model.img_size or model_kwargs(cfg.model.name)["img_size"]
+        self.data = open_run_datasets(cfg, image_size, self.dist, self.state)  # data.normalize=dataset first
         named = open_evals(cfg.data, self.data.classes)  # data.evals, and what keep_best / early stopping watch:
         self.selection = Selection(t.keep_best, t.early_stopping_patience, t.early_stopping_min_delta,
                                    t.early_stopping_metric, [self.data.monitored, *named])

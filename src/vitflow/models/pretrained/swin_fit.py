@@ -67,7 +67,10 @@ def geometric_offsets(src: int, dst: int) -> torch.Tensor:
 
 def _linear_weights(points: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``(len(targets), len(points))`` piecewise-linear interpolation weights from sorted
-    ``points`` to ``targets``, constant beyond the ends (as timm's ``RegularGridInterpolator``)."""
+    ``points`` to ``targets``, constant beyond the ends (as timm's ``RegularGridInterpolator``);
+    a single point (a window of one token) is that constant everywhere."""
+    if len(points) == 1:
+        return torch.ones(len(targets), 1, dtype=torch.float64)
     t = targets.clamp(points[0], points[-1])
     right = torch.searchsorted(points, t).clamp(1, len(points) - 1)
     left = right - 1

@@ -215,7 +215,22 @@ def load_pretrained(model: torch.nn.Module, spec: str | Path) -> None:
             snapshot's config that disagrees with its weights).
     """
     pre = resolve_pretrained(spec)
-    read = read_state_dict(pre.weights, known_layout=True)
+    load_adapted(model, read_state_dict(pre.weights, known_layout=True), pre.weights, pre.source, pre.model_name)
+
+
+def load_adapted(model: torch.nn.Module, read: dict[str, torch.Tensor], where: str | Path,
+                 source: str | Path | None = None, model_name: str | None = None) -> None:
+    """Load a timm-layout state_dict ``read`` (from the file ``where``) into ``model`` the way
+    :func:`load_pretrained` does: :func:`adapt_state_dict` (position embeddings and relative
+    position tables resampled to the model's grid and windows, a head of another class count
+    reset), then ``load_state_dict(strict=True)``. Fine-tuning at another ``model.img_size`` and
+    ``vitflow bench resolution`` (through :func:`vitflow.checkpoint.model_from_checkpoint`) both
+    come here. ``source`` / ``model_name``: a snapshot's folder and the architecture its config
+    names, for the message when config and weights disagree.
+
+    Raises:
+        ValueError: weights that do not fit (naming the key and both shapes).
+    """
     sd = adapt_state_dict(read, model)
     own = model.state_dict()
     params = {n for n, _ in model.named_parameters()}
@@ -223,18 +238,18 @@ def load_pretrained(model: torch.nn.Module, spec: str | Path) -> None:
     missing = [k for k in own if k not in sd and k not in new]
     unexpected = [k for k in sd if k not in own]
     mismatched = [k for k in own if k in sd and sd[k].shape != own[k].shape]
-    if mismatched and pre.model_name:
+    if mismatched and model_name:
         k = mismatched[0]
-        raise ValueError(f"the config of {pre.source} (architecture {pre.model_name}) disagrees with its weights "
-                         f"{pre.weights.name}: {k} is {tuple(sd[k].shape)} in the weights but {tuple(own[k].shape)} "
+        raise ValueError(f"the config of {source} (architecture {model_name}) disagrees with its weights "
+                         f"{Path(where).name}: {k} is {tuple(sd[k].shape)} in the weights but {tuple(own[k].shape)} "
                          f"in the model the config describes")
     if missing or unexpected or mismatched:
         shapes = [f"{k}: file {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}" for k in mismatched]
-        raise ValueError(f"weights in {pre.weights} do not fit this model{_depth_hint(sd, own)}: "
+        raise ValueError(f"weights in {where} do not fit this model{_depth_hint(sd, own)}: "
                          f"missing={missing[:5]} unexpected={unexpected[:5]} mismatched={shapes[:5]}")
     absent = [k for k in new if k not in read]  # the others were dropped by adapt_state_dict, which logged it
     if absent:
-        log.info("%d tensors not in %s keep their initialisation (e.g. %s)", len(absent), pre.weights, absent[0])
+        log.info("%d tensors not in %s keep their initialisation (e.g. %s)", len(absent), where, absent[0])
     model.load_state_dict({**{k: own[k] for k in new}, **sd}, strict=True)
 
 
