@@ -163,13 +163,16 @@ def _deployment_commands(sub) -> None:
     _add_embed_command(sub)
     p = sub.add_parser("export", help="export a checkpoint (ONNX, TorchScript, ExportedProgram, TensorRT, hub-style "
                        "folder), verified")
-    p.add_argument("checkpoint", help="checkpoint file or run directory")
+    p.add_argument("checkpoint", help="checkpoint file or run directory (--format openvino: also a vitflow .onnx)")
     _add_checkpoint_choice(p)
-    p.add_argument("--format", default="onnx", choices=["onnx", "torchscript", "exported-program", "tensorrt", "hub"],
-                   help="hub: a new folder of config.json, model.safetensors (timm names) and README.md (model card) "
-                   "that timm and vitflow load")
-    p.add_argument("-o", "--output", required=True, help="output file (.onnx, .ts, .pt2, .engine) or, for hub, a "
-                   "new (or empty) folder")
+    p.add_argument("--format", default="onnx",
+                   choices=["onnx", "torchscript", "exported-program", "tensorrt", "openvino", "hub"],
+                   help="openvino: an OpenVINO IR (.xml + .bin) with vitflow's metadata; hub: a new folder of "
+                   "config.json, model.safetensors (timm names) and README.md (model card) that timm and vitflow load")
+    p.add_argument("-o", "--output", required=True, help="output file (.onnx, .ts, .pt2, .engine, .xml) or, for hub, "
+                   "a new (or empty) folder")
+    p.add_argument("--batch", type=_positive, metavar="N", help="openvino: a fixed batch size (static shape; the IR "
+                   "then takes batches of N only)")
     p.add_argument("--optimize", action="store_true", help="ONNX: apply ONNX Runtime's transformer fusions")
     p.add_argument("--target", choices=["cpu", "gpu"], help="--optimize for this target (default: gpu if CUDA "
                    "is available, else cpu)")
@@ -182,20 +185,7 @@ def _deployment_commands(sub) -> None:
     p.add_argument("--fp32", action="store_true", help="TensorRT: build an FP32 engine (default FP16)")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
 
-    p = sub.add_parser("quantize", help="INT8 (ONNX Runtime or PyTorch) or FP16/BF16 weights, with an accuracy guard")
-    p.add_argument("model", help="checkpoint, run directory, or a vitflow .onnx model (onnxruntime backend)")
-    p.add_argument("-o", "--output", required=True, help="output: .onnx (onnxruntime) or .pt (torch)")
-    p.add_argument("--backend", choices=["onnxruntime", "torch"], default="onnxruntime")
-    p.add_argument("--dtype", choices=["int8", "fp16", "bf16"], default="int8",
-                   help="int8 (default); fp16/bf16 weight casting for GPU inference (torch backend)")
-    p.add_argument("--data", metavar="PATH",
-                   help="data to measure top-1 (multi-label models: mAP) on before and after: a folder, tar, "
-                   "label file or dataset")
-    p.add_argument("--split", help="split of --data (default test; e.g. 'test[:2000]')")
-    p.add_argument("--max-drop", type=float, default=1.0, help="max top-1 (mAP) drop in points (default 1.0)")
-    p.add_argument("--force", action="store_true", help="write the model even if top-1 dropped more")
-    p.add_argument("--per-tensor", action="store_true", help="ONNX: one weight scale per tensor (default per channel)")
-    p.add_argument("--json", action="store_true", help="end with one JSON line")
+    _add_quantize_command(sub)
 
     p = sub.add_parser("prune", help="remove attention heads / MLP units, optionally fine-tune with distillation")
     p.add_argument("checkpoint", help="checkpoint file or run directory")
@@ -212,6 +202,39 @@ def _deployment_commands(sub) -> None:
     p.add_argument("--no-eval", action="store_true", help="skip the top-1 measurements")
     p.add_argument("--eval-split", help="split to measure top-1 on (default: the checkpoint's test split)")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
+
+
+def _add_quantize_command(sub) -> None:
+    p = sub.add_parser("quantize", help="INT8 (ONNX Runtime, OpenVINO or PyTorch; static with --calibrate) or FP16/BF16 "
+                       "weights, with an accuracy guard")
+    p.add_argument("model", help="checkpoint, run directory, or a vitflow .onnx model (onnxruntime / openvino backend)")
+    p.add_argument("-o", "--output", required=True, help="output: .onnx (onnxruntime), .xml (openvino IR, .bin beside "
+                   "it) or .pt (torch)")
+    p.add_argument("--backend", choices=["onnxruntime", "torch", "openvino"], default="onnxruntime",
+                   help="openvino: INT8 IR by NNCF post-training quantization (always calibrated)")
+    _add_calibration_args(p)
+    p.add_argument("--dtype", choices=["int8", "fp16", "bf16"], default="int8",
+                   help="int8 (default); fp16/bf16 weight casting for GPU inference (torch backend)")
+    p.add_argument("--data", metavar="PATH",
+                   help="data to measure top-1 (multi-label models: mAP) on before and after: a folder, tar, "
+                   "label file or dataset")
+    p.add_argument("--split", help="split of --data (default test; e.g. 'test[:2000]')")
+    p.add_argument("--max-drop", type=float, default=1.0, help="max top-1 (mAP) drop in points (default 1.0)")
+    p.add_argument("--force", action="store_true", help="write the model even if top-1 dropped more")
+    p.add_argument("--per-tensor", action="store_true", help="ONNX: one weight scale per tensor (default per channel)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+
+
+def _add_calibration_args(p: argparse.ArgumentParser) -> None:
+    """``vitflow quantize``: static INT8 calibrated on real images."""
+    g = p.add_argument_group("static INT8 (calibrated activation ranges)")
+    g.add_argument("--calibrate", nargs="?", const="", metavar="DATA", help="static INT8: calibrate on DATA (a "
+                   "folder, tar or dataset: its train split; a folder of images; a .npy of model inputs), default "
+                   "the checkpoint's training data")
+    g.add_argument("--calibration-images", type=_positive, default=300, metavar="N", help="images to calibrate on (300)")
+    g.add_argument("--method", action="append", choices=["minmax", "percentile", "entropy"], help="onnxruntime "
+                   "calibration method to try (repeatable; default all three, the guard keeps the best)")
+    g.add_argument("--batch", type=_positive, metavar="N", help="openvino: fix the IR's batch size (static shape)")
 
 
 def _data_and_view_commands(sub) -> None:
@@ -255,9 +278,19 @@ def _bench_commands(sub):
                    help="another copy of the data (a tar, shards local or remote...) whose vitflow loader runs in the "
                         "same repeats, reported as a ratio to --data's (repeatable)")
     b.add_argument("--json", action="store_true", help="end with one JSON line of images/s")
-    b = bench.add_parser("infer", help="inference latency / throughput of every deployment path vs timm")
+    b = bench.add_parser("infer", help="inference latency / throughput (and top-1) of every deployment path vs the "
+                         "peers (timm eager, ONNX Runtime, OpenVINO)")
     b.add_argument("checkpoint", help="checkpoint file or run directory")
-    b.add_argument("--paths", help="comma-separated subset of the paths (default: all seven: timm_eager_fp32, timm_eager_bf16, eager_fp32, eager_bf16, compiled, onnxruntime_fp32, onnxruntime_int8)")
+    b.add_argument("--paths", help="comma-separated paths or shell patterns, e.g. 'timm_openvino_*,openvino_int8*' "
+                   "(default: all; see the deployment guide's list)")
+    b.add_argument("--data", nargs="?", const="", metavar="PATH", help="measure each path's top-1 on this data (its "
+                   "test split, else val); --data alone: the checkpoint's own test data")
+    b.add_argument("--split", help="split of --data (e.g. 'test[:2000]', a random 2000)")
+    b.add_argument("--max-drop", type=float, default=1.0, help="the fastest paths are chosen among those within "
+                   "this many top-1 points of fp32 (1.0)")
+    b.add_argument("--calibrate", metavar="DATA", help="calibration images of the static INT8 paths (default: the "
+                   "checkpoint's training data)")
+    b.add_argument("--calibration-images", type=_positive, default=300, metavar="N", help="(300)")
     b.add_argument("--batch-size", type=int, default=32, help="throughput batch size (32)")
     b.add_argument("--repeats", type=int, default=3, help="interleaved rounds (3)")
     b.add_argument("--latency-calls", type=int, default=20, help="batch-1 calls per path per round (20)")

@@ -15,6 +15,7 @@ from vitflow.data import eval_loader, open_split
 from vitflow.data.dispatch import scored_split
 from vitflow.data.transforms import Preprocess
 from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
+from vitflow.infer.predict import Predictor, is_exported
 from vitflow.infer.tta import parse_tta, with_tta
 from vitflow.metrics_cls import PER_CLASS_KEYS
 from vitflow.models import onednn
@@ -35,7 +36,7 @@ def _apply_kernel_overrides(model: torch.nn.Module, saved: dict, wanted) -> None
 
 def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: str = "auto", tta: str | None = None
                         ) -> dict:
-    """Evaluate a checkpoint on its config's test split — or, when the data has none, its
+    """Evaluate a checkpoint (an exported model: :func:`evaluate_exported`) on its config's test split — or, when the data has none, its
     validation split (after ``key=value`` overrides, e.g. ``data.path=...`` or
     ``data.test_split=...``), labelling with the checkpoint's classes. A multi-label checkpoint
     is scored at the threshold saved with it (chosen on the validation split in training).
@@ -54,6 +55,8 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
     Raises:
         FileNotFoundError / ValueError: unreadable checkpoint; ConfigError; DataError.
     """
+    if is_exported(path):
+        return evaluate_exported(path, overrides, tta)
     spec = parse_tta(tta)  # a bad spec fails before any work
     state = load_checkpoint(path)
     cfg = build_config(base=state["config"], overrides=overrides, checks={"data": check_data_config})
@@ -79,9 +82,43 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
             result = evaluate_multilabel(model, loader, dev, precision, pp, threshold=state.get("threshold"))
         else:
             result = evaluate(model, loader, dev, precision, pp)
-    ips = result["images"] / max(time.perf_counter() - t0, 1e-9)
     used = "ema" if state.get("ema") and weights != "raw" else "raw"
+    return _result(result, role, split, list(state["classes"]), state["path"], state["step"], used, spec, t0)
+
+
+def _result(result: dict, role: str, split: str, classes: list[str], model: str, step: int | None, weights: str,
+            spec, t0: float) -> dict:
+    """The return value of :func:`evaluate_checkpoint` / :func:`evaluate_exported`."""
+    ips = result["images"] / max(time.perf_counter() - t0, 1e-9)
     per_class = {k: result[k] for k in PER_CLASS_KEYS if k in result and k != "per_class_top1"}
     return {**{f"{role}_{k}": v for k, v in {**scalar_metrics(result), **per_class}.items()}, "split": role,
-            "split_expr": split, "classes": list(state["classes"]), "checkpoint": state["path"],
-            "step": state["step"], "weights": used, "tta": str(spec), "images_per_s": round(ips, 1)}
+            "split_expr": split, "classes": classes, "checkpoint": model, "step": step, "weights": weights,
+            "tta": str(spec), "images_per_s": round(ips, 1)}
+
+
+def evaluate_exported(path, overrides=(), tta: str | None = None, precision: str = "fp32") -> dict:
+    """Evaluate an exported model (ONNX, OpenVINO IR: whatever
+    :meth:`vitflow.infer.predict.Predictor.load` reads) on ``data.path``'s test split (its
+    validation split when it has none), given as ``key=value`` overrides (``data.path=...``,
+    ``data.test_split=...``): an export carries its classes and preprocessing, not its data.
+
+    Returns:
+        The keys of :func:`evaluate_checkpoint`; ``weights`` is ``exported``, ``step`` ``None``.
+    Raises:
+        ValueError: no ``data.path`` given; FileNotFoundError / ValueError: unreadable model; DataError.
+    """
+    cfg = build_config(base={}, overrides=overrides, checks={"data": check_data_config})
+    if cfg.data.path is None and cfg.data.source == "auto":
+        raise ValueError(f"{path} carries no data path: evaluate it with data.path=PATH (and data.test_split=...)")
+    predictor = Predictor.load(path, "cpu", precision)
+    predictor.set_tta(tta)
+    role, split = scored_split(cfg.data)
+    source = open_split(cfg.data.path, split, cfg.data.source, classes=predictor.classes, cfg=cfg.data)
+    loader = eval_loader(source, predictor.pp, cfg.data.eval_batch_size or 256, cfg.data.num_workers)
+    t0, cpu = time.perf_counter(), torch.device("cpu")
+    if predictor.task == "multilabel":
+        result = evaluate_multilabel(predictor.model, loader, cpu, resolve_precision("fp32", cpu), predictor.pp,
+                                     threshold=predictor.threshold)
+    else:
+        result = evaluate(predictor.model, loader, cpu, resolve_precision("fp32", cpu), predictor.pp)
+    return _result(result, role, split, predictor.classes, str(path), None, "exported", predictor.tta, t0)
