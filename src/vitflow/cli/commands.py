@@ -256,7 +256,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--split selects images of --data: give --data PATH too")
     r = bench_infer(args.checkpoint, select_paths(args.paths), args.batch_size, args.repeats, args.latency_calls,
                     args.min_time, args.attention, log=lambda m: print(m, file=sys.stderr), data=args.data,
-                    split=args.split, calibrate=args.calibrate, calibration_count=args.calibration_images)
+                    split=args.split, calibrate=args.calibrate, calibration_count=args.calibration_images,
+                    reference=args.reference)
     print(f"{args.checkpoint}: {torch.get_num_threads()} threads, batch-1 latency over "
           f"{args.repeats * args.latency_calls} calls, batch-{args.batch_size} throughput median of {args.repeats} "
           f"rounds; ratios are speed-ups over timm_eager_fp32")

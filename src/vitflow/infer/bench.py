@@ -31,7 +31,7 @@ from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.data import ImageSource, eval_loader, model_input
 from vitflow.infer.bench_paths import PATHS, Sources
 from vitflow.infer.calibration import CALIBRATION_IMAGES, calibration_images, checkpoint_split
-from vitflow.infer.onnx_model import ModelInfo
+from vitflow.infer.onnx_model import ModelInfo, UnavailableError
 from vitflow.timing import busy_warning
 
 BASELINE = "timm_eager_fp32"
@@ -72,13 +72,14 @@ class Timing:
 
 def select_paths(spec: str | None) -> tuple[str, ...]:
     """The paths a ``--paths`` value names, in table order: comma-separated names or shell
-    patterns (``openvino_*``, ``*int8*``); ``None``: all.
+    patterns (``openvino_*``, ``*int8*``); ``None``: every path whose packages are installed
+    (``timm``, ``onnxruntime``, ``openvino`` + ``nncf``).
 
     Raises:
         ValueError: a name or pattern that matches no path (the message lists them).
     """
     if not spec:
-        return tuple(PATHS)
+        return tuple(p for p, row in PATHS.items() if not row.missing())
     chosen: set[str] = set()
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         hit = fnmatch.filter(PATHS, part)
@@ -89,19 +90,24 @@ def select_paths(spec: str | None) -> tuple[str, ...]:
 
 
 def build_paths(model: torch.nn.Module, info: ModelInfo, workdir: str | Path, paths: tuple[str, ...] = tuple(PATHS),
-                calibration: Callable[[], torch.Tensor] | None = None, log: Callable[[str], None] = print
+                calibration: Callable[[], torch.Tensor] | None = None, log: Callable[[str], None] = print,
+                peer: tuple[torch.nn.Module, ModelInfo] | None = None
                 ) -> tuple[dict[str, torch.nn.Module], dict[str, str]]:
     """The modules to time and a one-line description of each (see :mod:`vitflow.infer.bench_paths`).
 
     ``model`` is a float32 vitflow model in eval mode; ONNX files go to ``workdir``;
-    ``calibration`` returns the real images of the static INT8 paths.
+    ``calibration`` returns the real images of the static INT8 paths; ``peer``: the model (and
+    its info) the timm paths take their configuration and weights from (default ``model``).
     """
     def no_images() -> torch.Tensor:
         raise ValueError("the static INT8 paths need calibration images: give the checkpoint's data or --calibrate")
 
-    sources = Sources(model.float().eval(), info, workdir, calibration or no_images)
+    sources = Sources(model.float().eval(), info, workdir, calibration or no_images, peer)
     runners, notes = {}, {}
     for name in paths:
+        if missing := PATHS[name].missing():
+            raise UnavailableError(f"benchmark path {name} needs {' and '.join(missing)} (pip install "
+                                   "'vitflow[export,openvino]' timm); leave it out of --paths")
         t0 = time.perf_counter()
         runners[name] = PATHS[name].build(sources)
         notes[name] = PATHS[name].what
@@ -163,6 +169,14 @@ def top1_of(runners: dict[str, torch.nn.Module], source: ImageSource, info: Mode
             for name, run in runners.items()}
 
 
+def _float_state(path: str | Path) -> dict:
+    """A float checkpoint's state; raises ValueError for a quantized one."""
+    state = load_checkpoint(path)
+    if state.get("quantization"):
+        raise ValueError(f"{path} is a quantized checkpoint; benchmark the float checkpoint it came from")
+    return state
+
+
 def ratio(a: Timing, b: Timing) -> dict[str, float]:
     """How much faster path ``a`` is than ``b``: medians over the rounds of the per-round
     throughput ratio and batch-1 latency ratio (``> 1``: ``a`` is faster)."""
@@ -173,7 +187,8 @@ def ratio(a: Timing, b: Timing) -> dict[str, float]:
 def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = tuple(PATHS), batch_size: int = 32,
                 repeats: int = 3, latency_calls: int = 20, min_time: float = 1.0, attention: str | None = None,
                 log: Callable[[str], None] = print, data: str | None = None, split: str | None = None,
-                calibrate: str | None = None, calibration_count: int = CALIBRATION_IMAGES) -> dict:
+                calibrate: str | None = None, calibration_count: int = CALIBRATION_IMAGES,
+                reference: str | None = None) -> dict:
     """Benchmark a checkpoint along ``paths``.
 
     Args:
@@ -184,6 +199,9 @@ def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = tuple(PATHS), b
         calibrate / calibration_count: the static INT8 paths' calibration images
             (:func:`vitflow.infer.calibration.calibration_images`; default the checkpoint's
             training data).
+        reference: a checkpoint the peers (timm paths) take their configuration and weights from,
+            e.g. the unpruned model a pruned ``checkpoint`` came from; its fp32 top-1 is then the
+            accuracy bound of the fastest paths (``timm_eager_fp32``'s).
     Returns:
         ``{"results": {path: {"latency_ms_p50", "latency_ms_p90", "throughput_ips"[, "top1"]}},
         "notes": {path: description}, "timings": {path: Timing}, "cpu_flags": [...]}``.
@@ -194,17 +212,21 @@ def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = tuple(PATHS), b
     unknown = sorted(set(paths) - set(PATHS))
     if unknown:
         raise ValueError(f"unknown benchmark path(s) {unknown}; choose from {list(PATHS)}")
-    state = load_checkpoint(checkpoint)
-    if state.get("quantization"):
-        raise ValueError(f"{checkpoint} is a quantized checkpoint; benchmark the float checkpoint it came from")
+    state = _float_state(checkpoint)
     model = model_from_checkpoint(state).float().eval()
     if attention:
         model.set_attention_backend(attention)
     info = ModelInfo.from_checkpoint(state)
+    peer = None
+    if reference is not None:
+        ref = _float_state(reference)
+        if list(ref["classes"]) != info.classes:
+            raise ValueError(f"--reference {reference} has other classes than {checkpoint}")
+        peer = model_from_checkpoint(ref).float().eval(), ModelInfo.from_checkpoint(ref)
     source = checkpoint_split(state, data or None, split) if data is not None else None  # bad data: before any work
     calibration = lambda: calibration_images(calibrate, info.preprocess, info.classes, state, calibration_count)  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
-        runners, notes = build_paths(model, info, tmp, paths, calibration, log)
+        runners, notes = build_paths(model, info, tmp, paths, calibration, log, peer)
         accuracy = top1_of(runners, source, info) if source is not None else {}
         timings = time_paths(runners, info.preprocess.image_size, batch_size, repeats, latency_calls, min_time, log)
     for k, t in timings.items():
@@ -213,7 +235,8 @@ def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = tuple(PATHS), b
         log(f"warning: {warning}")
     results = {k: {**timings[k].summary(), **({"top1": accuracy[k]} if k in accuracy else {})}
                for k in PATHS if k in timings}
-    return {"results": results, "notes": notes, "timings": timings, "cpu_flags": cpu_flags()}
+    return {"results": results, "notes": notes, "timings": timings, "cpu_flags": cpu_flags(),
+            "reference": BASELINE if reference is not None else "eager_fp32"}
 
 
 def _fastest(results: dict, timings: dict, group: str, figure: str, reference: float | None,
@@ -245,7 +268,8 @@ def format_table(bench: dict, batch_size: int = 32, max_drop: float = 1.0) -> st
         lines.append(f"{k:28s} {r['latency_ms_p50']:9.2f} {r['latency_ms_p90']:9.2f} {r['throughput_ips']:10.1f} "
                      f"{lat_x:>6s} {tp_x:>6s} {top1:>7s}  {notes.get(k, '')}")
     lines.append(f"CPU flags: {' '.join(bench['cpu_flags']) or 'unknown'}; {torch.get_num_threads()} threads")
-    fp32 = next((results[k]["top1"] for k in ("eager_fp32", BASELINE) if "top1" in results.get(k, {})), None)
+    order = (bench.get("reference", "eager_fp32"), "eager_fp32", BASELINE)  # whose fp32 top-1 bounds the drop
+    fp32 = next((results[k]["top1"] for k in order if "top1" in results.get(k, {})), None)
     for figure, what, unit in (("throughput_ips", f"batch-{batch_size} throughput", "img/s"),
                                ("latency_ms_p50", "batch-1 latency", "ms")):
         ours = _fastest(results, timings, "vitflow", figure, fp32, max_drop)

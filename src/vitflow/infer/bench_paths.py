@@ -16,6 +16,7 @@ Calibration images (static INT8, NNCF) are the same real images for both.
 from __future__ import annotations
 
 import copy
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -83,11 +84,14 @@ class Sources:
         workdir: where the ONNX files go.
         calibration: returns ``float32 (N, 3, S, S)`` real images (called once, when a static
             INT8 path is built).
+        peer: ``(model, info)`` whose configuration and weights timm's model takes (default
+            ``model``): e.g. the unpruned model a pruned one came from.
     """
 
     def __init__(self, model: torch.nn.Module, info: ModelInfo, workdir: str | Path,
-                 calibration: Callable[[], torch.Tensor]):
+                 calibration: Callable[[], torch.Tensor], peer: tuple[torch.nn.Module, ModelInfo] | None = None):
         self.model, self.info, self.workdir = model, info, Path(workdir)
+        self.peer_model, self.peer_info = peer or (model, info)
         self._calibration, self._cache = calibration, {}
 
     def once(self, key: str, make: Callable[[], object]):
@@ -105,15 +109,16 @@ class Sources:
         Raises:
             ValueError: a pretrained family whose weights timm's model does not take."""
         def make():
-            timm = timm_model(self.info.model_args)
+            model, name = self.peer_model, self.peer_info.model_args["name"]
+            timm = timm_model(self.peer_info.model_args)
             # vitflow keeps fixed (sin-cos) position embeddings as non-persistent buffers, timm as parameters
-            state = {**dict(self.model.named_buffers()), **self.model.state_dict()}
+            state = {**dict(model.named_buffers()), **model.state_dict()}
             want = {k: v.shape for k, v in timm.state_dict().items()}
-            if all(k in state and state[k].shape == v for k, v in want.items()) and set(self.model.state_dict()) <= set(want):
+            if all(k in state and state[k].shape == v for k, v in want.items()) and set(model.state_dict()) <= set(want):
                 timm.load_state_dict({k: state[k] for k in want})  # same layout: same numbers, fair timing
-            elif family_of(self.info.model_args["name"]).name != "vit":
-                raise ValueError(f"timm's {self.info.model_args['name']} does not take the checkpoint's weights "
-                                 "(other names or shapes): no fair comparison")
+            elif family_of(name).name != "vit":
+                raise ValueError(f"timm's {name} does not take the checkpoint's weights (other names or shapes): "
+                                 "no fair comparison")
             return timm
         return self.once("timm", make)
 
@@ -123,7 +128,7 @@ class Sources:
         def make():
             raw, opt = self.workdir / f"{who}.onnx", self.workdir / f"{who}.opt.onnx"
             model = self.model if who == "vitflow" else self.timm()
-            export_onnx(model, raw, self.info, as_is=who == "timm")
+            export_onnx(model, raw, self.info if who == "vitflow" else self.peer_info, as_is=who == "timm")
             optimize_onnx(raw, opt, "cpu", *fusion_sizes(model))
             return raw, opt
         return self.once(f"onnx-{who}", make)[1]
@@ -165,43 +170,54 @@ def _compiled(model: torch.nn.Module) -> torch.nn.Module:
 @dataclass(frozen=True)
 class PathSpec:
     """One benchmark path: ``peer`` (timm's model through its tools) or ``vitflow``, a
-    description, and the builder of its module from the shared :class:`Sources`."""
+    description, the builder of its module from the shared :class:`Sources`, and the optional
+    packages it needs (its module names)."""
 
     group: str
     what: str
     build: Callable[[Sources], torch.nn.Module]
+    needs: tuple[str, ...] = ()
+
+    def missing(self) -> list[str]:
+        """The packages of :attr:`needs` that are not installed."""
+        return [m for m in self.needs if importlib.util.find_spec(m) is None]
 
 
 def _ov(who: str, int8: bool, **settings) -> Callable[[Sources], torch.nn.Module]:
     return lambda s: OpenVinoModel(s.openvino(who, int8), name=f"{who} openvino", **settings)
 
 
+TIMM, ORT, OV = ("timm",), ("onnxruntime",), ("openvino", "nncf")  # what the paths need installed
 PATHS: dict[str, PathSpec] = {
-    "timm_eager_fp32": PathSpec("peer", "timm, fp32 eager (the baseline of the ratios)", lambda s: s.timm()),
-    "timm_eager_bf16": PathSpec("peer", "timm, bf16 weights", lambda s: _bf16(s.timm())),
+    "timm_eager_fp32": PathSpec("peer", "timm, fp32 eager (the baseline of the ratios)", lambda s: s.timm(), TIMM),
+    "timm_eager_bf16": PathSpec("peer", "timm, bf16 weights", lambda s: _bf16(s.timm()), TIMM),
     "timm_onnxruntime_fp32": PathSpec("peer", "timm's ONNX export, CPU fusions, ONNX Runtime",
-                                      lambda s: OnnxModel(s.onnx("timm"))),
-    "timm_onnxruntime_int8": PathSpec("peer", "the same, dynamic INT8", lambda s: OnnxModel(s.onnx_int8("timm", False))),
+                                      lambda s: OnnxModel(s.onnx("timm")), TIMM + ORT),
+    "timm_onnxruntime_int8": PathSpec("peer", "the same, dynamic INT8", lambda s: OnnxModel(s.onnx_int8("timm", False)),
+                                      TIMM + ORT),
     "timm_onnxruntime_int8_static": PathSpec("peer", "the same, static INT8 (QDQ, minmax calibration)",
-                                             lambda s: OnnxModel(s.onnx_int8("timm", True))),
-    "timm_openvino_fp32": PathSpec("peer", "timm's ONNX export in OpenVINO, f32", _ov("timm", False, precision="fp32")),
-    "timm_openvino_bf16": PathSpec("peer", "the same, bf16 precision hint", _ov("timm", False, precision="bf16")),
+                                             lambda s: OnnxModel(s.onnx_int8("timm", True)), TIMM + ORT),
+    "timm_openvino_fp32": PathSpec("peer", "timm's ONNX export in OpenVINO, f32", _ov("timm", False, precision="fp32"),
+                                   TIMM + OV),
+    "timm_openvino_bf16": PathSpec("peer", "the same, bf16 precision hint", _ov("timm", False, precision="bf16"),
+                                   TIMM + OV),
     "timm_openvino_int8": PathSpec("peer", "the same, INT8 by NNCF, OpenVINO's defaults",
-                                   _ov("timm", True, precision="auto")),
+                                   _ov("timm", True, precision="auto"), TIMM + OV),
     "eager_fp32": PathSpec("vitflow", "vitflow, fp32 eager", lambda s: s.model),
     "eager_bf16": PathSpec("vitflow", "vitflow, bf16 weights", lambda s: _bf16(s.model)),
     "compiled": PathSpec("vitflow", "torch.compile (inductor), bf16 weights where native", lambda s: _compiled(s.model)),
     "onnxruntime_fp32": PathSpec("vitflow", "vitflow's ONNX export, CPU fusions, ONNX Runtime",
-                                 lambda s: OnnxModel(s.onnx("vitflow"))),
+                                 lambda s: OnnxModel(s.onnx("vitflow")), ORT),
     "onnxruntime_int8": PathSpec("vitflow", "the same, dynamic INT8 (vitflow quantize)",
-                                 lambda s: OnnxModel(s.onnx_int8("vitflow", False))),
+                                 lambda s: OnnxModel(s.onnx_int8("vitflow", False)), ORT),
     "onnxruntime_int8_static": PathSpec("vitflow", "the same, static INT8 (vitflow quantize --calibrate)",
-                                        lambda s: OnnxModel(s.onnx_int8("vitflow", True))),
-    "openvino_fp32": PathSpec("vitflow", "vitflow's export in OpenVINO, f32", _ov("vitflow", False, precision="fp32")),
-    "openvino_bf16": PathSpec("vitflow", "the same, bf16", _ov("vitflow", False, precision="bf16")),
+                                        lambda s: OnnxModel(s.onnx_int8("vitflow", True)), ORT),
+    "openvino_fp32": PathSpec("vitflow", "vitflow's export in OpenVINO, f32", _ov("vitflow", False, precision="fp32"),
+                              OV),
+    "openvino_bf16": PathSpec("vitflow", "the same, bf16", _ov("vitflow", False, precision="bf16"), OV),
     "openvino_int8": PathSpec("vitflow", "the same, INT8 by NNCF, OpenVINO's defaults",
-                              _ov("vitflow", True, precision="auto")),
+                              _ov("vitflow", True, precision="auto"), OV),
     "openvino_int8_tuned": PathSpec("vitflow", "the same INT8 IR, vitflow's settings for this CPU",
                                     lambda s: OpenVinoModel(s.openvino("vitflow", True), name="vitflow openvino",
-                                                            **tuned_settings())),
+                                                            **tuned_settings()), OV),
 }

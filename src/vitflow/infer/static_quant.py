@@ -3,11 +3,11 @@
 Weights are quantised to signed 8 bits per output channel ahead of time, as in dynamic INT8
 (:func:`vitflow.infer.quantize.quantize_onnx`); the activations entering every linear layer get
 a scale and zero point *calibrated* once on real images, so the graph needs no run-time range
-search (``DynamicQuantizeLinear``) and ONNX Runtime fuses each ``DequantizeLinear -> MatMul ->
-QuantizeLinear`` group into an integer GEMM (VNNI / AMX-INT8 kernels where the CPU has them).
-The model is written in the QDQ format (``QuantizeLinear`` / ``DequantizeLinear`` pairs around
-the float ops), which every ONNX runtime reads; LayerNorm, softmax, GELU and the attention
-products of two activations stay in float. The activation ranges come from one of three
+search (``DynamicQuantizeLinear``): ONNX Runtime runs each linear layer as an integer GEMM with a
+float output (``MatMulIntegerToFloat``; VNNI / AMX-INT8 kernels where the CPU has them). The
+model is written in the QDQ format (``QuantizeLinear`` / ``DequantizeLinear`` pairs around the
+float ops), which every ONNX runtime reads; the layers' outputs, LayerNorm, softmax, GELU and the
+attention products of two activations stay in float. The activation ranges come from one of three
 calibration methods (ONNX Runtime's ``quantize_static`` calibrators): ``minmax`` (the observed
 range), ``percentile`` (99.999th percentile of ``|x|``) or ``entropy`` (the range minimising the
 KL divergence of the quantised histogram, Migacz 2017, "8-bit Inference with TensorRT"); the
@@ -95,10 +95,16 @@ def quantize_onnx_static(src: str | Path, dst: str | Path, images: torch.Tensor,
     with tempfile.TemporaryDirectory() as tmp, quiet_toolchain():
         pre = Path(tmp) / "pre.onnx"
         quant_pre_process(str(src), str(pre), skip_optimization=False, skip_symbolic_shape=False)
+        graph = onnx.load(str(pre), load_external_data=False).graph
+        weights = {i.name for i in graph.initializer}
+        products = [n.name for n in graph.node if n.op_type == "MatMul" and n.input[1] not in weights]
+        # inputs quantized, outputs float: ONNX Runtime runs each linear as MatMulIntegerToFloat (measured on
+        # AMX: quantized outputs (QLinearMatMul + Q/DQ pairs) and quantized attention products were slower)
         quantize_static(pre, Path(dst), calibration_reader(images), quant_format=QuantFormat.QDQ,
                         per_channel=per_channel, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                        op_types_to_quantize=list(QUANTIZED_OPS), calibrate_method=calib[method],
-                        extra_options={"MatMulConstBOnly": True, "CalibStridedMinMax": 1})
+                        op_types_to_quantize=list(QUANTIZED_OPS), nodes_to_exclude=products,
+                        calibrate_method=calib[method],
+                        extra_options={"CalibStridedMinMax": 1, "OpTypesToExcludeOutputQuantization": list(QUANTIZED_OPS)})
     copy_metadata(src, dst)
     counts: dict[str, int] = {}
     for node in onnx.load(str(dst), load_external_data=False).graph.node:
