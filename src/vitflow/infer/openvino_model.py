@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vitflow.infer.onnx_model import META_PREFIX, ModelInfo, RuntimeModel, quiet_toolchain, require
+from vitflow.infer.onnx_model import META_PREFIX, RuntimeModel, quiet_toolchain, require
 
 IR_SUFFIX = ".xml"
 RT_KEY = "vitflow"  # rt_info section holding the vitflow.* metadata (without the prefix)
@@ -191,7 +191,3 @@ def nncf_quantize(model, images: torch.Tensor, batch: int = 8, fast_bias_correct
         return nncf.quantize(model, nncf.Dataset(batches), model_type=nncf.ModelType.TRANSFORMER,
                              subset_size=len(images), fast_bias_correction=fast_bias_correction)
 
-
-def ir_info(path: str | Path) -> ModelInfo:
-    """The :class:`ModelInfo` stored in an IR (raises ValueError naming ``path`` when absent)."""
-    return ModelInfo.from_metadata(ir_metadata(read_ir(path)), path)
