@@ -1,5 +1,5 @@
 """fp32 training and inference of vitflow models with the linear layers on oneDNN's GEMM against
-PyTorch's (``vitflow.models.onednn``), side by side in one process.
+PyTorch's (``vitflow.models.kernels.onednn``), side by side in one process.
 
     python benchmarks/fp32_gemm.py [--models cifar,tiny,swin,siglip] [--rounds 5] [--steps 4] [--json]
 
@@ -30,7 +30,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import vitflow  # noqa: E402
-from vitflow.models import MODELS as MODEL_CONFIGS, onednn  # noqa: E402
+from vitflow.models import MODELS as MODEL_CONFIGS  # noqa: E402
+from vitflow.models.kernels import onednn
 
 MODELS = {"cifar": ("vit_cifar_patch4_32", 64), "tiny": ("vit_tiny_patch16_224", 32),
           "swin": ("swin_tiny_patch4_window7_224", 32), "siglip": ("vit_base_patch16_siglip_224", 16)}

@@ -28,10 +28,10 @@ faulted in again per tensor) — for all three implementations alike.
 The machine's matmul peak (``torch.mm`` or oneDNN's linear, 1024..4096, fp32 and bf16, best median) gives each
 cell's MFU: model FLOPs per image (``FlopCounterMode`` on the explicit-attention forward; x3 for
 training) times images/s over the peak of the cell's dtype — for bf16 the higher of the bf16 and
-fp32 peaks, since bf16 products can run through either GEMM (``vitflow.models.matmul``; where
+fp32 peaks, since bf16 products can run through either GEMM (``vitflow.models.kernels.matmul``; where
 the bf16 GEMM is the slower one, vitflow's ``cpu_bf16_matmul=auto`` picks the fp32 one, shown in
 the backend column as ``gemm fp32``; fp32 cells show ``gemm onednn`` or ``gemm torch``, the GEMM of
-vitflow's large fp32 linear layers, ``vitflow.models.onednn``). With ``--json`` the last line is::
+vitflow's large fp32 linear layers, ``vitflow.models.kernels.onednn``). With ``--json`` the last line is::
 
     {"peak_gflops": {"fp32": ..., "bf16": ...}, "cells": [{"model": ..., "mode": "train"|"infer",
      "dtype": "fp32"|"bf16", "vitflow_ips": ..., "timm_ips": ..., "vit_pytorch_ips": ...,
@@ -55,7 +55,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import vitflow  # noqa: E402
-from vitflow.models import MODELS, onednn  # noqa: E402
+from vitflow.models import MODELS  # noqa: E402
+from vitflow.models.kernels import onednn  # noqa: E402
 from vitflow.runtime import configure_allocator  # noqa: E402
 
 MODEL_SPECS = {  # key: (vitflow variant, batch, classes, input size (None: the variant's))
@@ -75,7 +76,7 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 def matmul_peak(dtype: torch.dtype, sizes=(1024, 2048, 4096), repeats: int = 3) -> float:
     """Best median GFLOP/s over square sizes of ``torch.mm`` and of oneDNN's linear (the GEMM that
-    vitflow's linear layers may run on, ``vitflow.models.onednn``), whichever is faster."""
+    vitflow's linear layers may run on, ``vitflow.models.kernels.onednn``), whichever is faster."""
     gemms = [torch.mm] + ([lambda a, b: onednn.PW(a, b, None, "none", [], "")] if onednn.AVAILABLE else [])
     best = 0.0
     for n in sizes:
@@ -111,7 +112,7 @@ def forward_gflops(name: str, num_classes: int, size: int) -> float:
 
     model = vitflow.create_model(name, num_classes=num_classes, attention="math", img_size=size).eval()
     onednn.fp32_gemm()  # decided before counting: its one-off timing's GEMMs are not the model's
-    # the blocks' proj / fc2 accumulate onto the residual in place (vitflow.models.matmul.Linear)
+    # the blocks' proj / fc2 accumulate onto the residual in place (vitflow.models.kernels.matmul.Linear)
     counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: _addmm_flops,
                                                              torch.ops.mkldnn._linear_pointwise: _onednn_linear_flops})
     with counter, torch.no_grad():
@@ -240,7 +241,7 @@ def main() -> None:
                 gemms = _gemm_choices()
                 if gemms:
                     backend += ", gemm " + ",".join(gemms)
-                elif dt == "fp32":  # large fp32 linear layers: oneDNN's GEMM or PyTorch's (vitflow.models.onednn)
+                elif dt == "fp32":  # large fp32 linear layers: oneDNN's GEMM or PyTorch's (vitflow.models.kernels.onednn)
                     backend += ", gemm " + onednn.fp32_gemm()
                 fmt = {impl: f"{med[impl]:.1f} ({min(v):.3g}-{max(v):.3g})" for impl, v in rates.items()}
                 fmt.setdefault("vit_pytorch", "-")
@@ -266,7 +267,7 @@ def _auto_choices() -> list[tuple]:
 
 def _gemm_choices() -> list[str]:
     """The GEMMs vitflow's cpu_bf16_matmul=auto chose in the current cell (bf16 cells on a CPU)."""
-    from vitflow.models import matmul
+    from vitflow.models.kernels import matmul
 
     out = sorted(set(matmul._CHOICES.values()))
     matmul.clear_choices()

@@ -28,7 +28,7 @@ from vitflow.config import DataConfig
 from vitflow.data import open_split
 from vitflow.data.cache import ListSource
 from vitflow.data.pipeline import _cache, train_loader
-from vitflow.data.sources import TensorSource
+from vitflow.data.sources.base import TensorSource
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 PATHS = {"resized cache": {"cache_resolution": "auto"}, "full-size cache": {"cache_resolution": "full"},

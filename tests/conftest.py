@@ -9,7 +9,7 @@ import pytest
 
 # One fp32 GEMM for the suite's process and every child it starts (helpers.ENV copies os.environ):
 # auto's timing, made in each process on busy cores, can choose differently in two runs that a test
-# compares bit for bit (vitflow.models.onednn).
+# compares bit for bit (vitflow.models.kernels.onednn).
 os.environ.setdefault("VITFLOW_FP32_GEMM", "onednn")
 
 from helpers import make_folder  # noqa: E402
@@ -25,7 +25,7 @@ def torch_fp32_gemm():
     """fp32 linear layers on PyTorch's GEMM, timm's and Hugging Face's, for the tests that compare a
     vitflow model with theirs at fp32 rounding: the model's math, not two GEMMs' summation orders
     (oneDNN's is tested against float64 in ``models/test_onednn.py``)."""
-    from vitflow.models import onednn
+    from vitflow.models.kernels import onednn
 
     with onednn.forced("torch"):
         yield
@@ -46,4 +46,4 @@ def digits_run(tmp_path_factory):
     return run, json.loads(out.stdout.strip().splitlines()[-1]), out
 
 
-from servers import http_server, quick_retries, s3_server, _moto_endpoint  # noqa: E402,F401  real HTTP / S3 servers on 127.0.0.1
+from servers import _moto_endpoint, http_server, quick_retries, s3_server  # noqa: E402,F401  real HTTP / S3 servers on 127.0.0.1

@@ -262,7 +262,7 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "A
 @pytest.fixture
 def quick_retries():
     """Remote reads retried twice, 10 ms apart, for the test (then vitflow's defaults again)."""
-    from vitflow.data import remote
+    from vitflow.data.remote import fs as remote
 
     remote.configure(retries=2, backoff=0.01)
     yield

@@ -30,7 +30,7 @@ def test_eval_matches_training_result(digits_run, capsys):
 def test_eval_applies_kernel_overrides(digits_run, capsys, monkeypatch):
     """model.attention / model.cpu_bf16_matmul on `vitflow eval` choose the kernels (fixed kernels
     make bf16 repeats bit-identical); the weights and the result stay the checkpoint's."""
-    from vitflow.models.vit import VisionTransformer
+    from vitflow.models.vit.model import VisionTransformer
 
     run, r, _ = digits_run
     calls = []

@@ -1,4 +1,4 @@
-"""Multi-label metrics (vitflow.metrics) against scikit-learn's definitions."""
+"""Multi-label metrics (vitflow.metrics.multilabel) against scikit-learn's definitions."""
 
 import json
 import warnings
@@ -8,7 +8,7 @@ import pytest
 import torch
 from sklearn.metrics import average_precision_score, f1_score, precision_score, recall_score
 
-from vitflow.metrics import (
+from vitflow.metrics.multilabel import (
     DEFAULT_THRESHOLD_GRID,
     average_precision,
     choose_threshold,

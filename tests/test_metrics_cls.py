@@ -11,7 +11,7 @@ import pytest
 import torch
 from sklearn.metrics import balanced_accuracy_score, confusion_matrix, precision_recall_fscore_support
 
-from vitflow.metrics_cls import CONFIDENCE_SCALE, calibration, calibration_counts, confusion_metrics
+from vitflow.metrics.classification import CONFIDENCE_SCALE, calibration, calibration_counts, confusion_metrics
 
 
 def test_precision_recall_f1_balanced_accuracy_equal_sklearn():
@@ -66,7 +66,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from vitflow.data import SkipReport, eval_loader
-    from vitflow.data.digits import digits_source
+    from vitflow.data.sources.digits import digits_source
     from vitflow.data.transforms import Preprocess
     from vitflow.evaluation import evaluate
     from vitflow.models import create_model
@@ -96,7 +96,7 @@ def test_two_process_evaluation_equals_one_process(tmp_path):
     import torch.multiprocessing as mp
 
     from vitflow.data import SkipReport, eval_loader
-    from vitflow.data.digits import digits_source
+    from vitflow.data.sources.digits import digits_source
     from vitflow.data.transforms import Preprocess
     from vitflow.evaluation import evaluate
     from vitflow.models import create_model

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from vitflow.models import create_model
+from vitflow.models.kernels.matmul import as_plain_linear
 from vitflow.models.lora import apply_lora, has_lora_weights, merge_lora, split_lora_args
-from vitflow.models.matmul import as_plain_linear
-from vitflow.models.weights import load_error_reason
+from vitflow.models.pretrained.weights import load_error_reason
 
 FORMAT = "vitflow-checkpoint"
 VERSION = 1

@@ -19,8 +19,8 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from vitflow.data import DataError, open_split  # noqa: E402
-from vitflow.data.hfdata import open_hf_split  # noqa: E402
-from vitflow.data.hflayout import hf_split_names, is_hf_dataset  # noqa: E402
+from vitflow.data.sources.hf import open_hf_split  # noqa: E402
+from vitflow.data.sources.hflayout import hf_split_names, is_hf_dataset  # noqa: E402
 
 
 @pytest.fixture(scope="module")

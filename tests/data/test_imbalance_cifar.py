@@ -9,7 +9,7 @@ from sklearn.metrics import balanced_accuracy_score, confusion_matrix
 
 from helpers import CIFAR_TAR, ROOT, need
 from vitflow.data import open_split
-from vitflow.data.balanced import BalancedSampler, class_counts
+from vitflow.data.loader import BalancedSampler, class_counts
 
 
 def _bench():

@@ -13,7 +13,7 @@ import pytest
 from helpers import cifar_subset, rows_of, write_csv
 from vitflow.config import DataConfig
 from vitflow.data import DataError, open_split
-from vitflow.data.dispatch import resolve_eval_splits, split_names
+from vitflow.data.sources.dispatch import resolve_eval_splits, split_names
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,10 @@ from vitflow.data import EpochSampler, cache_in_memory, decode_image, open_split
 from vitflow.data.augment import MixupCutmix, batch_generator, pad_crop_flip
 from vitflow.data.encode import fit_max_side
 from vitflow.data.loader import make_loader
-from vitflow.data.packed import is_packed
 from vitflow.data.pipeline import choose_workers, eval_loader, is_batched, raise_open_file_limit
 from vitflow.data.prepare import prepare
-from vitflow.data.sources import DataError
+from vitflow.data.sources.base import DataError
+from vitflow.data.sources.packed import is_packed
 from vitflow.data.stream import StreamBatches, shuffle_buffer
 from vitflow.data.transforms import Preprocess, eval_transform, train_transform
 
@@ -250,7 +250,7 @@ def test_ram_cache_skips_reports_and_counts_unreadable_images_every_epoch(tmp_pa
     as when the files are read (same length, order, labels and per-epoch counts)."""
     from vitflow.data import SkipReport
     from vitflow.data.cache import ListSource
-    from vitflow.data.sources import TensorSource
+    from vitflow.data.sources.base import TensorSource
 
     src = make_folder(tmp_path / "d", per_class=6, size=8)
     (src / "a" / "truncated.jpg").write_bytes(encode(np.zeros((8, 8, 3), np.uint8), "JPEG")[:40])

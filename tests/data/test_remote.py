@@ -1,4 +1,4 @@
-"""Remote storage (vitflow.data.remote) against real servers on 127.0.0.1 (tests/servers.py): a
+"""Remote storage (vitflow.data.remote.fs) against real servers on 127.0.0.1 (tests/servers.py): a
 static HTTP server with Range support and moto's S3 server. Bytes, images and labels read over
 HTTP and S3 equal the local ones; transient errors are retried, 403 / 404 / unreachable stores end
 in one line naming the URL."""
@@ -13,18 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from servers import copy_into, s3_upload, self_signed_cert
 
 from helpers import HYMENOPTERA_TAR, make_folder, need, tar_folder
+from servers import copy_into, s3_upload, self_signed_cert
 from vitflow.config import DataConfig
-from vitflow.data import remote
-from vitflow.data.dispatch import open_split
 from vitflow.data.prepare import prepare
-from vitflow.data.remote import RemoteError, expand_urls, open_random, open_stream, read_bytes
-from vitflow.data.remote_cache import cache_name, download, parse_size
-from vitflow.data.remote_http import MAX_REDIRECTS, get_file
-from vitflow.data.remote_store import with_retries
-from vitflow.data.sources import DataError
+from vitflow.data.remote import fs as remote
+from vitflow.data.remote.cache import cache_name, download, parse_size
+from vitflow.data.remote.fs import RemoteError, expand_urls, open_random, open_stream, read_bytes
+from vitflow.data.remote.http import MAX_REDIRECTS, get_file
+from vitflow.data.remote.store import with_retries
+from vitflow.data.sources.base import DataError
+from vitflow.data.sources.dispatch import open_split
 
 pytestmark = pytest.mark.usefixtures("quick_retries")  # tests/servers.py: 2 retries, 10 ms apart
 
@@ -244,7 +244,7 @@ def test_an_unknown_host_fails_at_once_a_resolver_that_cannot_answer_now_is_retr
     import aiohttp
     from aiohttp.client_reqrep import ConnectionKey
 
-    from vitflow.data.remote_store import _classify
+    from vitflow.data.remote.store import _classify
 
     key = ConnectionKey("no-such-host.invalid", 443, True, True, None, None, None)
 
@@ -325,7 +325,7 @@ def test_s3_errors_are_sorted_into_transient_and_permanent_as_s3fs_raises_them()
     from botocore.exceptions import ClientError, EndpointConnectionError
     from s3fs.errors import translate_boto_error
 
-    from vitflow.data.remote_store import _classify
+    from vitflow.data.remote.store import _classify
 
     def s3(code, status):
         err = ClientError({"Error": {"Code": code, "Message": f"{code} message"},

@@ -5,9 +5,9 @@ weights of an uninterrupted run. A packed dataset on S3 trains as the local one 
 from __future__ import annotations
 
 import torch
-from servers import s3_upload
 
 from helpers import make_folder, tar_folder
+from servers import s3_upload
 from vitflow import checkpoint as ckpt
 from vitflow.cli import main
 from vitflow.config import build_config

@@ -17,7 +17,7 @@ from vitflow.data.decode import CorruptImageError, dct_factor, reducible_size
 from vitflow.data.device import DevicePipeline
 from vitflow.data.encode import short_side_size
 from vitflow.data.pipeline import eval_loader, is_batched, train_loader
-from vitflow.data.sources import TensorSource
+from vitflow.data.sources.base import TensorSource
 from vitflow.data.transforms import Preprocess, eval_transform, model_input
 from vitflow.runtime import mix_seed
 

@@ -13,7 +13,7 @@ from helpers import CIFAR_TAR, encode, make_folder, need, tar_folder
 from vitflow.data import DataError, EpochSampler, decode_image, open_split
 from vitflow.data.decode import CorruptImageError
 from vitflow.data.loader import make_loader
-from vitflow.data.splits import parse_split
+from vitflow.data.sources.splits import parse_split
 from vitflow.data.transforms import Preprocess, eval_transform
 
 
@@ -85,7 +85,7 @@ def test_ignored_files_notice_once_per_source_with_examples(tmp_path, caplog):
     for i in range(5):
         (root / "b" / f"notes{i}.txt").write_text("not an image")
     tar = tar_folder(root, tmp_path / "ds.tar")
-    with caplog.at_level(logging.WARNING, logger="vitflow.data.sources"):
+    with caplog.at_level(logging.WARNING, logger="vitflow.data.sources.base"):
         for path in (root, tar):
             parts = [open_split(path, s) for s in ("train[:50%]", "train[50%:]", "train", "train[:2]")]
             assert sum(len(p) for p in parts[:2]) == len(parts[2]) == 12

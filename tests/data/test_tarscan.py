@@ -1,4 +1,4 @@
-"""The memory-mapped tar header scan (vitflow.data.tarscan) against the standard library's
+"""The memory-mapped tar header scan (vitflow.data.sources.tarscan) against the standard library's
 tarfile: the same members, offsets and sizes in the ustar, GNU and pax formats (long names,
 non-ASCII names, directories), the same samples through iter_samples, and truncated or
 non-tar files reported as tarfile reports them."""
@@ -10,8 +10,8 @@ import tarfile
 
 import pytest
 
-from vitflow.data import tarscan
-from vitflow.data.wds import iter_samples
+from vitflow.data.sources import tarscan
+from vitflow.data.wds.shards import iter_samples
 
 
 def _write(path, fmt, n=30, seed=0):

@@ -16,11 +16,11 @@ from helpers import HYMENOPTERA_TAR, encode, make_folder, need, tar_folder
 from vitflow.cli import main
 from vitflow.config import ConfigError, DataConfig
 from vitflow.data import CorruptImageError, DataError, check_config, open_split
-from vitflow.data.dispatch import source_kind, split_names
+from vitflow.data.remote.fs import expand_urls
+from vitflow.data.sources.dispatch import source_kind, split_names
 from vitflow.data.transforms import Preprocess, eval_transform, train_transform, transform_encoded
-from vitflow.data.remote import expand_urls
-from vitflow.data.wdsstream import ShardBatches, ShardDecode, open_shard_stream, shard_loader, stream_segments
-from vitflow.data.wdslayout import open_wds_split
+from vitflow.data.wds.layout import open_wds_split
+from vitflow.data.wds.stream import ShardBatches, ShardDecode, open_shard_stream, shard_loader, stream_segments
 
 CLASSES = ("a", "b", "c", "d")
 

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from servers import s3_upload
 
 from helpers import make_folder
+from servers import s3_upload
 from vitflow import checkpoint as ckpt
 from vitflow.cli import main
 from vitflow.data import open_split
 from vitflow.data.transforms import Preprocess, eval_transform, transform_encoded
-from vitflow.data.wdsspool import PREFIX, spool_root
-from vitflow.data.wdsstream import open_shard_stream, shard_loader
+from vitflow.data.wds.spool import PREFIX, spool_root
+from vitflow.data.wds.stream import open_shard_stream, shard_loader
 
 CLASSES = ("a", "b", "c", "d")
 TRAIN = "train-{000000..000005}.tar"  # 40 samples, 7 a shard
@@ -104,8 +104,8 @@ def test_remote_shards_without_an_index_are_scanned_once_per_process(shards, htt
     import logging
     import shutil
 
-    from vitflow.data.remote import expand_urls
-    from vitflow.data.wdsindex import shard_set
+    from vitflow.data.remote.fs import expand_urls
+    from vitflow.data.wds.index import shard_set
 
     _, out = shards
     bare = shutil.copytree(out, tmp_path / "bare", ignore=shutil.ignore_patterns("shards.json"))
@@ -236,7 +236,7 @@ def test_http_shards_are_spooled_for_the_workers_and_the_spool_is_emptied(shards
     """Remote shards reach the workers as local spool files (offsets, not pickled bytes); a file
     goes once its batches are decoded, the folder when the stream ends; a SIGKILLed run's folder
     is removed by the next spool."""
-    from vitflow.data import wdsspool
+    from vitflow.data.wds import spool as wdsspool
 
     monkeypatch.setattr(wdsspool, "spool_root", lambda: tmp_path)
     dead = tmp_path / f"{wdsspool.PREFIX}999999999-x"  # no such process
@@ -262,8 +262,8 @@ def test_http_shards_are_spooled_for_the_workers_and_the_spool_is_emptied(shards
 def test_a_prefetched_shard_is_downloaded_once_and_taken_by_the_fetch(shards, http_server, tmp_path):
     """Spool.prefetch starts the next shard's download; fetch waits for it (no second request);
     a failed prefetch is raised by its fetch; close cancels what was not fetched."""
-    from vitflow.data.remote import RemoteError
-    from vitflow.data.wdsspool import Spool
+    from vitflow.data.remote.fs import RemoteError
+    from vitflow.data.wds.spool import Spool
 
     _, out = shards
     base = http_server(out.parent)
@@ -293,7 +293,7 @@ def test_a_freed_spool_file_is_written_over_by_the_next_download(shards, http_se
     """A file read through and released is renamed (its old name gone) and kept while the spool
     holds fewer files than its peak; the next download writes over it in place (same inode),
     cut to the new shard's length; the spool never holds more files than its peak."""
-    from vitflow.data.wdsspool import Spool
+    from vitflow.data.wds.spool import Spool
 
     _, out = shards
     base = http_server(out.parent)

@@ -16,7 +16,7 @@ from vitflow.data.transforms import Preprocess, eval_transform
 from vitflow.infer.hub_folder import read_hub_folder, save_hub_folder
 from vitflow.models import create_model
 from vitflow.models.lora import DEFAULT_TARGETS, apply_lora, lora_args
-from vitflow.models.pretrained_config import create_pretrained_model
+from vitflow.models.pretrained.config import create_pretrained_model
 
 timm = pytest.importorskip("timm")
 

@@ -9,8 +9,8 @@ import torch
 
 from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.cli import main
-from vitflow.data.digits import digits_source
-from vitflow.data.splits import parse_split
+from vitflow.data.sources.digits import digits_source
+from vitflow.data.sources.splits import parse_split
 from vitflow.infer import collect_images
 from vitflow.infer.predict import Predictor
 from vitflow.infer.quantize import quantize_torch

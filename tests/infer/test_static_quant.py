@@ -10,7 +10,7 @@ import torch
 
 from vitflow.checkpoint import load_checkpoint
 from vitflow.cli import main
-from vitflow.data.digits import digits_source
+from vitflow.data.sources.digits import digits_source
 from vitflow.infer.calibration import calibration_images
 from vitflow.infer.onnx_model import ModelInfo, OnnxModel
 from vitflow.infer.predict import Predictor

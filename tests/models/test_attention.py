@@ -20,7 +20,7 @@ from vitflow.models.attention import (
 )
 from vitflow.models.attention import auto as auto_mod
 from vitflow.models.grad_checkpointing import saved_activation_bytes
-from vitflow.models.vit import VisionTransformer
+from vitflow.models.vit.model import VisionTransformer
 
 GRID, HEADS, DIM_HEAD = (4, 4), 3, 8
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import vitflow
-from vitflow.models.convert_openclip import convert_openclip
-from vitflow.models.weights import convert_layout, detect_layout
+from vitflow.models.convert.openclip import convert_openclip
+from vitflow.models.pretrained.weights import convert_layout, detect_layout
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")

@@ -1,4 +1,4 @@
-"""vitflow's C++ CPU kernels (vitflow.models.cpu_kernels): the fused window attention against
+"""vitflow's C++ CPU kernels (vitflow.models.kernels.cpp): the fused window attention against
 the explicit math kernel in value and in every gradient, on the shapes Swin uses and on awkward
 ones (tokens and head widths that are not multiples of 16), in float32 and bfloat16; a Swin model
 on the fused backend against math; the fallbacks; the LayerNorm backward against float64."""
@@ -6,11 +6,12 @@ on the fused backend against math; the fallbacks; the LayerNorm backward against
 import pytest
 import torch
 
-from vitflow.models import cpu_kernels, create_model
+from vitflow.models import create_model
 from vitflow.models.attention import packed_math_attention
-from vitflow.models.swin_attention import MASK_VALUE, WindowFusedKernel, fused_window_attention
+from vitflow.models.attention.window import MASK_VALUE, WindowFusedKernel, fused_window_attention
+from vitflow.models.kernels import cpp
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ toolchain")
+pytestmark = pytest.mark.skipif(not cpp.available(), reason="no C++ toolchain")
 
 
 def _reference(qkv, heads, bias, nb):
@@ -95,7 +96,7 @@ def test_swin_on_the_fused_backend_matches_math():
 
 def test_fused_kernel_falls_back_where_it_does_not_apply():
     """float64, attention dropout: the math kernel's result, not an error."""
-    from vitflow.models.swin_attention import WindowContext, WindowMathKernel
+    from vitflow.models.attention.window import WindowContext, WindowMathKernel
 
     torch.manual_seed(0)
     qkv = torch.randn(4, 16, 3 * 2 * 8, dtype=torch.float64)
@@ -104,12 +105,12 @@ def test_fused_kernel_falls_back_where_it_does_not_apply():
 
 
 def test_unavailable_kernels_say_why(monkeypatch, caplog):
-    monkeypatch.setattr(cpu_kernels, "_STATE", {})
+    monkeypatch.setattr(cpp, "_STATE", {})
     monkeypatch.setenv("VITFLOW_CPU_KERNELS", "0")
-    assert not cpu_kernels.available()
+    assert not cpp.available()
     assert "VITFLOW_CPU_KERNELS=0" in caplog.text
     with pytest.raises(RuntimeError, match="unavailable"):
-        cpu_kernels.ops()
+        cpp.ops()
 
 
 @pytest.mark.parametrize("dtype,cols", [(torch.float32, 96), (torch.float32, 40), (torch.bfloat16, 96)])
@@ -139,3 +140,20 @@ def test_layer_norm_backward_kernel_matches_float64(dtype, cols):
     torch.testing.assert_close(xi.grad.double(), dx_ref, atol=tol, rtol=tol)
     torch.testing.assert_close(norm.weight.grad.double(), dw_ref, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(norm.bias.grad.double(), db_ref, atol=1e-4, rtol=1e-5)
+
+
+def test_kernels_are_built_at_construction_never_in_a_forward(monkeypatch):
+    """A fresh process state: building a Swin loads the kernels; its first training forward and backward
+    (fused attention, vitflow's LayerNorm backward) find them ready and never build."""
+    monkeypatch.setattr(cpp, "_STATE", {})
+    model = create_model("swin_cifar_patch2_window4_32", attention="fused", num_classes=3, embed_dim=24,
+                         depths=(1, 1), num_heads=(1, 2))
+    assert cpp._STATE == {"ok": True}
+
+    def no_build():
+        raise AssertionError("the kernels were built inside a forward")
+
+    monkeypatch.setattr(cpp, "_build", no_build)
+    monkeypatch.setattr(cpp, "_STATE", {})  # would make a forward build again, were it to ask
+    cpp._STATE["ok"] = True  # what construction left
+    model(torch.rand(2, 3, 32, 32)).sum().backward()

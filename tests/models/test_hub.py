@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vitflow.models.hub import Pretrained, resolve_pretrained
-from vitflow.models.vit import VisionTransformer
-from vitflow.models.weights import adapt_state_dict, load_pretrained
+from vitflow.models.pretrained.hub import Pretrained, resolve_pretrained
+from vitflow.models.pretrained.weights import adapt_state_dict, load_pretrained
+from vitflow.models.vit.model import VisionTransformer
 
 DIMS = dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
 
@@ -73,7 +73,7 @@ def test_bare_file_and_timm_snapshot(tmp_path, caplog):
     assert pre.preprocess == {"mean": [0.5, 0.4, 0.3], "std": [0.2, 0.25, 0.3], "crop_pct": 0.9,
                               "interpolation": "bilinear", "input_size": 16}
     model = vit(num_classes=5)
-    with caplog.at_level(logging.INFO, logger="vitflow.models.weights"):
+    with caplog.at_level(logging.INFO, logger="vitflow.models.pretrained.weights"):
         load_pretrained(model, str(folder))
     assert "head reset: 10 -> 5 classes" in caplog.text
     assert "keep their initialisation" not in caplog.text  # the head was in the file: reset, not absent
@@ -185,7 +185,7 @@ def test_class_count_mismatch_resets_the_head_logged(tmp_path, caplog):
     save_file(src.state_dict(), str(tmp_path / "w.safetensors"))
     model = vit(num_classes=5)
     head = model.head.weight.clone()
-    with caplog.at_level(logging.INFO, logger="vitflow.models.weights"):
+    with caplog.at_level(logging.INFO, logger="vitflow.models.pretrained.weights"):
         load_pretrained(model, tmp_path / "w.safetensors")
     assert "head reset: 1000 -> 5 classes" in caplog.text
     assert torch.equal(model.head.weight, head) and torch.equal(model.pos_embed, src.pos_embed)
@@ -270,9 +270,9 @@ def test_transformers_snapshot_end_to_end_into_vitflow(tmp_path):
 def test_timm_model_args_that_change_no_weights_are_read_past(caplog):
     """A timm config.json's run-time options (dynamic input size, dropout) change no weights: left
     out with a log line; a structural option vitflow cannot build is refused naming it."""
-    from vitflow.models.timm_args import vitflow_kwargs
+    from vitflow.models.pretrained.timm_args import vitflow_kwargs
 
-    with caplog.at_level(logging.INFO, logger="vitflow.models.timm_args"):
+    with caplog.at_level(logging.INFO, logger="vitflow.models.pretrained.timm_args"):
         got = vitflow_kwargs({"dynamic_img_size": True, "drop_path_rate": 0.1, "img_size": 224, "init_values": 1e-5},
                              "snap/config.json")
     assert got == {"img_size": 224, "layer_scale_init": 1e-5}

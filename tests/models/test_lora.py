@@ -6,9 +6,15 @@ import torch
 import torch.nn as nn
 
 from vitflow import create_model
-from vitflow.models.lora import (LoRALinear, apply_lora, has_lora_weights, merge_lora, merge_lora_state_dict,
-                                 split_lora_args)
-from vitflow.models.matmul import Linear
+from vitflow.models.kernels.matmul import Linear
+from vitflow.models.lora import (
+    LoRALinear,
+    apply_lora,
+    has_lora_weights,
+    merge_lora,
+    merge_lora_state_dict,
+    split_lora_args,
+)
 
 
 def _randomise_adapters(model: nn.Module, seed: int = 1) -> None:

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from helpers import RecordedOps
-from vitflow.models import matmul, onednn
-from vitflow.models.matmul import Linear, linear_fp32_gemm
-from vitflow.models.vit import VisionTransformer
+from vitflow.models.kernels import matmul, onednn
+from vitflow.models.kernels.matmul import Linear, linear_fp32_gemm
+from vitflow.models.vit.model import VisionTransformer
 
 BF16 = torch.bfloat16
 
@@ -158,7 +158,7 @@ def test_auto_times_each_shape_once_logs_and_keeps_the_rng(caplog):
     layer = Linear(48, 24)
     x = torch.randn(37, 48)
     rng = torch.get_rng_state()
-    with caplog.at_level(logging.DEBUG, logger="vitflow.models.matmul"), _autocast():
+    with caplog.at_level(logging.DEBUG, logger="vitflow.models.kernels.matmul"), _autocast():
         y = layer(x)
         layer(x)
         with torch.no_grad():

@@ -1,4 +1,4 @@
-"""oneDNN's fp32 GEMM for linear layers (vitflow.models.onednn): values and gradients against
+"""oneDNN's fp32 GEMM for linear layers (vitflow.models.kernels.onednn): values and gradients against
 float64, which calls go to it, the timed choice."""
 
 import logging
@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from helpers import RecordedOps
-from vitflow.models import onednn
-from vitflow.models.matmul import Linear, linear_fp32_gemm
-from vitflow.models.vit import VisionTransformer
+from vitflow.models.kernels import onednn
+from vitflow.models.kernels.matmul import Linear, linear_fp32_gemm
+from vitflow.models.vit.model import VisionTransformer
 
 pytestmark = pytest.mark.skipif(not onednn.AVAILABLE, reason="PyTorch without oneDNN")
 
@@ -147,7 +147,7 @@ def test_a_vit_trains_through_onednn_as_closely_to_float64_as_through_torch():
 
 
 def test_auto_times_once_and_logs_the_choice(caplog):
-    with onednn.forced("auto"), caplog.at_level(logging.DEBUG, logger="vitflow.models.onednn"):
+    with onednn.forced("auto"), caplog.at_level(logging.DEBUG, logger="vitflow.models.kernels.onednn"):
         first, second = onednn.fp32_gemm(), onednn.fp32_gemm()
     lines = [r.getMessage() for r in caplog.records]
     assert first == second in ("onednn", "torch") and len(lines) == 1
@@ -165,7 +165,7 @@ def test_the_environment_sets_the_mode_and_a_bad_value_is_named(tmp_path):
     from helpers import ENV
 
     probe = ("import logging; logging.basicConfig(level=logging.DEBUG, format='%(message)s'); "
-             "from vitflow.models import onednn; print(onednn.fp32_gemm())")
+             "from vitflow.models.kernels import onednn; print(onednn.fp32_gemm())")
     for value, mode in (("torch", "torch"), ("ONEDNN", "onednn")):
         out = subprocess.run([sys.executable, "-c", probe], env={**ENV, onednn.ENV_VAR: value}, capture_output=True,
                              text=True, check=True)

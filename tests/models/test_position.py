@@ -67,7 +67,7 @@ def test_relative_bias_resamples_to_another_grid():
 def test_learned_pos_embed_run_time_equals_load_time_resampling(tmp_path):
     """An image of another size is embedded with the same bicubic resampling that loading the
     weights into a model built for that size applies."""
-    from vitflow.models.weights import save_safetensors
+    from vitflow.models.pretrained.weights import save_safetensors
 
     torch.manual_seed(0)
     m32 = vitflow.create_model("vit_cifar_patch4_32", num_classes=10).eval()

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import vitflow
-from vitflow.models.pretrained_variants import PRETRAINED_FAMILIES
+from vitflow.models.vit.pretrained import PRETRAINED_FAMILIES
 
 pytestmark = pytest.mark.usefixtures("torch_fp32_gemm")  # compared with timm / HF at fp32 rounding
 
@@ -140,7 +140,7 @@ def test_refused_combinations_name_the_argument():
         vitflow.create_model("vit_small_patch14_reg4_dinov2", pos_embed="relative", depth=1)
     with pytest.raises(ValueError, match="global_pool='token' needs the class token"):
         vitflow.create_model("vit_base_patch16_siglip_224", global_pool="token", depth=1)
-    with pytest.raises(ValueError, match="model.distilled"):
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) for deit3 models: distilled=True"):
         vitflow.create_model("deit3_small_patch16_224", distilled=True, depth=1)
     with pytest.raises(ValueError, match="act_layer must be one of"):
         vitflow.create_model("vit_base_patch32_clip_224", act_layer="relu", depth=1)
@@ -239,7 +239,7 @@ def test_pretrained_file_at_518_loads_into_a_224_model(tmp_path):
     """A DINOv2-reg file of timm's native 518 px, loaded with create_model(img_size=224,
     pretrained=...): the patch-only position embedding is resampled (no prefix rows) and the
     model equals timm's at 224 (run-time resampling of the same table)."""
-    from vitflow.models.weights import save_safetensors
+    from vitflow.models.pretrained.weights import save_safetensors
 
     ref = perturbed_timm("vit_small_patch14_reg4_dinov2", depth=1, num_classes=4, dynamic_img_size=True)
     save_safetensors(ref, tmp_path / "reg4.safetensors")

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from vitflow.models import create_model, list_models
-from vitflow.models.matmul import set_gemm_mode
-from vitflow.models.swin import SwinTransformer
-from vitflow.models.swin_attention import shift_mask
+from vitflow.models.attention.window import shift_mask
+from vitflow.models.kernels.matmul import set_gemm_mode
+from vitflow.models.swin.model import SwinTransformer
 
 timm = pytest.importorskip("timm")
 

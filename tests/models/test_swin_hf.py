@@ -7,7 +7,7 @@ block, one patch merging, and V2's continuous position bias with a pretrained wi
 converted and loaded with ``strict=True`` into timm's model of the sizes its config.json names,
 which must give the same logits (1e-5, fp32). Resampling: equal (1e-6) to timm's own
 ``checkpoint_filter_fn``. The vitflow-side end-to-end test runs once the Swin family
-(``vitflow.models.swin``) is merged.
+(``vitflow.models.swin.model``) is merged.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ import pytest
 import torch
 
 from vitflow.config import Config, ConfigError
-from vitflow.models.convert_hf_swin import (
+from vitflow.models.convert.hf_swin import (
     detect_hf_swin,
     hf_swin_model_args,
     hf_swin_to_timm,
     swin_model_config_keys,
 )
-from vitflow.models.hub import resolve_pretrained
-from vitflow.models.swin_resample import adapt_swin_state_dict, is_swin_model, resample_swin_table
-from vitflow.models.weights import detect_layout, load_pretrained, read_state_dict
+from vitflow.models.pretrained.hub import resolve_pretrained
+from vitflow.models.pretrained.swin_fit import adapt_swin_state_dict, is_swin_model, resample_swin_table
+from vitflow.models.pretrained.weights import detect_layout, load_pretrained, read_state_dict
 
 pytestmark = pytest.mark.usefixtures("torch_fp32_gemm")  # compared with timm / HF at fp32 rounding
 
@@ -52,8 +52,14 @@ def hf_model(version, bare=False, **sizes):
     """A random-initialised transformers Swin (V1 / V2) classifier, or the bare backbone, with
     every parameter moved off its initial value (zero tables and biases, unit norms would hide a
     mix-up), in eval mode, and its config.json as a dict."""
-    from transformers import (SwinConfig, SwinForImageClassification, SwinModel, Swinv2Config,
-                              Swinv2ForImageClassification, Swinv2Model)
+    from transformers import (
+        SwinConfig,
+        SwinForImageClassification,
+        SwinModel,
+        Swinv2Config,
+        Swinv2ForImageClassification,
+        Swinv2Model,
+    )
 
     v2 = version == "swinv2"
     extra = {"pretrained_window_sizes": [3, 3]} if v2 else {}
@@ -294,8 +300,8 @@ def test_adapt_v2_and_original_layout(caplog):
 def test_vitflow_swin_end_to_end(tmp_path, version):
     """Once the Swin family is merged: the snapshot builds vitflow's own model (architecture from
     config.json), which gives Hugging Face's logits."""
-    pytest.importorskip("vitflow.models.swin")
-    from vitflow.models.pretrained_config import create_pretrained_model
+    pytest.importorskip("vitflow.models.swin.model")
+    from vitflow.models.pretrained.config import create_pretrained_model
 
     hf, config = hf_model(version)
     folder = write_snapshot(tmp_path / "snap", hf, config)

@@ -4,8 +4,8 @@ from timm.models.vision_transformer import VisionTransformer as TimmViT  # noqa:
 
 import vitflow
 from vitflow.models import MODELS
-from vitflow.models.vit import resample_pos_embed
-from vitflow.models.weights import load_pretrained, read_state_dict, save_safetensors
+from vitflow.models.pretrained.weights import load_pretrained, read_state_dict, save_safetensors
+from vitflow.models.vit.model import resample_pos_embed
 
 timm = pytest.importorskip("timm")
 

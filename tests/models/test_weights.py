@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import vitflow
-from vitflow.models.convert import convert_hf_vit, convert_jax_npz, read_npz, save_jax_npz, to_jax_npz_arrays
-from vitflow.models.weights import load_pretrained, read_state_dict
+from vitflow.models.convert.vit import convert_hf_vit, convert_jax_npz, read_npz, save_jax_npz, to_jax_npz_arrays
+from vitflow.models.pretrained.weights import load_pretrained, read_state_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -165,7 +165,7 @@ def test_npz_errors_name_the_problem(tmp_path):
 
 def test_pretrained_into_relative_and_linformer_models(tmp_path):
     """Fine-tuning starts: a plain ViT file into a model with new attention parameters."""
-    from vitflow.models.weights import save_safetensors
+    from vitflow.models.pretrained.weights import save_safetensors
 
     src = vitflow.create_model("vit_cifar_patch4_32", num_classes=10)
     path = tmp_path / "w.safetensors"
@@ -204,7 +204,7 @@ def test_unreadable_weights_files_give_one_short_line(tmp_path):
 
 def test_weights_of_another_depth_name_the_block_counts(tmp_path):
     """A file of 2 blocks into a model of 3: the error says both counts and the key to set."""
-    from vitflow.models.weights import save_safetensors
+    from vitflow.models.pretrained.weights import save_safetensors
 
     save_safetensors(vitflow.create_model("vit_tiny_patch16_224", depth=2, num_classes=3), tmp_path / "d2.safetensors")
     with pytest.raises(ValueError, match=r"the file has 2 blocks, the model 3: model\.depth=2\?"):

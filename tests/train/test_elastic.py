@@ -45,8 +45,8 @@ DATA: list[str] = []  # the shards' data.* overrides, set by the `shards` fixtur
 def shards(tmp_path_factory):
     """The digits as shards (train: the preset's 80%, test: the rest; 128 samples a shard); every run
     of this module reads them (``DATA`` is extended in place), two streams an epoch."""
-    from vitflow.data.digits import digits_source
-    from vitflow.data.wdsprepare import prepare_shards
+    from vitflow.data.sources.digits import digits_source
+    from vitflow.data.wds.prepare import prepare_shards
 
     digits, out = digits_source(), tmp_path_factory.mktemp("digits") / "shards"
     cut = len(digits) * 4 // 5

@@ -136,7 +136,7 @@ def test_lora_trains_only_adapters_and_head_and_its_checkpoint_serves_a_plain_mo
     export_onnx(served, tmp_path / "model.onnx", info)  # as `vitflow export` does
     torch.testing.assert_close(OnnxModel(tmp_path / "model.onnx")(x), expected, atol=1e-4, rtol=1e-4)
 
-    # the LoRA checkpoint as model.pretrained: adapters merged on load (models/weights.py read_state_dict)
+    # the LoRA checkpoint as model.pretrained: adapters merged on load (models/pretrained/weights.py read_state_dict)
     merged = served.state_dict()
     assert not torch.allclose(merged["blocks.0.attn.qkv.weight"], pretrained.state_dict()["blocks.0.attn.qkv.weight"])
     loaded = create_model("vit_digits_patch2_8", pretrained=r["checkpoint"], num_classes=10).eval()

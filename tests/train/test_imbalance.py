@@ -15,8 +15,7 @@ from sklearn.utils.class_weight import compute_class_weight
 from helpers import make_folder
 from vitflow import checkpoint as ckpt
 from vitflow.config import ConfigError, build_config
-from vitflow.data.balanced import BalancedSampler, class_counts
-from vitflow.data.loader import EpochSampler
+from vitflow.data.loader import BalancedSampler, EpochSampler, class_counts
 from vitflow.train import train
 from vitflow.train.class_weights import apply_class_weights, read_weight_file, resolve_class_weights
 from vitflow.train.distill import LabelLoss, MultiLabelLoss

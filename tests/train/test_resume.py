@@ -14,7 +14,7 @@ from helpers import comparable_records, digits_config, kill_at_first_checkpoint,
 from vitflow import checkpoint as ckpt
 from vitflow.cli import main
 from vitflow.config import build_config
-from vitflow.models import onednn
+from vitflow.models.kernels import onednn
 from vitflow.train import Trainer
 
 
@@ -92,7 +92,7 @@ def test_resume_rejects_other_classes(tmp_path):
 
 
 def test_resume_keeps_the_fp32_gemm_of_the_run(tmp_path):
-    """A resumed run multiplies with the GEMM its first process chose (vitflow.models.onednn), so
+    """A resumed run multiplies with the GEMM its first process chose (vitflow.models.kernels.onednn), so
     that it rounds as an uninterrupted run would even where a new timing would choose the other."""
     run = tmp_path / "run"
     with onednn.forced("torch"):
@@ -109,9 +109,9 @@ def test_resume_warns_about_changed_config(caplog):
 
     saved = build_config(overrides=["train.run_dir=a"]).to_dict()
     with caplog.at_level("WARNING", logger="vitflow.train.loop"):
-        warn_config_changes(saved, build_config(overrides=["train.run_dir=b", "train.resume=auto"]), Path("c.pt"))
+        warn_config_changes(saved, build_config(overrides=["train.run_dir=b", "train.resume=auto"]).to_dict(), Path("c.pt"))
         assert not caplog.records  # where the run lives is not a change of what it trains
-        warn_config_changes(saved, build_config(overrides=["train.batch_size=64", "optim.lr=0.5"]), Path("c.pt"))
+        warn_config_changes(saved, build_config(overrides=["train.batch_size=64", "optim.lr=0.5"]).to_dict(), Path("c.pt"))
     msg = caplog.records[-1].getMessage()
     assert "c.pt" in msg and "optim.lr 0.003 -> 0.5" in msg and "train.batch_size 128 -> 64" in msg
     assert "run_dir" not in msg

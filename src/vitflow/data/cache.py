@@ -18,8 +18,8 @@ import torch
 
 from vitflow.data.decode import CorruptImageError
 from vitflow.data.encode import center_offset, encode_images
-from vitflow.data.packed import PackedSource
-from vitflow.data.sources import DataError, ImageSource, TensorSource
+from vitflow.data.sources.base import DataError, ImageSource, TensorSource
+from vitflow.data.sources.packed import PackedSource
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """``vitflow prepare``: convert an image folder, a tar or CIFAR batches into a packed dataset
-(:mod:`vitflow.data.packed`), every split it finds, written to ``OUT.partial`` and renamed when
+(:mod:`vitflow.data.sources.packed`), every split it finds, written to ``OUT.partial`` and renamed when
 complete."""
 
 from __future__ import annotations
@@ -8,25 +8,22 @@ import json
 import shutil
 from pathlib import Path
 
-from vitflow.data.cifar import cifar_batches_source, is_cifar_batches
-from vitflow.data.dispatch import open_split
-from vitflow.data.packed import FORMAT, VERSION, common_size, is_packed, write_split
-from vitflow.data.sources import DataError, ImageSource
-from vitflow.data.wdsprepare import prepare_shards
+from vitflow.data.sources.base import DataError, ImageSource
+from vitflow.data.sources.dispatch import open_split, split_names
+from vitflow.data.sources.labels import canonical_split
+from vitflow.data.sources.packed import FORMAT, VERSION, common_size, is_packed, write_split
+from vitflow.data.wds.prepare import prepare_shards
 
 
 def _splits_of(src: str | Path) -> dict[str, ImageSource]:
-    if is_cifar_batches(src):
-        return {s: cifar_batches_source(src, s) for s in ("train", "test")}
-    found: dict[str, ImageSource] = {}
+    """The train split of ``src`` and its val and test splits where it has them (val also finds a
+    valid/ or validation/ split, written as val)."""
     train = open_split(src, "train", label="SRC")
-    found["train"] = train
-    for name in ("val", "test"):  # val also finds a valid/ or validation/ split (written as val)
-        try:
+    found: dict[str, ImageSource] = {"train": train}
+    names = split_names(src, label="SRC")
+    for name in ("val", "test"):
+        if canonical_split(name, names) is not None:
             found[name] = open_split(src, name, classes=train.classes, label="SRC")
-        except DataError as e:
-            if "not found" not in str(e):
-                raise
     return found
 
 
@@ -39,7 +36,7 @@ def prepare(src: str | Path, out: str | Path, fmt: str = "auto", max_side: int |
         fmt: ``raw`` (uint8 pixels; every image the same size), ``jpeg`` (re-encoded at
             ``quality``, longer side capped at ``max_side``), or ``auto`` (raw when every image of
             the first 256 is the same size and at most 64 px, else jpeg); ``wds``: WebDataset shards of
-            ``shard_size`` samples (default 1000) instead (:mod:`vitflow.data.wdsprepare`).
+            ``shard_size`` samples (default 1000) instead (:mod:`vitflow.data.wds.prepare`).
         workers: decode/encode processes.
         force: replace an existing packed dataset (``wds``: shard folder) at ``out``.
     Returns:
@@ -48,7 +45,7 @@ def prepare(src: str | Path, out: str | Path, fmt: str = "auto", max_side: int |
         DataError: ``out`` exists (without ``force``, or not a packed dataset / shard folder),
         unreadable source, mixed sizes for raw, ``shard_size`` given for another format than ``wds``.
     """
-    if fmt == "wds":  # WebDataset shards (data/wdsprepare.py)
+    if fmt == "wds":  # WebDataset shards (data/wds/prepare.py)
         return prepare_shards(_splits_of(src), out, 1000 if shard_size is None else shard_size, str(src), force)
     if shard_size is not None:
         raise DataError(f"--shard-size {shard_size} applies to --format wds only (the format is {fmt})")

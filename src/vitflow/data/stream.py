@@ -24,7 +24,7 @@ import torch
 
 from vitflow.data.decode import CorruptImageError
 from vitflow.data.loader import stack_images
-from vitflow.data.sources import FileSource
+from vitflow.data.sources.base import FileSource
 from vitflow.data.transforms import Transform, transform_encoded
 from vitflow.runtime import mix_seed
 

@@ -12,11 +12,12 @@ import torch
 from vitflow.config import build_config
 from vitflow.data import DataError, eval_loader, model_input, open_split
 from vitflow.data.decode import CorruptImageError, decode_image
-from vitflow.data.dispatch import scored_split
-from vitflow.data.sources import ImageSource
+from vitflow.data.sources.base import ImageSource
+from vitflow.data.sources.dispatch import scored_split
 from vitflow.data.transforms import Preprocess, eval_transform
 from vitflow.evaluation import evaluate, evaluate_multilabel
 from vitflow.infer.predict import collect_images
+from vitflow.models import config_class
 from vitflow.runtime import resolve_precision
 
 
@@ -28,7 +29,7 @@ def checkpoint_split(state: dict, path: str | Path | None = None, split: str | N
     Raises:
         vitflow.data.DataError: the data cannot be found or does not match the classes.
     """
-    data = build_config(base=state.get("config", {})).data
+    data = build_config(base=state.get("config", {}), model_config=config_class).data
     if path is not None:
         data.path, data.source = str(path), "auto"
     if split is None:

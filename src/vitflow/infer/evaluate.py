@@ -12,13 +12,13 @@ from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.config import build_config
 from vitflow.data import check_config as check_data_config
 from vitflow.data import eval_loader, open_split
-from vitflow.data.dispatch import scored_split
+from vitflow.data.sources.dispatch import scored_split
 from vitflow.data.transforms import Preprocess
 from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
 from vitflow.infer.predict import Predictor, is_exported
 from vitflow.infer.tta import parse_tta, with_tta
-from vitflow.metrics_cls import PER_CLASS_KEYS
-from vitflow.models import onednn
+from vitflow.models import config_class
+from vitflow.models.kernels import onednn
 from vitflow.runtime import resolve_device, resolve_precision
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,8 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
         return evaluate_exported(path, overrides, tta)
     spec = parse_tta(tta)  # a bad spec fails before any work
     state = load_checkpoint(path)
-    cfg = build_config(base=state["config"], overrides=overrides, checks={"data": check_data_config})
+    cfg = build_config(base=state["config"], overrides=overrides, checks={"data": check_data_config},
+                       model_config=config_class)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     dev = resolve_device(device or cfg.train.device)
@@ -90,8 +91,9 @@ def _result(result: dict, role: str, split: str, classes: list[str], model: str,
             spec, t0: float) -> dict:
     """The return value of :func:`evaluate_checkpoint` / :func:`evaluate_exported`."""
     ips = result["images"] / max(time.perf_counter() - t0, 1e-9)
-    per_class = {k: result[k] for k in PER_CLASS_KEYS if k in result and k != "per_class_top1"}
-    return {**{f"{role}_{k}": v for k, v in {**scalar_metrics(result), **per_class}.items()}, "split": role,
+    scalars = scalar_metrics(result)
+    per_class = {k: v for k, v in result.items() if k not in scalars and k != "per_class_top1"}  # = the recall
+    return {**{f"{role}_{k}": v for k, v in {**scalars, **per_class}.items()}, "split": role,
             "split_expr": split, "classes": classes, "checkpoint": model, "step": step, "weights": weights,
             "tta": str(spec), "images_per_s": round(ips, 1)}
 
@@ -107,7 +109,7 @@ def evaluate_exported(path, overrides=(), tta: str | None = None, precision: str
     Raises:
         ValueError: no ``data.path`` given; FileNotFoundError / ValueError: unreadable model; DataError.
     """
-    cfg = build_config(base={}, overrides=overrides, checks={"data": check_data_config})
+    cfg = build_config(base={}, overrides=overrides, checks={"data": check_data_config}, model_config=config_class)
     if cfg.data.path is None and cfg.data.source == "auto":
         raise ValueError(f"{path} carries no data path: evaluate it with data.path=PATH (and data.test_split=...)")
     predictor = Predictor.load(path, "cpu", precision)

@@ -60,7 +60,7 @@ _TWO_GB = 2 * 1024**3
 
 
 class SplitQKVAttention(nn.Module):
-    """Export form of :class:`vitflow.models.vit.Attention`: the fused ``qkv`` projection split
+    """Export form of :class:`vitflow.models.vit.model.Attention`: the fused ``qkv`` projection split
     into ``q``, ``k``, ``v`` linears and explicit attention (Vaswani et al. 2017, eq. 1), written
     in the op order of Hugging Face's ViT, which ONNX Runtime's ``FusionAttention`` matches.
 

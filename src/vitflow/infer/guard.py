@@ -13,6 +13,7 @@ from vitflow.config import DataConfig
 from vitflow.data import DataError, ImageSource, open_split
 from vitflow.infer.calibration import accuracy, checkpoint_split
 from vitflow.infer.onnx_model import ModelInfo
+from vitflow.metrics import primary_metric
 
 
 class AccuracyDropError(RuntimeError):
@@ -50,7 +51,8 @@ class Guard:
     def __init__(self, reference: torch.nn.Module, info: ModelInfo, source: ImageSource, label: str,
                  max_drop: float = 1.0, force: bool = False, log: Callable[[str], None] = print):
         self.info, self.source, self.max_drop, self.force = info, source, max_drop, force
-        self.figure, self.name = ("map", "mAP") if info.task == "multilabel" else ("top1", "top-1")
+        primary = primary_metric(info.task)  # top-1, or mAP
+        self.figure, self.name = primary.name, primary.label
         log(f"measuring {self.name} on {len(source)} images of {label} ...")
         self.before, self.images = self.measure(reference)
 

@@ -33,8 +33,7 @@ from vitflow.infer.model_card import model_card
 from vitflow.models import create_model, family_of, model_kwargs
 from vitflow.models.attention import EXACT_BACKENDS
 from vitflow.models.lora import split_lora_args
-from vitflow.models.timm_args import timm_overrides, vitflow_kwargs
-
+from vitflow.models.pretrained.timm_args import timm_overrides, vitflow_kwargs
 
 CONFIG_NAME, WEIGHTS_NAME, CARD_NAME = "config.json", "model.safetensors", "README.md"
 
@@ -59,7 +58,7 @@ def timm_model_args(model_args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     (DeiT III, DINOv2, CLIP, SigLIP, BEiT, EVA-02, DINOv3, Swin) are registered under timm's names
     with timm's configurations: the name, ``img_size``, ``num_classes`` and every size that differs
     from the variant (e.g. ``depth``), in timm's argument names
-    (:func:`vitflow.models.timm_args.timm_overrides`); a Swin variant timm has no name for
+    (:func:`vitflow.models.pretrained.timm_args.timm_overrides`); a Swin variant timm has no name for
     (``swin_cifar_patch2_window4_32``) is :data:`SWIN_BASE` with the sizes that differ from it.
 
     Raises:
@@ -197,7 +196,7 @@ class HubModel:
 def vitflow_model_args(architecture: str, model_args: dict[str, Any]) -> dict[str, Any]:
     """:func:`vitflow.create_model` arguments (without ``num_classes``) for a timm ``config.json``'s
     ``architecture`` and ``model_args`` (the inverse of :func:`timm_model_args`: timm's
-    ``init_values`` is vitflow's ``layer_scale_init``; :func:`vitflow.models.timm_args.vitflow_kwargs`).
+    ``init_values`` is vitflow's ``layer_scale_init``; :func:`vitflow.models.pretrained.timm_args.vitflow_kwargs`).
 
     Raises:
         ValueError: an unknown architecture, or a timm argument vitflow has no equivalent for

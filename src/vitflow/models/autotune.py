@@ -12,7 +12,7 @@ decided here, by a forward pre-hook on the model's :class:`~vitflow.models.block
   step will be (:func:`vitflow.models.attention.auto.tune`).
 
 Both choices are logged. ``cpu_bf16_matmul=auto`` is decided per GEMM shape by each
-:class:`~vitflow.models.matmul.Linear` on its first call of that shape. Nothing runs while the
+:class:`~vitflow.models.kernels.matmul.Linear` on its first call of that shape. Nothing runs while the
 model is being traced (``torch.compile``, ``torch.export``, TorchScript).
 """
 

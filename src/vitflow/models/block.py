@@ -13,8 +13,8 @@ from torch.utils.checkpoint import checkpoint
 
 from vitflow.models.attention import AttentionContext, attention_probs, make_kernel, split_heads
 from vitflow.models.grad_checkpointing import CheckpointPlan
+from vitflow.models.kernels.matmul import Linear
 from vitflow.models.layers import LN_EPS, DropPath, LayerScale, Mlp, SwiGLUPacked, active, make_mlp
-from vitflow.models.matmul import Linear
 from vitflow.models.position import RelativePositionBias
 
 
@@ -98,7 +98,7 @@ class Block(nn.Module):
 
     ``(B, N, D) -> (B, N, D)``. Where a branch adds its output unscaled (no LayerScale, stochastic
     depth and dropout inactive) the residual add runs inside the branch's last GEMM
-    (:class:`~vitflow.models.matmul.Linear`): the same sum, two passes over ``x`` fewer.
+    (:class:`~vitflow.models.kernels.matmul.Linear`): the same sum, two passes over ``x`` fewer.
     """
 
     grad_checkpointing = False  # recompute this block's activations in the backward pass
@@ -135,7 +135,7 @@ class Block(nn.Module):
 
     def residual_in_gemm(self) -> bool:
         """Both branches are vitflow's own modules (export and quantization swap in others), end in
-        a :class:`~vitflow.models.matmul.Linear` whose output no forward hook inspects, and add
+        a :class:`~vitflow.models.kernels.matmul.Linear` whose output no forward hook inspects, and add
         their output unscaled: no LayerScale, stochastic depth inactive."""
         return (isinstance(self.attn, Attention) and isinstance(self.mlp, (Mlp, SwiGLUPacked))
                 and type(self.ls1) is nn.Identity and type(self.ls2) is nn.Identity

@@ -1,7 +1,7 @@
 """What every vitflow encoder offers beside its forward, in one place: weight-decay exclusions,
 the attention backend and bf16 GEMM switches, the gradient-checkpointing plan and a fresh head.
-:class:`~vitflow.models.vit.VisionTransformer` (ViT, DeiT, DeiT III, DINOv2, CLIP, SigLIP) and
-:class:`~vitflow.models.eva.Eva` (BEiT, EVA-02, DINOv3) both take it; it reads their ``blocks``
+:class:`~vitflow.models.vit.model.VisionTransformer` (ViT, DeiT, DeiT III, DINOv2, CLIP, SigLIP) and
+:class:`~vitflow.models.eva.model.Eva` (BEiT, EVA-02, DINOv3) both take it; it reads their ``blocks``
 (a :class:`~vitflow.models.block.Blocks` whose blocks have ``attn.set_backend``),
 ``attention_options``, ``embed_dim``, ``num_classes`` and ``cpu_bf16_matmul``."""
 
@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 
 from vitflow.models.grad_checkpointing import CheckpointPlan
+from vitflow.models.kernels.matmul import set_gemm_mode
 from vitflow.models.layers import classifier_head
-from vitflow.models.matmul import set_gemm_mode
 
 
 class EncoderControls:
@@ -52,7 +52,7 @@ class EncoderControls:
 
     def set_cpu_bf16_matmul(self, mode: str) -> None:
         """Choose the GEMM of every linear layer under bf16 CPU autocast: ``auto``, ``bf16`` or
-        ``fp32`` (:mod:`vitflow.models.matmul`). Raises ValueError for another mode."""
+        ``fp32`` (:mod:`vitflow.models.kernels.matmul`). Raises ValueError for another mode."""
         self.cpu_bf16_matmul = set_gemm_mode(self, mode)
 
     def set_grad_checkpointing(self, enable: bool | str | Sequence[int] = True,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vitflow.models import cpu_kernels
-from vitflow.models.matmul import Linear
+from vitflow.models.kernels import cpp
+from vitflow.models.kernels.matmul import Linear
 from vitflow.timing import tracing
 
 LN_EPS = 1e-6  # the ViT / timm LayerNorm epsilon (CLIP towers use 1e-5)
@@ -31,7 +31,7 @@ class _LayerNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, mean, rstd, weight = ctx.saved_tensors
-        dx, dw, db = cpu_kernels.ops().layer_norm_backward(grad.to(x.dtype).contiguous(), x, mean.view(-1),
+        dx, dw, db = cpp.ops().layer_norm_backward(grad.to(x.dtype).contiguous(), x, mean.view(-1),
                                                            rstd.view(-1), weight)
         return dx, dw.to(weight.dtype), db.to(weight.dtype), None
 
@@ -40,14 +40,19 @@ class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters and state-dict names) whose backward, on the CPU for a
     float32 / bfloat16 input normalised over its last dimension with float32 affine
     parameters, runs vitflow's one-pass kernel (:class:`_LayerNormFn`; where vitflow's CPU kernels
-    are unavailable, or anywhere else, ``nn.LayerNorm``'s). ``(..., C) -> (..., C)``."""
+    are unavailable, or anywhere else, ``nn.LayerNorm``'s). ``(..., C) -> (..., C)``. The kernels are
+    built (or found built) at construction, never inside a forward."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        cpp.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
         if (torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
                 and len(self.normalized_shape) == 1 and w is not None and b is not None
                 and w.dtype == b.dtype == torch.float32 and type(x) is torch.Tensor and type(w) is nn.Parameter
-                and type(b) is nn.Parameter and not tracing() and cpu_kernels.available()):
+                and type(b) is nn.Parameter and not tracing() and cpp.available()):
             return _LayerNormFn.apply(x, w, b, self.eps)
         return super().forward(x)
 
@@ -120,7 +125,7 @@ class Mlp(nn.Module):
 
     Without autograd (inference) a GELU (or QuickGELU) runs in place on fc1's output, which saves
     the largest activation allocation of the block. With ``residual`` (``(B, N, D)``) it returns
-    ``residual + mlp(x)``, the add inside fc2's GEMM (:class:`~vitflow.models.matmul.Linear`)
+    ``residual + mlp(x)``, the add inside fc2's GEMM (:class:`~vitflow.models.kernels.matmul.Linear`)
     while dropout is inactive."""
 
     def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0, act_layer: str = "gelu"):

@@ -30,14 +30,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitflow.models.matmul import Linear
+from vitflow.models.kernels.matmul import Linear
 
 DEFAULT_TARGETS = ("attn.qkv", "attn.proj")
 LORA_KEYS = ("rank", "alpha", "dropout", "targets")
 
 
 class LoRALinear(Linear):
-    """A :class:`~vitflow.models.matmul.Linear` plus a trainable low-rank update (see the module
+    """A :class:`~vitflow.models.kernels.matmul.Linear` plus a trainable low-rank update (see the module
     docstring). It shares (does not copy) the base layer's ``weight`` and ``bias``.
 
     Args:
@@ -76,7 +76,7 @@ class LoRALinear(Linear):
         return (self.scaling * (self.lora_B.to(dt) @ self.lora_A.to(dt))).to(self.weight.dtype)
 
     def merged(self) -> Linear:
-        """A plain :class:`~vitflow.models.matmul.Linear` with weight ``W + (alpha / r) B A``
+        """A plain :class:`~vitflow.models.kernels.matmul.Linear` with weight ``W + (alpha / r) B A``
         and the same bias (new parameters; ``requires_grad`` as the base weight's)."""
         w = self.weight
         out = Linear(self.in_features, self.out_features, self.bias is not None, gemm=self.gemm, device="meta")

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vitflow.models import onednn
+from vitflow.models.kernels import onednn
 from vitflow.runtime import Precision, resolve_precision
 from vitflow.train.elastic import adopt_slurm_env
 
@@ -221,7 +221,7 @@ def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
 
 def run_precision(name: str, device: torch.device, dist: DistEnv) -> Precision:
     """``train.precision`` resolved for ``device``. The timed numeric choices on a CPU (``auto``
-    precision, the fp32 GEMM of :mod:`vitflow.models.onednn`) are rank 0's on every rank, so that all
+    precision, the fp32 GEMM of :mod:`vitflow.models.kernels.onednn`) are rank 0's on every rank, so that all
     ranks train alike."""
     if device.type == "cpu":
         onednn.fp32_mode()  # a bad VITFLOW_FP32_GEMM fails here, before the run folder is made

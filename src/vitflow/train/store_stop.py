@@ -1,4 +1,4 @@
-"""A remote store that stays unreachable during training (:class:`~vitflow.data.remote.RemoteError`
+"""A remote store that stays unreachable during training (:class:`~vitflow.data.remote.fs.RemoteError`
 out of the data iterator, after its retries): checkpoint the last completed step, then stop with
 one line naming the URL and the error and saying how to continue once the store is back.
 
@@ -16,7 +16,7 @@ import logging
 import time
 from typing import NoReturn
 
-from vitflow.data.remote import RemoteError
+from vitflow.data.remote.fs import RemoteError
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,7 @@ import html
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.figure import Figure  # no pyplot: any backend, and a notebook's own backend left as it is
 
 
 def plot_reliability(reliability: dict[str, Any], ece: float, path: str | Path, title: str = "") -> Path:
@@ -21,7 +18,7 @@ def plot_reliability(reliability: dict[str, Any], ece: float, path: str | Path, 
 
     Args:
         reliability: ``{"bins": M + 1 edges, "accuracy": M values or None, "confidence": ...,
-            "count": M ints}`` (:func:`vitflow.metrics_cls.calibration`).
+            "count": M ints}`` (:func:`vitflow.metrics.classification.calibration`).
         ece: the expected calibration error, shown in the title.
     """
     edges, acc, conf, count = (reliability[k] for k in ("bins", "accuracy", "confidence", "count"))

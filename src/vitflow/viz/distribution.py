@@ -8,7 +8,7 @@ import html
 import json
 from pathlib import Path
 
-from vitflow.data.balanced import DISTRIBUTION_FILE
+from vitflow.data.loader import DISTRIBUTION_FILE
 
 MAX_ROWS = 60  # more classes: the rarest and the most frequent 30 of the training split
 
