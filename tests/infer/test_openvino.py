@@ -1,9 +1,10 @@
 """OpenVINO as a deployment backend: the IR of `vitflow export --format openvino` runs in
 OpenVINO's own runtime with vitflow's logits (fp32, 1e-4), carries vitflow's metadata, serves
 `predict` / `eval`; a fixed-batch IR; NNCF INT8 behind the accuracy guard; an op OpenVINO cannot
-convert is one clear line."""
+convert is one clear line; `vitflow serve` on the IR (a real server on 127.0.0.1)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.cli import main
 from vitflow.infer.calibration import checkpoint_split, sample_images
 from vitflow.infer.onnx_model import ModelInfo, set_metadata
-from vitflow.infer.predict import Predictor
+from vitflow.infer.predict import Predictor, collect_images
 
 ov = pytest.importorskip("openvino")
 pytest.importorskip("onnxruntime")
@@ -47,11 +48,9 @@ def test_ir_runs_in_openvinos_own_runtime_with_vitflows_logits(exported):
 
 def test_predict_and_eval_take_the_ir(exported, capsys):
     r, xml, _, _ = exported
-    refs = sorted(str(p) for p in __import__("pathlib").Path(r["samples"]).glob("*.png"))
+    refs = sorted(str(p) for p in Path(r["samples"]).glob("*.png"))
     ours = Predictor.load(xml)
     theirs = Predictor.load(r["checkpoint"], "cpu")
-    from vitflow.infer import collect_images
-
     a = [p["top"][0] for p in ours.predict_refs(collect_images(refs), 1)]
     b = [p["top"][0] for p in theirs.predict_refs(collect_images(refs), 1)]
     assert [p["class"] for p in a] == [p["class"] for p in b]
@@ -103,3 +102,30 @@ def test_an_op_openvino_cannot_convert_is_one_line(exported, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and f"cannot convert {bad}: no conversion for com.microsoft.QAttention" in err
     assert not (tmp_path / "x.xml").exists()
+
+
+def test_serve_answers_from_the_ir_as_predict_does(exported, tmp_path, capsys):
+    """`vitflow serve model.xml` (backend auto -> openvino) answers like `vitflow predict` on the
+    IR; /v1/embed is refused (the IR holds only the logits); a checkpoint is not an IR."""
+    httpx = pytest.importorskip("httpx")
+    from serve_helpers import Served
+
+    r, xml, _, _ = exported
+    files = sorted(Path(r["samples"]).glob("*.png"))[:3]
+    expected = list(Predictor.load(xml).predict_refs(collect_images([str(f) for f in files]), topk=3))
+    s = Served(xml, "--threads", "1", log=tmp_path / "serve.log")
+    try:
+        for f, want in zip(files, expected):
+            got = httpx.post(s.url + "/v1/classify?top_k=3", content=f.read_bytes(),
+                             headers={"Content-Type": "image/png"})
+            assert got.status_code == 200, got.text
+            top = got.json()["predictions"][0]["top"]
+            assert [t["class"] for t in top] == [t["class"] for t in want["top"]]
+            assert max(abs(a["prob"] - b["prob"]) for a, b in zip(top, want["top"])) < 1e-6
+        e = httpx.post(s.url + "/v1/embed", content=files[0].read_bytes(), headers={"Content-Type": "image/png"})
+        assert e.status_code == 501 and "exported model" in e.text
+    finally:
+        assert s.stop() == 0, s.log.read_text()
+    assert "backend openvino" in s.log.read_text()
+    assert main(["serve", r["checkpoint"], "--backend", "openvino", "--port", "1"]) == 2
+    assert "is not an OpenVINO IR" in capsys.readouterr().err

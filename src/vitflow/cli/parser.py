@@ -246,7 +246,7 @@ def _serve_command(sub) -> None:
     """serve (vitflow.cli.serve runs it)."""
     p = sub.add_parser("serve", help="serve a model over HTTP with dynamic batching (uvicorn workers or Ray Serve)")
     p.add_argument("checkpoint", metavar="SOURCE", help="run directory (newest checkpoint), checkpoint, hub-style "
-                   "folder, or an exported .onnx / INT8 .onnx model")
+                   "folder, or an exported .onnx / INT8 .onnx model or OpenVINO .xml IR")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--max-batch", type=_positive, default=16, help="images in one model call, at most (16)")
@@ -261,9 +261,10 @@ def _serve_command(sub) -> None:
     p.add_argument("--threads", type=int, default=0, help="PyTorch / ONNX Runtime threads per worker (default: "
                    "the cores divided by the workers)")
     p.add_argument("--decode-threads", type=_positive, default=2, help="decoding threads per worker (2)")
-    p.add_argument("--backend", default="auto", choices=["auto", "eager_fp32", "eager_bf16", "onnxruntime"],
+    p.add_argument("--backend", default="auto", choices=["auto", "eager_fp32", "eager_bf16", "onnxruntime", "openvino"],
                    help="auto (default): the fastest fp32 path measured at start-up (eager_fp32 or onnxruntime; "
-                   "eager_bf16 too on CPUs with native bf16); an .onnx source runs on onnxruntime")
+                   "eager_bf16 too on CPUs with native bf16); an .onnx source runs on onnxruntime, an OpenVINO .xml "
+                   "on openvino")
     p.add_argument("--device", default="auto")
     _add_weights_arg(p)
     _add_tta_arg(p)

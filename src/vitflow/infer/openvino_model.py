@@ -189,5 +189,5 @@ def nncf_quantize(model, images: torch.Tensor, batch: int = 8, fast_bias_correct
     batches = [np.ascontiguousarray(images[i:i + batch].numpy()) for i in range(0, len(images), batch)]
     with quiet_toolchain():
         return nncf.quantize(model, nncf.Dataset(batches), model_type=nncf.ModelType.TRANSFORMER,
-                             subset_size=len(images), fast_bias_correction=fast_bias_correction)
+                             subset_size=len(batches), fast_bias_correction=fast_bias_correction)
 
