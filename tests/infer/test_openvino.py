@@ -55,6 +55,10 @@ def test_predict_and_eval_take_the_ir(exported, capsys):
     b = [p["top"][0] for p in theirs.predict_refs(collect_images(refs), 1)]
     assert [p["class"] for p in a] == [p["class"] for p in b]
     assert max(abs(p["prob"] - q["prob"]) for p, q in zip(a, b)) < 1e-5
+    import vitflow
+
+    one = vitflow.load(str(xml)).predict(refs[0], topk=1)  # the Python API takes the IR too
+    assert one["top"][0]["class"] == a[0]["class"] and abs(one["top"][0]["prob"] - a[0]["prob"]) < 1e-6
     assert main(["eval", str(xml), "data.source=digits", "data.test_split=train[80%:]", "--json"]) == 0
     e = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert e["weights"] == "exported" and abs(e["test_top1"] - r["test_top1"]) < 0.005
