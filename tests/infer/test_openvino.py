@@ -25,7 +25,7 @@ def exported(digits_run, tmp_path_factory):
     """The digits run exported to an IR: ``(checkpoint, ir path, state, real images)``."""
     _, r, _ = digits_run
     xml = tmp_path_factory.mktemp("ov") / "digits.xml"
-    assert main(["export", r["checkpoint"], "--format", "openvino", "-o", str(xml)]) == 0
+    assert main(["export", r["checkpoint"], "--format", "openvino", "-o", str(xml), "--verify-data", r["samples"]]) == 0
     state = load_checkpoint(r["checkpoint"])
     info = ModelInfo.from_checkpoint(state)
     return r, xml, state, sample_images(checkpoint_split(state), info.preprocess, 32)
@@ -69,7 +69,8 @@ def test_predict_and_eval_take_the_ir(exported, capsys):
 def test_fixed_batch_ir_takes_any_batch(exported, tmp_path):
     r, xml, _, x = exported
     fixed = tmp_path / "b4.xml"
-    assert main(["export", r["checkpoint"], "--format", "openvino", "--batch", "4", "-o", str(fixed)]) == 0
+    assert main(["export", r["checkpoint"], "--format", "openvino", "--batch", "4", "-o", str(fixed),
+                 "--verify-data", r["samples"]]) == 0
     assert list(ov.Core().read_model(str(fixed)).input(0).get_partial_shape().to_shape()) == [4, 3, 8, 8]
     a, b = Predictor.load(fixed).model(x[:7]), Predictor.load(xml).model(x[:7])  # 7: two batches, one padded
     assert a.shape == (7, 10) and torch.allclose(a, b, atol=1e-5)
@@ -78,7 +79,7 @@ def test_fixed_batch_ir_takes_any_batch(exported, tmp_path):
 def test_nncf_int8_behind_the_guard(exported, tmp_path, capsys):
     r, xml, state, x = exported
     out = tmp_path / "digits.int8.xml"
-    assert main(["quantize", r["checkpoint"], "--backend", "openvino", "-o", str(out), "--calibration-images", "128",
+    assert main(["quantize", r["checkpoint"], "--backend", "openvino", "-o", str(out), "--calibration-images", "64",
                  "--json"]) == 0
     q = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert q["method"] == "nncf" and q["images"] == 359 and q["drop_points"] <= 1.0
