@@ -162,10 +162,11 @@ def load(source: Any, device: str = "auto", precision: str = "fp32", weights: st
     Args:
         source: a run (:class:`~vitflow.api.run.Run` or its folder: its newest checkpoint, as
             ``vitflow predict RUN`` takes it), a checkpoint (``.pt``, INT8 ones included), an ONNX
-            file (``vitflow export`` / ``vitflow quantize``: INT8 too), a hub-style folder
+            file (``vitflow export`` / ``vitflow quantize``: INT8 too), an OpenVINO IR (``.xml``:
+            ``vitflow export --format openvino`` / ``quantize --backend openvino``), a hub-style folder
             (``vitflow export --format hub``, timm), or weights with a classifier head and label
             names (a snapshot folder or ``hf-hub:ORG/NAME``).
-        device: ``auto`` (CUDA when present), ``cpu``, ``cuda``; ONNX files run on the CPU.
+        device: ``auto`` (CUDA when present), ``cpu``, ``cuda``; ONNX files and IRs run on the CPU.
         precision: ``fp32``, or ``bf16`` / ``fp16`` (PyTorch models only).
         weights: checkpoints: ``auto`` (the EMA weights when saved), ``ema`` or ``raw``.
         tta: test-time augmentation (``flip``, ``flip,crops5``; :mod:`vitflow.infer.tta`).

@@ -247,19 +247,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_resolution(args)
     import torch
 
-    from vitflow.infer.bench import PATHS, bench_infer, format_table
+    from vitflow.infer.bench import bench_infer, format_table, select_paths
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    paths = tuple(p.strip() for p in args.paths.split(",")) if args.paths else PATHS
-    results, notes = bench_infer(args.checkpoint, paths, args.batch_size, args.repeats, args.latency_calls,
-                                 args.min_time, args.attention, log=lambda m: print(m, file=sys.stderr))
+    if args.split and not args.data:
+        raise ValueError("--split selects images of --data: give --data PATH too")
+    r = bench_infer(args.checkpoint, select_paths(args.paths), args.batch_size, args.repeats, args.latency_calls,
+                    args.min_time, args.attention, log=lambda m: print(m, file=sys.stderr), data=args.data,
+                    split=args.split, calibrate=args.calibrate, calibration_count=args.calibration_images,
+                    reference=args.reference)
     print(f"{args.checkpoint}: {torch.get_num_threads()} threads, batch-1 latency over "
           f"{args.repeats * args.latency_calls} calls, batch-{args.batch_size} throughput median of {args.repeats} "
           f"rounds; ratios are speed-ups over timm_eager_fp32")
-    print(format_table(results, notes, args.batch_size))
+    print(format_table(r, args.batch_size, args.max_drop))
     if args.json:
-        _print_json(args, results)
+        _print_json(args, r["results"])
     return 0
 
 

@@ -25,7 +25,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         return _export_triton(args)
     target = args.target or ("gpu" if torch.cuda.is_available() else "cpu")
     r = export_checkpoint(args.checkpoint, args.output, args.format, args.optimize, target, args.opset,
-                          args.verify_data, args.tolerance, fp16=not args.fp32, tta=args.tta)
+                          args.verify_data, args.tolerance, fp16=not args.fp32, tta=args.tta, batch=args.batch)
     print(f"exported {r['format']} to {r['path']} ({r['bytes'] / 2**20:.1f} MiB, {r['export_s']:.1f} s)")
     if r["fused"]:
         print(f"fused ({target}): " + ", ".join(f"{k} {v}" for k, v in r["fused"].items()))
@@ -69,13 +69,20 @@ def _export_triton(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from vitflow.infer.quantize import AccuracyDropError, quantize_file
+    from vitflow.infer.guard import AccuracyDropError
+    from vitflow.infer.quantize import quantize_file
+    from vitflow.infer.static_quant import METHODS
 
     if args.split and not args.data:
         raise ValueError("--split selects images of --data: give --data PATH too (no top-1 is measured without it)")
+    calibrated = args.calibrate is not None or args.backend == "openvino"
+    if not calibrated and (args.method or args.batch):
+        raise ValueError("--method and --batch go with --calibrate (static INT8) or --backend openvino")
     try:
         r = quantize_file(args.model, args.output, args.backend, args.dtype, args.data, args.split or "test",
-                          args.max_drop, args.force, per_channel=not args.per_tensor)
+                          args.max_drop, args.force, per_channel=not args.per_tensor, calibrate=calibrated,
+                          calibration=args.calibrate or None, methods=tuple(args.method or METHODS),
+                          images=args.calibration_images, batch=args.batch)
     except AccuracyDropError as e:
         print(f"refused: {e}", file=sys.stderr)
         return 1
@@ -83,6 +90,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         if f"{figure}_before" in r:
             print(f"{name} on {r['images']} images: {r[f'{figure}_before']:.2%} -> {r[f'{figure}_after']:.2%} "
                   f"(drop {r['drop_points']:.2f} points, allowed {args.max_drop:g})")
+    if "method" in r:
+        tried = ", ".join(f"{m} {v:.2%}" if v is not None else m for m, v in r["methods"].items())
+        print(f"calibrated on {r['calibration_images']} images; kept {r['method']} ({tried})")
     ops = ", ".join(f"{k} {v}" for k, v in r.get("ops", {}).items())
     print(f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB{'; ' + ops if ops else ''})")
     if args.json:

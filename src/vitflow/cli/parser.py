@@ -164,17 +164,20 @@ def _deployment_commands(sub) -> None:
     _add_embed_command(sub)
     p = sub.add_parser("export", help="export a checkpoint (ONNX, TorchScript, ExportedProgram, TensorRT, hub-style "
                        "folder), verified")
-    p.add_argument("checkpoint", help="checkpoint file or run directory")
+    p.add_argument("checkpoint", help="checkpoint file or run directory (--format openvino: also a vitflow .onnx)")
     _add_checkpoint_choice(p)
-    p.add_argument("--format", default="onnx", choices=["onnx", "torchscript", "exported-program", "tensorrt", "hub",
-                                                       "triton"],
-                   help="hub: a new folder of config.json, model.safetensors (timm names) and README.md (model card) "
-                   "that timm and vitflow load; triton: a new Triton model repository (config.pbtxt with dynamic "
-                   "batching, labels.txt, 1/model.onnx)")
+    p.add_argument("--format", default="onnx",
+                   choices=["onnx", "torchscript", "exported-program", "tensorrt", "openvino", "hub", "triton"],
+                   help="openvino: an OpenVINO IR (.xml + .bin) with vitflow's metadata; hub: a new folder of "
+                   "config.json, model.safetensors (timm names) and README.md (model card) that timm and vitflow "
+                   "load; triton: a new Triton model repository (config.pbtxt with dynamic batching, labels.txt, "
+                   "1/model.onnx)")
     p.add_argument("--max-batch", type=_positive, default=16, help="triton: max_batch_size (16)")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="triton: dynamic batching's max queue delay in ms (5)")
-    p.add_argument("-o", "--output", required=True, help="output file (.onnx, .ts, .pt2, .engine) or, for hub and "
-                   "triton, a new (or empty) folder")
+    p.add_argument("-o", "--output", required=True, help="output file (.onnx, .ts, .pt2, .engine, .xml) or, for hub "
+                   "and triton, a new (or empty) folder")
+    p.add_argument("--batch", type=_positive, metavar="N", help="openvino: a fixed batch size (static shape; the IR "
+                   "then takes batches of N only)")
     p.add_argument("--optimize", action="store_true", help="ONNX: apply ONNX Runtime's transformer fusions")
     p.add_argument("--target", choices=["cpu", "gpu"], help="--optimize for this target (default: gpu if CUDA "
                    "is available, else cpu)")
@@ -187,20 +190,7 @@ def _deployment_commands(sub) -> None:
     p.add_argument("--fp32", action="store_true", help="TensorRT: build an FP32 engine (default FP16)")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
 
-    p = sub.add_parser("quantize", help="INT8 (ONNX Runtime or PyTorch) or FP16/BF16 weights, with an accuracy guard")
-    p.add_argument("model", help="checkpoint, run directory, or a vitflow .onnx model (onnxruntime backend)")
-    p.add_argument("-o", "--output", required=True, help="output: .onnx (onnxruntime) or .pt (torch)")
-    p.add_argument("--backend", choices=["onnxruntime", "torch"], default="onnxruntime")
-    p.add_argument("--dtype", choices=["int8", "fp16", "bf16"], default="int8",
-                   help="int8 (default); fp16/bf16 weight casting for GPU inference (torch backend)")
-    p.add_argument("--data", metavar="PATH",
-                   help="data to measure top-1 (multi-label models: mAP) on before and after: a folder, tar, "
-                   "label file or dataset")
-    p.add_argument("--split", help="split of --data (default test; e.g. 'test[:2000]')")
-    p.add_argument("--max-drop", type=float, default=1.0, help="max top-1 (mAP) drop in points (default 1.0)")
-    p.add_argument("--force", action="store_true", help="write the model even if top-1 dropped more")
-    p.add_argument("--per-tensor", action="store_true", help="ONNX: one weight scale per tensor (default per channel)")
-    p.add_argument("--json", action="store_true", help="end with one JSON line")
+    _add_quantize_command(sub)
 
     p = sub.add_parser("prune", help="remove attention heads / MLP units, optionally fine-tune with distillation")
     p.add_argument("checkpoint", help="checkpoint file or run directory")
@@ -219,11 +209,44 @@ def _deployment_commands(sub) -> None:
     p.add_argument("--json", action="store_true", help="end with one JSON line")
 
 
+def _add_quantize_command(sub) -> None:
+    p = sub.add_parser("quantize", help="INT8 (ONNX Runtime, OpenVINO or PyTorch; static with --calibrate) or FP16/BF16 "
+                       "weights, with an accuracy guard")
+    p.add_argument("model", help="checkpoint, run directory, or a vitflow .onnx model (onnxruntime / openvino backend)")
+    p.add_argument("-o", "--output", required=True, help="output: .onnx (onnxruntime), .xml (openvino IR, .bin beside "
+                   "it) or .pt (torch)")
+    p.add_argument("--backend", choices=["onnxruntime", "torch", "openvino"], default="onnxruntime",
+                   help="openvino: INT8 IR by NNCF post-training quantization (always calibrated)")
+    _add_calibration_args(p)
+    p.add_argument("--dtype", choices=["int8", "fp16", "bf16"], default="int8",
+                   help="int8 (default); fp16/bf16 weight casting for GPU inference (torch backend)")
+    p.add_argument("--data", metavar="PATH",
+                   help="data to measure top-1 (multi-label models: mAP) on before and after: a folder, tar, "
+                   "label file or dataset")
+    p.add_argument("--split", help="split of --data (default test; e.g. 'test[:2000]')")
+    p.add_argument("--max-drop", type=float, default=1.0, help="max top-1 (mAP) drop in points (default 1.0)")
+    p.add_argument("--force", action="store_true", help="write the model even if top-1 dropped more")
+    p.add_argument("--per-tensor", action="store_true", help="ONNX: one weight scale per tensor (default per channel)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+
+
+def _add_calibration_args(p: argparse.ArgumentParser) -> None:
+    """``vitflow quantize``: static INT8 calibrated on real images."""
+    g = p.add_argument_group("static INT8 (calibrated activation ranges)")
+    g.add_argument("--calibrate", nargs="?", const="", metavar="DATA", help="static INT8: calibrate on DATA (a "
+                   "folder, tar or dataset: its train split; a folder of images; a .npy of model inputs), default "
+                   "the checkpoint's training data")
+    g.add_argument("--calibration-images", type=_positive, default=300, metavar="N", help="images to calibrate on (300)")
+    g.add_argument("--method", action="append", choices=["minmax", "percentile", "entropy"], help="onnxruntime "
+                   "calibration method to try (repeatable; default all three, the guard keeps the best)")
+    g.add_argument("--batch", type=_positive, metavar="N", help="openvino: fix the IR's batch size (static shape)")
+
+
 def _serve_command(sub) -> None:
     """serve (vitflow.cli.serve runs it)."""
     p = sub.add_parser("serve", help="serve a model over HTTP with dynamic batching (uvicorn workers or Ray Serve)")
     p.add_argument("checkpoint", metavar="SOURCE", help="run directory (newest checkpoint), checkpoint, hub-style "
-                   "folder, or an exported .onnx / INT8 .onnx model")
+                   "folder, or an exported .onnx / INT8 .onnx model or OpenVINO .xml IR")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--max-batch", type=_positive, default=16, help="images in one model call, at most (16)")
@@ -238,9 +261,10 @@ def _serve_command(sub) -> None:
     p.add_argument("--threads", type=int, default=0, help="PyTorch / ONNX Runtime threads per worker (default: "
                    "the cores divided by the workers)")
     p.add_argument("--decode-threads", type=_positive, default=2, help="decoding threads per worker (2)")
-    p.add_argument("--backend", default="auto", choices=["auto", "eager_fp32", "eager_bf16", "onnxruntime"],
+    p.add_argument("--backend", default="auto", choices=["auto", "eager_fp32", "eager_bf16", "onnxruntime", "openvino"],
                    help="auto (default): the fastest fp32 path measured at start-up (eager_fp32 or onnxruntime; "
-                   "eager_bf16 too on CPUs with native bf16); an .onnx source runs on onnxruntime")
+                   "eager_bf16 too on CPUs with native bf16); an .onnx source runs on onnxruntime, an OpenVINO .xml "
+                   "on openvino")
     p.add_argument("--device", default="auto")
     _add_weights_arg(p)
     _add_tta_arg(p)
@@ -305,9 +329,21 @@ def _bench_commands(sub):
                    help="another copy of the data (a tar, shards local or remote...) whose vitflow loader runs in the "
                         "same repeats, reported as a ratio to --data's (repeatable)")
     b.add_argument("--json", action="store_true", help="end with one JSON line of images/s")
-    b = bench.add_parser("infer", help="inference latency / throughput of every deployment path vs timm")
+    b = bench.add_parser("infer", help="inference latency / throughput (and top-1) of every deployment path vs the "
+                         "peers (timm eager, ONNX Runtime, OpenVINO)")
     b.add_argument("checkpoint", help="checkpoint file or run directory")
-    b.add_argument("--paths", help="comma-separated subset of the paths (default: all seven: timm_eager_fp32, timm_eager_bf16, eager_fp32, eager_bf16, compiled, onnxruntime_fp32, onnxruntime_int8)")
+    b.add_argument("--paths", help="comma-separated paths or shell patterns, e.g. 'timm_openvino_*,openvino_int8*' "
+                   "(default: all; see the deployment guide's list)")
+    b.add_argument("--data", nargs="?", const="", metavar="PATH", help="measure each path's top-1 on this data (its "
+                   "test split, else val); --data alone: the checkpoint's own test data")
+    b.add_argument("--split", help="split of --data (e.g. 'test[:2000]', a random 2000)")
+    b.add_argument("--max-drop", type=float, default=1.0, help="the fastest paths are chosen among those within "
+                   "this many top-1 points of fp32 (1.0)")
+    b.add_argument("--calibrate", metavar="DATA", help="calibration images of the static INT8 paths (default: the "
+                   "checkpoint's training data)")
+    b.add_argument("--reference", metavar="CKPT", help="the peers (timm paths) take this checkpoint's model, and its "
+                   "fp32 top-1 bounds the drop: e.g. the unpruned model a pruned CHECKPOINT came from")
+    b.add_argument("--calibration-images", type=_positive, default=300, metavar="N", help="(300)")
     b.add_argument("--batch-size", type=int, default=32, help="throughput batch size (32)")
     b.add_argument("--repeats", type=int, default=3, help="interleaved rounds (3)")
     b.add_argument("--latency-calls", type=int, default=20, help="batch-1 calls per path per round (20)")

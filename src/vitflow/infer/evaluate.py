@@ -16,6 +16,7 @@ from vitflow.data import check_config as check_data_config
 from vitflow.data.sources.dispatch import scored_split
 from vitflow.data.transforms import Preprocess
 from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
+from vitflow.infer.predict import Predictor, is_exported
 from vitflow.infer.tta import parse_tta, with_tta
 from vitflow.models import config_class
 from vitflow.models.kernels import onednn
@@ -128,6 +129,8 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
         FileNotFoundError / ValueError: unreadable checkpoint, a ``model.img_size`` the model cannot
         take; ConfigError; DataError.
     """
+    if is_exported(path):
+        return evaluate_exported(path, overrides, tta)
     spec = parse_tta(tta)  # a bad spec fails before any work
     setup = eval_setup(path, overrides, device)
     state, role = setup.state, setup.role
@@ -136,11 +139,46 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
     pp = replace(setup.preprocess, image_size=size) if size else setup.preprocess
     t0 = time.perf_counter()
     result = score(setup, model, pp)
-    ips = result["images"] / max(time.perf_counter() - t0, 1e-9)
     used = "ema" if state.get("ema") and weights != "raw" else "raw"
+    return _result(result, role, setup.split, list(state["classes"]), state["path"], state["step"], used, spec, t0,
+                   pp.image_size)
+
+
+def _result(result: dict, role: str, split: str, classes: list[str], model: str, step: int | None, weights: str,
+            spec, t0: float, image_size: int) -> dict:
+    """The return value of :func:`evaluate_checkpoint` / :func:`evaluate_exported`."""
+    ips = result["images"] / max(time.perf_counter() - t0, 1e-9)
     scalars = scalar_metrics(result)
     per_class = {k: v for k, v in result.items() if k not in scalars and k != "per_class_top1"}  # = the recall
     return {**{f"{role}_{k}": v for k, v in {**scalars, **per_class}.items()}, "split": role,
-            "split_expr": setup.split, "classes": list(state["classes"]), "checkpoint": state["path"],
-            "step": state["step"], "weights": used, "tta": str(spec), "image_size": pp.image_size,
-            "images_per_s": round(ips, 1)}
+            "split_expr": split, "classes": classes, "checkpoint": model, "step": step, "weights": weights,
+            "tta": str(spec), "image_size": image_size, "images_per_s": round(ips, 1)}
+
+
+def evaluate_exported(path, overrides=(), tta: str | None = None, precision: str = "fp32") -> dict:
+    """Evaluate an exported model (ONNX, OpenVINO IR: whatever
+    :meth:`vitflow.infer.predict.Predictor.load` reads) on ``data.path``'s test split (its
+    validation split when it has none), given as ``key=value`` overrides (``data.path=...``,
+    ``data.test_split=...``): an export carries its classes and preprocessing, not its data.
+
+    Returns:
+        The keys of :func:`evaluate_checkpoint`; ``weights`` is ``exported``, ``step`` ``None``.
+    Raises:
+        ValueError: no ``data.path`` given; FileNotFoundError / ValueError: unreadable model; DataError.
+    """
+    cfg = build_config(base={}, overrides=overrides, checks={"data": check_data_config}, model_config=config_class)
+    if cfg.data.path is None and cfg.data.source == "auto":
+        raise ValueError(f"{path} carries no data path: evaluate it with data.path=PATH (and data.test_split=...)")
+    predictor = Predictor.load(path, "cpu", precision)
+    predictor.set_tta(tta)
+    role, split = scored_split(cfg.data)
+    source = open_split(cfg.data.path, split, cfg.data.source, classes=predictor.classes, cfg=cfg.data)
+    loader = eval_loader(source, predictor.pp, cfg.data.eval_batch_size or 256, cfg.data.num_workers)
+    t0, cpu = time.perf_counter(), torch.device("cpu")
+    if predictor.task == "multilabel":
+        result = evaluate_multilabel(predictor.model, loader, cpu, resolve_precision("fp32", cpu), predictor.pp,
+                                     threshold=predictor.threshold)
+    else:
+        result = evaluate(predictor.model, loader, cpu, resolve_precision("fp32", cpu), predictor.pp)
+    return _result(result, role, split, predictor.classes, str(path), None, "exported", predictor.tta, t0,
+                   predictor.pp.image_size)

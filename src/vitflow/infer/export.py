@@ -18,6 +18,7 @@ import copy
 import json
 import logging
 import math
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -31,18 +32,20 @@ from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.data import DataError
 from vitflow.data.transforms import Preprocess
 from vitflow.infer.calibration import checkpoint_split, images_from_files, sample_images
+from vitflow.infer.onnx_fusion import fusion_sizes, optimize_onnx
 from vitflow.infer.onnx_model import (
     INPUT_NAME,
     OUTPUT_NAME,
     ModelInfo,
     OnnxModel,
     UnavailableError,
-    copy_metadata,
+    is_onnx,
     onnx_opset,
     quiet_toolchain,
     require,
     set_metadata,
 )
+from vitflow.infer.openvino_model import OpenVinoModel, convert_onnx, save_ir
 from vitflow.infer.tensorrt import TensorRTModel, build_tensorrt_engine, tensorrt_available
 from vitflow.infer.tta import tta_for_export
 from vitflow.models.attention import EXACT_BACKENDS
@@ -51,7 +54,7 @@ log = logging.getLogger(__name__)
 
 OPSET = 18  # the default, and the oldest: the dynamo exporter's own minimum (its conversion down to 17
 MIN_OPSET = 18  # fails on the ViT graph's ReduceMean); newer ones are honoured where the exporter writes them
-FORMATS = ("onnx", "torchscript", "exported-program", "tensorrt")
+FORMATS = ("onnx", "torchscript", "exported-program", "tensorrt", "openvino")
 EXTRA_FILE = "vitflow.json"  # ModelInfo inside TorchScript / ExportedProgram archives
 _TWO_GB = 2 * 1024**3
 
@@ -119,8 +122,9 @@ def _param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def export_onnx(model: nn.Module, path: str | Path, info: ModelInfo, opset: int = OPSET) -> Path:
-    """Export ``model`` to ONNX with a dynamic batch dimension and ``info`` in its metadata.
+def export_onnx(model: nn.Module, path: str | Path, info: ModelInfo, opset: int = OPSET, as_is: bool = False) -> Path:
+    """Export ``model`` to ONNX with a dynamic batch dimension and ``info`` in its metadata
+    (its :func:`deployable` form; ``as_is``: the model as it is, e.g. timm's for a comparison).
 
     Uses the ``torch.export``-based exporter (``torch.onnx.export(dynamo=True)``, needs
     ``onnxscript``). Input ``pixel_values`` ``float32 (batch, 3, S, S)``, output ``logits``
@@ -141,7 +145,7 @@ def export_onnx(model: nn.Module, path: str | Path, info: ModelInfo, opset: int 
     require("onnxscript")  # the torch.export-based exporter needs it
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    m = deployable(model)
+    m = copy.deepcopy(model).eval().float() if as_is else deployable(model)
     batch = torch.export.Dim("batch", min=1, max=65536)
     with quiet_toolchain(), torch.no_grad():
         torch.onnx.export(m, (_sample_input(info),), str(path), dynamo=True, opset_version=opset,
@@ -153,51 +157,6 @@ def export_onnx(model: nn.Module, path: str | Path, info: ModelInfo, opset: int 
         raise ValueError(f"the ONNX exporter could not write opset {opset} (it wrote {written}); use --opset {written}")
     set_metadata(path, info.to_metadata())
     return path
-
-
-FUSED_OPS = ("Attention", "MultiHeadAttention", "SkipLayerNormalization", "LayerNormalization", "BiasGelu", "Gelu",
-             "FastGelu")
-TARGETS = ("cpu", "gpu")
-
-
-def optimize_onnx(src: str | Path, dst: str | Path, target: str = "cpu", num_heads: int = 0,
-                  hidden_size: int = 0) -> dict[str, int]:
-    """Apply ONNX Runtime's transformer graph fusions (``onnxruntime.transformers.optimizer``,
-    ``model_type="vit"``) for a target.
-
-    - ``gpu``: all of them: multi-head attention into one ``Attention`` op, residual add +
-      LayerNorm into ``SkipLayerNormalization``, LayerNorm, bias + GELU into ``BiasGelu``
-      (the kernels ONNX Runtime's CUDA / TensorRT providers are built around).
-    - ``cpu``: the LayerNorm and GELU fusions only. On the CPU provider (ONNX Runtime 1.32, AVX512,
-      measured with ``vitflow bench infer``) the fused ``Attention`` and ``SkipLayerNormalization``
-      kernels ran 10-20% slower than the plain graph that ONNX Runtime fuses itself at session
-      creation, so they are left out there.
-
-    ``num_heads`` / ``hidden_size`` are fallbacks; the optimizer reads each block's head count
-    from its reshape, so head-pruned models fuse too. Writes ``dst`` with ``src``'s vitflow
-    metadata.
-
-    Returns:
-        ``{op_type: count}`` of the fused nodes in ``dst`` (zero counts left out).
-    Raises:
-        ValueError: unknown target.
-    """
-    require("onnxruntime")
-    from onnxruntime.transformers import optimizer
-    from onnxruntime.transformers.fusion_options import FusionOptions
-
-    if target not in TARGETS:
-        raise ValueError(f"unknown optimisation target {target!r}; choose one of {list(TARGETS)}")
-    options = FusionOptions("vit")
-    if target == "cpu":
-        options.enable_attention = options.enable_skip_layer_norm = options.enable_bias_skip_layer_norm = False
-    with quiet_toolchain():
-        opt = optimizer.optimize_model(str(src), model_type="vit", num_heads=num_heads, hidden_size=hidden_size,
-                                       optimization_options=options, opt_level=0)
-    stats = {k: v for k, v in opt.get_fused_operator_statistics().items() if v and k in FUSED_OPS}
-    opt.save_model_to_file(str(dst))
-    copy_metadata(src, dst)
-    return stats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,25 +296,38 @@ def verification_images(state: dict, data: str | None, pp, n: int = 8) -> torch.
 def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "onnx", optimize: bool = False,
                       target: str = "cpu", opset: int = OPSET, verify_data: str | None = None,
                       tolerance: float | None = None, batch_sizes: tuple[int, ...] = (1, 7), fp16: bool = True,
-                      log: Callable[[str], None] = print, tta: str | None = None) -> dict:
+                      log: Callable[[str], None] = print, tta: str | None = None, batch: int | None = None) -> dict:
     """Export a checkpoint and verify the result against it on real images.
 
     Args:
-        fmt: ``onnx``, ``torchscript``, ``exported-program`` or ``tensorrt`` (an FP16 engine when
-            ``fp16``, built from an ONNX export written next to ``out``).
+        checkpoint: a checkpoint or run directory; for ``openvino`` also a vitflow ``.onnx``
+            (converted as it is and verified against ONNX Runtime on ``verify_data``).
+        fmt: ``onnx``, ``torchscript``, ``exported-program``, ``tensorrt`` (an FP16 engine when
+            ``fp16``, built from an ONNX export written next to ``out``) or ``openvino`` (an IR
+            ``.xml`` + ``.bin`` converted from the ONNX export, vitflow's metadata in its
+            ``rt_info``; see :mod:`vitflow.infer.openvino_model`).
         optimize: ONNX only: apply :func:`optimize_onnx` for ``target``.
         tolerance: max abs logit difference allowed (default 1e-4; 0.1 for FP16 TensorRT).
         tta: ONNX only: average the probabilities of these views in the graph (``flip``; see
             :func:`vitflow.infer.tta.tta_for_export`), verified against the PyTorch TTA.
+        batch: OpenVINO: a fixed batch size (static shape), verified at that batch.
     Returns:
         ``{"format", "path", "bytes", "export_s", "max_abs_diff": {batch: diff}, "tolerance",
         "ok", "fused"}``.
     Raises:
         FileNotFoundError / ValueError: unreadable or incompatible checkpoint, bad format, no
-        verification images. UnavailableError: TensorRT without tensorrt or a GPU.
+        verification images, an op the target cannot convert. UnavailableError: TensorRT without
+        tensorrt or a GPU; OpenVINO not installed.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {list(FORMATS)}")
+    if fmt == "openvino" and optimize:
+        raise ValueError("--optimize applies ONNX Runtime's fusions; OpenVINO fuses the graph itself: drop --optimize")
+    if batch and fmt != "openvino":
+        raise ValueError("--batch (a fixed batch size) goes with --format openvino")
+    batch_sizes = (batch,) if batch else batch_sizes
+    if is_onnx(checkpoint):
+        return _onnx_to_openvino(checkpoint, out, fmt, verify_data, tolerance, batch_sizes, batch)
     if fmt == "tensorrt":  # fail before any work when the machine cannot do it
         reason = tensorrt_available()
         if reason:
@@ -371,25 +343,50 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "onnx"
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     t0, model = time.perf_counter(), tta_for_export(model, tta, info, fmt)
-    candidate, fused = _write(model, out, fmt, info, opset, optimize, target, fp16, log)
-    export_s = time.perf_counter() - t0
+    candidate, fused = _write(model, out, fmt, info, opset, optimize, target, fp16, log, batch)
     tol = tolerance if tolerance is not None else (0.1 if fmt == "tensorrt" and fp16 else 1e-4)
-    check = verify(model, candidate, x, batch_sizes, tol)
-    return {"format": fmt, "path": str(out), "bytes": out.stat().st_size, "export_s": round(export_s, 2),
-            "max_abs_diff": check.max_abs_diff, "tolerance": tol, "ok": check.ok, "fused": fused,
-            "images": len(x), "summary": check.summary()}
+    return _report(fmt, out, time.perf_counter() - t0, verify(model, candidate, x, batch_sizes, tol), fused, len(x))
+
+
+def _report(fmt: str, out: Path, export_s: float, check: Verification, fused: dict, images: int) -> dict:
+    """The result dictionary of :func:`export_checkpoint`."""
+    size = sum(f.stat().st_size for f in (out, out.with_suffix(".bin")) if fmt == "openvino" or f == out)
+    return {"format": fmt, "path": str(out), "bytes": size, "export_s": round(export_s, 2),
+            "max_abs_diff": check.max_abs_diff, "tolerance": check.tolerance, "ok": check.ok, "fused": fused,
+            "images": images, "summary": check.summary()}
+
+
+def _onnx_to_openvino(src: str | Path, out: str | Path, fmt: str, verify_data: str | None, tolerance: float | None,
+                      batch_sizes: tuple[int, ...], batch: int | None) -> dict:
+    """A vitflow ``.onnx`` converted to an OpenVINO IR and verified against ONNX Runtime."""
+    if fmt != "openvino":
+        raise ValueError(f"{src} is an ONNX model already: export a checkpoint, or convert it with --format openvino")
+    if verify_data is None:
+        raise ValueError(f"{src} carries no data path: give real images to verify the conversion with --verify-data PATH")
+    t0, ir = time.perf_counter(), convert_onnx(src, batch)  # an op OpenVINO lacks: one line, before anything else
+    reference = OnnxModel(src)
+    info, out = reference.info(), save_ir(ir, out, reference.metadata)
+    x = images_from_files([verify_data], info.preprocess)
+    check = verify(reference, OpenVinoModel(out), x, batch_sizes, 1e-4 if tolerance is None else tolerance)
+    return _report(fmt, out, time.perf_counter() - t0, check, {}, len(x))
 
 
 def _write(model: nn.Module, out: Path, fmt: str, info: ModelInfo, opset: int, optimize: bool, target: str,
-           fp16: bool, log: Callable[[str], None]) -> tuple[Callable[[torch.Tensor], torch.Tensor], dict[str, int]]:
+           fp16: bool, log: Callable[[str], None], batch: int | None = None
+           ) -> tuple[Callable[[torch.Tensor], torch.Tensor], dict[str, int]]:
     """Write ``model`` to ``out`` in format ``fmt``; returns the export loaded back as a callable
     and the fused node counts (``optimize``)."""
     fused: dict[str, int] = {}
+    if fmt == "openvino":
+        with tempfile.TemporaryDirectory() as tmp:
+            export_onnx(model, Path(tmp) / "model.onnx", info, opset)
+            save_ir(convert_onnx(Path(tmp) / "model.onnx", batch), out, info.to_metadata())
+        return OpenVinoModel(out), fused
     if fmt in ("onnx", "tensorrt"):
         onnx_path = out if fmt == "onnx" else out.with_suffix(".onnx")
         export_onnx(model, onnx_path, info, opset)
         if optimize:
-            fused = optimize_onnx(onnx_path, onnx_path, target, model.blocks[0].attn.num_heads, model.embed_dim)
+            fused = optimize_onnx(onnx_path, onnx_path, target, *fusion_sizes(model))
     if fmt == "onnx":
         return OnnxModel(out), fused
     if fmt == "tensorrt":

@@ -43,16 +43,20 @@ class UnavailableError(RuntimeError):
     says what to install or where to run)."""
 
 
-def require(module: str):
-    """Import ``module`` (``onnx``, ``onnxruntime``, ``onnxscript``, ...) or raise
-    :class:`UnavailableError` naming the ``vitflow[export]`` extra."""
+EXTRAS = {"export": "onnx, onnxruntime, onnxscript", "openvino": "openvino, nncf"}
+
+
+def require(module: str, extra: str = "export"):
+    """Import ``module`` (``onnx``, ``onnxruntime``, ``onnxscript``, ``openvino``, ``nncf``, ...)
+    or raise :class:`UnavailableError` naming the optional extra that installs it
+    (``vitflow[export]``, ``vitflow[openvino]``)."""
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise UnavailableError(f"{module} is not installed: pip install 'vitflow[export]' "
-                               "(onnx, onnxruntime, onnxscript)") from None
+        raise UnavailableError(f"{module} is not installed: pip install 'vitflow[{extra}]' "
+                               f"({EXTRAS[extra]})") from None
 
 
 @dataclass
@@ -140,15 +144,38 @@ def open_session(path: str | Path, threads: int | None = None, providers: list[s
         return ort.InferenceSession(str(path), session_options(threads), providers=providers or ["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own InvalidProtobuf / Fail / InvalidGraph types
         raise ValueError(f"cannot load ONNX model {path} (truncated or corrupt?): {type(e).__name__}: "
-                         f"{str(e).strip()[:300]}") from None
+                         f"{' '.join(str(e).split())[:300]}") from None
 
 
-class OnnxModel(torch.nn.Module):
-    """An ONNX Runtime session wrapped as a ``torch.nn.Module`` so that evaluation, prediction and
-    benchmarks treat it like the PyTorch model.
+class RuntimeModel(torch.nn.Module):
+    """An exported model run by an inference runtime (ONNX Runtime, OpenVINO) on the CPU, wrapped
+    as a ``torch.nn.Module`` so that evaluation, prediction and benchmarks treat it like the
+    PyTorch model. It runs in the precision it was exported / quantised in.
 
     ``forward(x)``: ``float32 (B, 3, S, S)`` (CPU or any device; copied to host) -> logits
-    ``float32 (B, num_classes)`` on the CPU. Gradients are not supported.
+    ``float32 (B, num_classes)`` on the CPU. Gradients are not supported. Subclasses give
+    ``path``, :attr:`metadata` (the ``vitflow.*`` entries) and :meth:`run` (numpy in, numpy out).
+    """
+
+    path: str
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    def info(self) -> ModelInfo:
+        """The class names and preprocessing stored in the file (raises ValueError if absent)."""
+        return ModelInfo.from_metadata(self.metadata, self.path)
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(self.run(np.ascontiguousarray(x.detach().float().cpu().numpy()))))
+
+
+class OnnxModel(RuntimeModel):
+    """An ONNX Runtime session as a :class:`RuntimeModel`.
 
     Raises (at construction): FileNotFoundError / ValueError, see :func:`open_session`.
     """
@@ -163,13 +190,8 @@ class OnnxModel(torch.nn.Module):
     def metadata(self) -> dict[str, str]:
         return dict(self.session.get_modelmeta().custom_metadata_map)
 
-    def info(self) -> ModelInfo:
-        """The class names and preprocessing stored in the file (raises ValueError if absent)."""
-        return ModelInfo.from_metadata(self.metadata, self.path)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        feed = np.ascontiguousarray(x.detach().float().cpu().numpy())
-        return torch.from_numpy(self.session.run(None, {self.input_name: feed})[0])
+    def run(self, x: np.ndarray) -> np.ndarray:
+        return self.session.run(None, {self.input_name: x})[0]
 
 
 def copy_metadata(src: str | Path, dst: str | Path) -> None:

@@ -1,5 +1,6 @@
-"""Prediction on image files, folders and tars with a trained checkpoint or an exported ONNX
-model.
+"""Prediction on image files, folders and tars with a trained checkpoint, an exported ONNX
+model, an OpenVINO IR or a hub-style folder (:meth:`Predictor.load` is the one place that
+tells them apart).
 
 The preprocessing is the one saved in the checkpoint or in the ONNX file's metadata (decode with
 EXIF orientation, resize, center crop, normalisation), exactly as in evaluation. An image that
@@ -22,7 +23,8 @@ from vitflow.data.decode import CorruptImageError, decode_image, is_image_name
 from vitflow.data.sources.readers import TarReader, is_hidden
 from vitflow.data.transforms import Preprocess, eval_transform
 from vitflow.infer.hub_folder import is_hub_folder, read_hub_folder
-from vitflow.infer.onnx_model import OnnxModel, is_onnx
+from vitflow.infer.onnx_model import OnnxModel, RuntimeModel, is_onnx
+from vitflow.infer.openvino_model import OpenVinoModel, is_openvino
 from vitflow.infer.tta import parse_tta, with_tta
 from vitflow.runtime import configure_allocator, resolve_device, resolve_precision
 
@@ -73,8 +75,8 @@ def _tar_reader(reader: TarReader, loc):
 
 
 class Predictor:
-    """A model with its class names and preprocessing: a PyTorch model or an ONNX Runtime
-    session (:class:`vitflow.infer.onnx_model.OnnxModel`).
+    """A model with its class names and preprocessing: a PyTorch model or an exported model run
+    by ONNX Runtime or OpenVINO (:class:`vitflow.infer.onnx_model.RuntimeModel`).
 
     ``predict(images)``: ``uint8 (B, 3, S, S)`` -> probabilities ``float32 (B, num_classes)``: a
     softmax over the classes, or for a multi-label model (``task="multilabel"``) a sigmoid per
@@ -82,7 +84,8 @@ class Predictor:
 
     ``precision``: ``fp32``, or ``bf16`` / ``fp16`` to run a PyTorch model with its weights cast
     to that dtype (pure half-precision inference; ``fp16`` needs CUDA). ONNX models run in the
-    precision they were exported / quantised in (``precision`` must be ``fp32``).
+    precision they were exported / quantised in (``precision`` must be ``fp32``); an OpenVINO IR
+    runs its float layers in ``fp32`` or ``bf16`` (:meth:`from_openvino`).
 
     Raises:
         ValueError: fp16 without CUDA, or a half precision asked of an ONNX / INT8 model.
@@ -91,12 +94,12 @@ class Predictor:
     def __init__(self, model: torch.nn.Module, classes: list[str], pp: Preprocess, device: str = "auto",
                  precision: str = "fp32", name: str = "model", task: str = "multiclass", threshold: float | None = None):
         configure_allocator()
-        onnx = isinstance(model, OnnxModel)
-        self.device = torch.device("cpu") if onnx else resolve_device(device)
+        runtime = isinstance(model, RuntimeModel)
+        self.device = torch.device("cpu") if runtime else resolve_device(device)
         self.dtype = resolve_precision(precision, self.device).dtype or torch.float32
-        if self.dtype != torch.float32 and (onnx or _is_quantized(model)):
+        if self.dtype != torch.float32 and (runtime or _is_quantized(model)):
             raise ValueError(f"{name} runs in the precision it was exported or quantized in: use --precision fp32")
-        self.model = model.to(self.device).eval() if onnx else model.to(self.device, self.dtype).eval()
+        self.model = model.eval() if runtime else model.to(self.device, self.dtype).eval()
         self.classes, self.pp, self.task = classes, pp, task
         self.threshold = 0.5 if threshold is None else threshold
         self.transform = eval_transform(pp)
@@ -112,7 +115,7 @@ class Predictor:
         if self.tta != "none":
             raise ValueError(f"{self.name} already averages test-time views ({self.tta}, exported with --tta): "
                              "predict without --tta")
-        if parsed.scales != (1.0,) and isinstance(self.model, OnnxModel):
+        if parsed.scales != (1.0,) and isinstance(self.model, RuntimeModel):
             raise ValueError(f"--tta {spec}: scales need a PyTorch checkpoint; {self.name} has a fixed input size")
         self.model, self.tta = with_tta(self.model, parsed, self.task), str(parsed)
 
@@ -130,8 +133,19 @@ class Predictor:
     def from_onnx(cls, path: str | Path, threads: int | None = None) -> "Predictor":
         """An ONNX model exported by ``vitflow export`` (class names and preprocessing read from
         its metadata). Raises FileNotFoundError / ValueError naming the file."""
-        model = OnnxModel(path, threads)
-        info = model.info()
+        return cls._from_runtime(OnnxModel(path, threads))
+
+    @classmethod
+    def from_openvino(cls, path: str | Path, precision: str = "fp32", threads: int | None = None) -> "Predictor":
+        """An OpenVINO IR (``.xml`` + ``.bin``) written by ``vitflow export --format openvino`` or
+        ``vitflow quantize --backend openvino``, its float layers run in ``precision`` (``fp32``
+        or ``bf16``). Raises FileNotFoundError / ValueError naming the file; UnavailableError
+        without the ``openvino`` package."""
+        return cls._from_runtime(OpenVinoModel(path, precision, threads))
+
+    @classmethod
+    def _from_runtime(cls, model: RuntimeModel) -> "Predictor":
+        path, info = model.path, model.info()
         predictor = cls(model, info.classes, info.preprocess, "cpu", "fp32", str(path), info.task, info.threshold)
         predictor.tta = info.tta  # an export with --tta averages its views in the graph
         return predictor
@@ -150,10 +164,13 @@ class Predictor:
     @classmethod
     def load(cls, path: str | Path, device: str = "auto", precision: str = "fp32", weights: str = "auto"
              ) -> "Predictor":
-        """:meth:`from_onnx` for a ``.onnx`` file, :meth:`from_hub_folder` for a folder with a
-        ``config.json``, else :meth:`from_checkpoint` (``weights`` as there)."""
+        """:meth:`from_onnx` for a ``.onnx`` file, :meth:`from_openvino` for a ``.xml`` IR,
+        :meth:`from_hub_folder` for a folder with a ``config.json``, else :meth:`from_checkpoint`
+        (``weights`` as there)."""
         if is_hub_folder(path):
             return cls.from_hub_folder(path, device, precision)
+        if is_openvino(path):
+            return cls.from_openvino(path, precision)
         if is_onnx(path):
             if precision != "fp32":
                 raise ValueError(f"{path} runs in the precision it was exported or quantized in: use --precision fp32")
@@ -240,6 +257,12 @@ def decoded_batches(refs: list[ImageRef], transform, batch_size: int = 32, worke
             if i + 1 < len(chunks):
                 pending.append(pool.map(decode, chunks[i + 1]))
             yield chunk, decoded
+
+
+def is_exported(path: str | Path) -> bool:
+    """True for a model file an inference runtime runs (an ONNX model, an OpenVINO IR), as
+    opposed to a checkpoint or a hub-style folder."""
+    return is_onnx(path) or is_openvino(path)
 
 
 def _is_quantized(model: torch.nn.Module) -> bool:

@@ -24,12 +24,10 @@ from pathlib import Path
 import torch
 
 from vitflow.checkpoint import apply_quantization, load_checkpoint, model_from_checkpoint, save_checkpoint
-from vitflow.config import DataConfig
-from vitflow.data import open_split
-from vitflow.infer.calibration import accuracy
-from vitflow.infer.export import export_onnx
+from vitflow.infer.calibration import CALIBRATION_IMAGES
+from vitflow.infer.guard import Guard, guard_source
 from vitflow.infer.onnx_model import ModelInfo, OnnxModel, copy_metadata, is_onnx, quiet_toolchain, require
-from vitflow.metrics import primary_metric
+from vitflow.infer.static_quant import METHODS, float_onnx, model_info, quantize_calibrated
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +99,7 @@ def inference_state(state: dict) -> dict:
 # the `vitflow quantize` pipeline
 
 
-class AccuracyDropError(RuntimeError):
-    """The quantised model lost more top-1 than allowed; nothing was written."""
-
-
-class _Cast(torch.nn.Module):
+class CastModel(torch.nn.Module):
     """Runs ``model`` (already cast to ``dtype``) on float32 input; returns float32 logits."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
@@ -118,26 +112,38 @@ class _Cast(torch.nn.Module):
 
 def quantize_file(model_path: str | Path, out: str | Path, backend: str = "onnxruntime", dtype: str = "int8",
                   data: str | None = None, split: str = "test", max_drop: float = 1.0, force: bool = False,
-                  per_channel: bool = True, log=print) -> dict:
+                  per_channel: bool = True, log=print, calibrate: bool = False, calibration: str | None = None,
+                  methods: tuple[str, ...] = METHODS, images: int = CALIBRATION_IMAGES, batch: int | None = None
+                  ) -> dict:
     """Quantise a checkpoint or ONNX model, optionally guarded by top-1 on real data.
 
     Args:
-        model_path: a vitflow checkpoint, or (``onnxruntime`` backend) a vitflow ``.onnx``.
-        out: the quantised model: ``.onnx`` (onnxruntime) or a checkpoint ``.pt`` (torch).
-        backend: ``onnxruntime`` (INT8 ONNX; a checkpoint is exported first) or ``torch``
-            (INT8 dynamic checkpoint, or an FP16/BF16 weight cast with ``dtype``).
+        model_path: a vitflow checkpoint, or (``onnxruntime`` / ``openvino`` backend) a vitflow ``.onnx``.
+        out: the quantised model: ``.onnx`` (onnxruntime), a checkpoint ``.pt`` (torch) or an
+            OpenVINO IR ``.xml`` (openvino; its ``.bin`` beside it).
+        backend: ``onnxruntime`` (INT8 ONNX; a checkpoint is exported first), ``torch`` (INT8
+            dynamic checkpoint, or an FP16/BF16 weight cast with ``dtype``) or ``openvino`` (INT8
+            IR by NNCF, always calibrated).
         dtype: ``int8``; ``fp16`` / ``bf16`` (torch backend: weight casting).
         data: an image folder or tar to measure top-1 on before and after; the output is written
             only if top-1 dropped by at most ``max_drop`` percentage points, or with ``force``.
         split: the split of ``data`` (``test``, ``test[:2000]``, ...).
+        calibrate: static INT8 with activation ranges calibrated on ``images`` real images of
+            ``calibration`` (default: the checkpoint's training data); the guard (on ``data``, by
+            default the checkpoint's test split) picks the best of ``methods``. See
+            :func:`vitflow.infer.static_quant.quantize_calibrated` (``batch``: OpenVINO's fixed batch).
     Returns:
         ``{"path", "bytes", "ops", "top1_before", "top1_after", "drop_points",
-        "images", "written"}`` (accuracy keys only with ``data``).
+        "images", "written"}`` (accuracy keys only with a guard; calibrated: also ``method``,
+        ``methods`` and ``calibration_images``).
     Raises:
         AccuracyDropError: the drop exceeds ``max_drop`` (and not ``force``); ``out`` not written.
         FileNotFoundError / ValueError: unreadable model, unsupported combination, bad data.
     """
-    _check_request(model_path, out, backend, dtype)
+    _check_request(model_path, out, backend, dtype, calibrate)
+    if calibrate or backend == "openvino":
+        return quantize_calibrated(model_path, out, backend, calibration, data, split, methods, max_drop, force,
+                                   per_channel, images, batch, log)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -149,7 +155,9 @@ def quantize_file(model_path: str | Path, out: str | Path, backend: str = "onnxr
             reference, candidate, info = _quantize_checkpoint(model_path, tmp, dtype)
         try:
             if data is not None:
-                result.update(_accuracy_guard(reference, candidate, info, data, split, max_drop, force, out, log))
+                guard = Guard(reference, info, guard_source(info, data, split)[0], f"{data} [{split}]", max_drop,
+                              force, log)
+                result.update(guard.check(guard.measure(candidate)[0], out))
             os.replace(tmp, out)
         finally:
             if tmp.exists():
@@ -158,33 +166,33 @@ def quantize_file(model_path: str | Path, out: str | Path, backend: str = "onnxr
     return result
 
 
-def _check_request(model_path: str | Path, out: str | Path, backend: str, dtype: str) -> None:
+BACKENDS = {"onnxruntime": ".onnx", "torch": ".pt", "openvino": ".xml"}  # backend -> output suffix
+
+
+def _check_request(model_path: str | Path, out: str | Path, backend: str, dtype: str, calibrate: bool = False) -> None:
     """Raises ValueError for a backend / dtype / input / output combination that cannot work."""
-    if backend not in ("onnxruntime", "torch"):
-        raise ValueError(f"unknown quantization backend {backend!r}; choose onnxruntime or torch")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown quantization backend {backend!r}; choose one of {list(BACKENDS)}")
+    if calibrate and backend == "torch":
+        raise ValueError("--calibrate (static INT8) goes with --backend onnxruntime or openvino; the torch backend "
+                         "quantizes dynamically")
     if dtype not in ("int8", "fp16", "bf16"):
         raise ValueError(f"unknown dtype {dtype!r}; choose int8, fp16 or bf16")
-    if backend == "onnxruntime" and dtype != "int8":
-        raise ValueError("the onnxruntime backend writes INT8 models; for FP16/BF16 weights use --backend torch "
+    if backend != "torch" and dtype != "int8":
+        raise ValueError(f"the {backend} backend writes INT8 models; for FP16/BF16 weights use --backend torch "
                          "(or build an FP16 TensorRT engine with `vitflow export --format tensorrt`)")
     if is_onnx(model_path) and backend == "torch":
         raise ValueError(f"{model_path} is an ONNX model; the torch backend needs a vitflow checkpoint")
-    want = ".onnx" if backend == "onnxruntime" else ".pt"
+    want = BACKENDS[backend]
     if Path(out).suffix.lower() != want:
         raise ValueError(f"output {out}: the {backend} backend writes a {want} file; name it *{want}")
 
 
 def _quantize_to_onnx(model_path: str | Path, tmp: Path, workdir: Path, per_channel: bool):
-    """INT8 ONNX of a vitflow ``.onnx`` or checkpoint (exported first) written to ``tmp``; returns
-    ``(reference, candidate, info, op counts)``."""
-    if is_onnx(model_path):
-        reference = OnnxModel(model_path)
-        info, src = reference.info(), Path(model_path)
-    else:
-        state = load_checkpoint(model_path)
-        info, src = ModelInfo.from_checkpoint(state), workdir / "fp32.onnx"
-        export_onnx(model_from_checkpoint(state), src, info)
-        reference = OnnxModel(src)
+    """INT8 ONNX of a vitflow ``.onnx`` or checkpoint (exported first, with the CPU fusions)
+    written to ``tmp``; returns ``(reference, candidate, info, op counts)``."""
+    info, state = model_info(model_path)
+    reference, src = float_onnx(model_path, workdir, state)
     ops = quantize_onnx(src, tmp, per_channel)
     return reference, OnnxModel(tmp), info, ops
 
@@ -202,25 +210,6 @@ def _quantize_checkpoint(model_path: str | Path, tmp: Path, dtype: str):
     else:
         new_state = cast_checkpoint(state, dtype)
         dt = torch.float16 if dtype == "fp16" else torch.bfloat16
-        candidate = _Cast(model_from_checkpoint(state).to(dt), dt)
+        candidate = CastModel(model_from_checkpoint(state).to(dt), dt)
     save_checkpoint(new_state, tmp)
     return reference, candidate, info
-
-
-def _accuracy_guard(reference, candidate, info: ModelInfo, data: str, split: str, max_drop: float, force: bool,
-                    out: Path, log) -> dict:
-    """Top-1 (multi-label models: mAP) of both models on ``data [split]``; raises AccuracyDropError
-    when it fell by more than ``max_drop`` points (unless ``force``)."""
-    primary = primary_metric(info.task)  # top-1, or mAP
-    figure, name = primary.name, primary.label
-    source = open_split(data, split, "auto", classes=info.classes, cfg=DataConfig(task=info.task))
-    log(f"measuring {name} on {len(source)} images of {data} [{split}] ...")
-    before = accuracy(reference, source, info.preprocess, threshold=info.threshold)
-    after = accuracy(candidate, source, info.preprocess, threshold=info.threshold)
-    drop = (before[figure] - after[figure]) * 100
-    if drop > max_drop and not force:
-        raise AccuracyDropError(
-            f"{name} fell from {before[figure]:.2%} to {after[figure]:.2%} ({drop:.2f} points > "
-            f"--max-drop {max_drop:g}); {out} NOT written (use --force to write it anyway)")
-    return {f"{figure}_before": before[figure], f"{figure}_after": after[figure], "drop_points": round(drop, 3),
-            "images": after["images"], "max_drop": max_drop}

@@ -8,7 +8,9 @@
 ``onnxruntime`` ONNX Runtime on the CPU: an ``.onnx`` / INT8 ``.onnx`` source as it is; a checkpoint
                 is exported at start-up (``export_onnx`` + the CPU fusions of ``optimize_onnx``,
                 as ``vitflow export --optimize`` and ``bench infer``'s ``onnxruntime_fp32`` path)
-``auto``        an ONNX source: ``onnxruntime``; a checkpoint or run folder: the faster of
+``openvino``    OpenVINO on the CPU: an OpenVINO IR source (``.xml``, from ``vitflow export --format
+                openvino`` or ``vitflow quantize --backend openvino``) as it is, float layers in fp32
+``auto``        an ONNX source: ``onnxruntime``; an IR: ``openvino``; a checkpoint or run folder: the faster of
                 ``eager_fp32``, ``onnxruntime`` and (on CPUs with native bf16) ``eager_bf16``,
                 timed with ``bench infer``'s protocol (:func:`vitflow.infer.bench.time_paths`)
                 at ``--max-batch`` images a call; a hub folder: ``eager_fp32``
@@ -30,13 +32,15 @@ from pathlib import Path
 from typing import Callable
 
 from vitflow.infer.onnx_model import is_onnx
-from vitflow.infer.predict import Predictor
+from vitflow.infer.openvino_model import is_openvino
+from vitflow.infer.predict import Predictor, is_exported
 from vitflow.infer.serve.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "eager_fp32", "eager_bf16", "onnxruntime")
-PRECISION = {"eager_fp32": "fp32", "eager_bf16": "bf16", "onnxruntime": "fp32"}
+BACKENDS = ("auto", "eager_fp32", "eager_bf16", "onnxruntime", "openvino")
+PRECISION = {"eager_fp32": "fp32", "eager_bf16": "bf16", "onnxruntime": "fp32", "openvino": "fp32"}
+RUNTIMES = {"onnxruntime": ("an ONNX model", is_onnx), "openvino": ("an OpenVINO IR", is_openvino)}
 
 
 def load_predictor(s: ServeSettings) -> Predictor:
@@ -80,11 +84,15 @@ def _export_for_onnxruntime(source: str, workdir: Path, weights: str) -> tuple[s
 def _candidates(s: ServeSettings, checkpoint: bool) -> list[str]:
     from vitflow.runtime import cpu_bf16_supported
 
-    if is_onnx(s.source):
-        if s.backend not in ("auto", "onnxruntime"):
-            raise ValueError(f"--backend {s.backend}: {s.source} is an ONNX model; it runs on --backend "
-                             "onnxruntime (or auto)")
-        return ["onnxruntime"]
+    for runtime, (what, test) in RUNTIMES.items():
+        if test(s.source):
+            if s.backend not in ("auto", runtime):
+                raise ValueError(f"--backend {s.backend}: {s.source} is {what}; it runs on --backend {runtime} "
+                                 "(or auto)")
+            return [runtime]
+    if s.backend == "openvino":
+        raise ValueError(f"--backend openvino: {s.source} is not an OpenVINO IR; export it with `vitflow export "
+                         "--format openvino` and serve the .xml file")
     if s.backend != "auto":
         if s.backend == "onnxruntime" and not checkpoint:
             raise ValueError(f"--backend onnxruntime: {s.source} is a hub folder; export a checkpoint with "
@@ -122,7 +130,7 @@ def prepare(s: ServeSettings, workdir: str | Path, say: Callable[[str], None] = 
     s.check()
     if s.backend not in BACKENDS:
         raise ValueError(f"--backend {s.backend!r}: choose one of {', '.join(BACKENDS)}")
-    checkpoint = not is_onnx(s.source) and not is_hub_folder(s.source)
+    checkpoint = not is_exported(s.source) and not is_hub_folder(s.source)
     loaded: dict[str, tuple[Predictor, str, str]] = {}  # backend -> (predictor, file it loads, model origin)
     for backend in _candidates(s, checkpoint):
         try:

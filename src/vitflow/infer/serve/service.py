@@ -21,8 +21,8 @@ import torch
 from vitflow.data import CorruptImageError, decode_image, model_input
 from vitflow.data.decode import image_size
 from vitflow.infer.embed import pooled_features
-from vitflow.infer.onnx_model import OnnxModel, is_onnx
-from vitflow.infer.predict import Predictor
+from vitflow.infer.onnx_model import RuntimeModel
+from vitflow.infer.predict import Predictor, is_exported
 from vitflow.infer.serve.backends import load_predictor
 from vitflow.infer.serve.batcher import Admission, Batcher, BatchInfo, Overloaded
 from vitflow.infer.serve.inputs import RequestError, Upload
@@ -143,8 +143,8 @@ class Service:
             RequestError: 503 ``overloaded`` (with ``Retry-After``), 504 ``deadline``, the decoding
                 errors of :meth:`decode`, 501 ``not_supported`` (embed on an ONNX model).
         """
-        if route == "embed" and self.embedder is None and is_onnx(self.s.origin or self.s.source):
-            raise RequestError(501, "not_supported", f"/v1/embed needs a PyTorch model; {self.s.name} is an ONNX "
+        if route == "embed" and self.embedder is None and is_exported(self.s.origin or self.s.source):
+            raise RequestError(501, "not_supported", f"/v1/embed needs a PyTorch model; {self.s.name} is an exported "
                                "model (it holds only the classifier's logits): serve its checkpoint")
         loop = asyncio.get_running_loop()
         try:
@@ -166,7 +166,7 @@ class Service:
 def _features_model(p: Predictor) -> torch.nn.Module | None:
     """The PyTorch model under ``p`` (without TTA) that has ``forward_features``, or None."""
     base = p.model.model if isinstance(p.model, TTAModel) else p.model
-    return None if isinstance(base, OnnxModel) or not hasattr(base, "forward_features") else base
+    return None if isinstance(base, RuntimeModel) or not hasattr(base, "forward_features") else base
 
 
 def _overloaded(e: Overloaded) -> RequestError:
