@@ -118,6 +118,14 @@ def test_features_and_attention_maps(run, photos, capsys):
         onnx.attention_maps(Image.open(files[0]))
 
 
+def test_a_checkpoint_name_that_is_not_there_lists_the_choices(run):
+    steps = sorted(p.name for p in (run.folder / "checkpoints").glob("*.pt"))
+    with pytest.raises(FileNotFoundError) as e:
+        run.evaluate(which="bset")
+    assert str(e.value).startswith("which='bset': no such file, neither as given nor in ")
+    assert str(e.value).endswith(f" (which= takes 'newest', 'best' or one of {steps})") and len(steps) >= 1
+
+
 def test_errors_are_one_line(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint in run directory"):
         vitflow.load(tmp_path)

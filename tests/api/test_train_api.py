@@ -177,6 +177,44 @@ def test_a_config_edited_as_attributes_trains_and_is_checked_again(tmp_path):
     assert not (tmp_path / "other").exists()
 
 
+def test_an_attribute_that_is_no_key_is_refused(tmp_path):
+    cfg = vitflow.Config(train__run_dir=str(tmp_path / "run"))
+    cfg.train.total_stepz = 3
+    with pytest.raises(ConfigError, match=r"^unknown key 'train.total_stepz'; did you mean 'train.total_steps'\? "
+                                          r"\(set on the Config\)$"):
+        vitflow.train(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+class Labelled(torch.utils.data.Dataset):
+    """Gray 8x8 images with the given labels."""
+
+    def __init__(self, labels):
+        self.targets = list(labels)
+
+    def __len__(self):
+        return len(self.targets)
+
+    def __getitem__(self, i):
+        return Image.new("RGB", (8, 8), (i, i, i)), self.targets[i]
+
+
+@pytest.mark.parametrize("labels, message", [
+    ([0, 1, None], r"^Labelled\[2\]: label None \(NoneType\) is neither a class index"),
+    (["a", "b", 0.5], r"^Labelled\[2\]: label 0.5 \(float\) is neither"),
+    ([0, 1, -1], r"^Labelled\[2\]: label -1 \(int\) is neither"),
+    ([0, "ants", 1], r"^Labelled mixes class indices and class names: Labelled\[0\] is 0, Labelled\[1\] is 'ants'"),
+    (["ants"] * 3, r"^Labelled: every item has the label 'ants'; a classifier needs at least 2 classes$"),
+])
+def test_labels_that_would_train_a_wrong_model_are_refused(labels, message):
+    from vitflow.data.sources.pyobjects import DatasetSource
+
+    with pytest.raises(DataError, match=message):
+        DatasetSource.open(Labelled(labels))
+    assert DatasetSource.open(Labelled([1, 0, 1])).classes == ["0", "1"]
+    assert DatasetSource.open(Labelled(["ants"] * 2), classes=["ants", "bees"]).labels.tolist() == [0, 0]  # a val split
+
+
 def test_import_vitflow_loads_neither_the_api_nor_the_loop():
     out = subprocess.run([sys.executable, "-c", "import sys, vitflow; print(sorted(m for m in ('vitflow.api', "
                           "'vitflow.train.loop', 'vitflow.data.pipeline') if m in sys.modules)); "

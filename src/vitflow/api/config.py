@@ -22,7 +22,7 @@ import yaml
 
 from vitflow import config as schema
 from vitflow.checkpoint import choose_checkpoint, load_checkpoint
-from vitflow.config import ConfigError, all_keys, build_config, flatten
+from vitflow.config import ConfigError, all_keys, build_config, check_attributes, flatten
 from vitflow.data.sources import pyobjects
 from vitflow.models import config_class, list_models
 from vitflow.train.checks import CONFIG_CHECKS
@@ -130,6 +130,7 @@ def build(data: Any = None, model: Any = None, preset: str | os.PathLike | None 
     lines = [f"{k}={yaml_value(v)}" for k, v in items.items()]
     try:
         if base is not None:
+            check_attributes(base)
             cfg = build_config(base=base.to_dict(), overrides=lines, checks=CONFIG_CHECKS, model_config=config_class)
             if hasattr(base, "key_origins"):  # else, as a tree built by hand: its non-default values count as set
                 cfg.key_origins = {**_origins(base), **{k: ORIGIN for k in items}}  # type: ignore[attr-defined]
@@ -140,7 +141,9 @@ def build(data: Any = None, model: Any = None, preset: str | os.PathLike | None 
             else None
         cfg = training_config(None if file else preset, file, lines, CONFIG_CHECKS)
     except ConfigError as e:
-        raise ConfigError(str(e).replace("(in command line)", f"(in {ORIGIN})"), e.key) from None
+        message = str(e).replace("(in command line)", f"(in {ORIGIN})")
+        raise ConfigError(message.replace("(in checkpoint config)", "(set on the Config)") if base is not None
+                          else message, e.key) from None
     cfg.key_origins = {k: ORIGIN if v == "command line" else v  # type: ignore[attr-defined]
                        for k, v in getattr(cfg, "key_origins", {}).items()}
     return cfg

@@ -84,7 +84,13 @@ class Run:
         return self.summary.get("step")
 
     def _checkpoint(self, which: str) -> Path:
-        return choose_checkpoint(self.folder, None if which in ("newest", "last") else which)
+        """The checkpoint ``which`` names. Raises FileNotFoundError in Python's terms (``which=...``)."""
+        try:
+            return choose_checkpoint(self.folder, None if which in ("newest", "last") else which)
+        except FileNotFoundError as e:
+            names = sorted(p.name for p in (self.folder / "checkpoints").glob("*.pt"))
+            raise FileNotFoundError(str(e).replace(f"--checkpoint {which}:", f"which={which!r}:", 1)
+                                    + f" (which= takes 'newest', 'best' or one of {names})") from None
 
     def load(self, which: str = "newest", **kwargs: Any) -> Classifier:
         """The run's model as a :class:`~vitflow.api.classifier.Classifier` (:func:`vitflow.load`):

@@ -9,6 +9,7 @@ from vitflow.config.build import (
                                   ModelConfigClass,
                                   all_keys,
                                   build_config,
+                                  check_attributes,
                                   flatten,
                                   list_presets,
                                   parse_override,
@@ -19,20 +20,20 @@ from vitflow.config.build import (
 from vitflow.config.checks import ConfigError
 from vitflow.config.data_schema import IMAGENET_MEAN, IMAGENET_STD, DataConfig
 from vitflow.config.model_keys import (
-                                       LEGACY_MODEL_DEFAULTS,
-                                       field_names,
-                                       holds_old_default,
-                                       model_key_defaults,
-                                       not_a_key,
-                                       retype_model,
+                                  LEGACY_MODEL_DEFAULTS,
+                                  field_names,
+                                  holds_old_default,
+                                  model_key_defaults,
+                                  not_a_key,
+                                  retype_model,
 )
 from vitflow.config.model_schema import (
-                                         EvaConfig,
-                                         ModelConfig,
-                                         SwinConfig,
-                                         ViTConfig,
-                                         ViTLayoutConfig,
-                                         model_config_classes,
+                                  EvaConfig,
+                                  ModelConfig,
+                                  SwinConfig,
+                                  ViTConfig,
+                                  ViTLayoutConfig,
+                                  model_config_classes,
 )
 from vitflow.config.schema import (
                                   DEFAULT_PRESET,
@@ -46,6 +47,6 @@ from vitflow.config.schema import (
 
 __all__ = ["DEFAULT_PRESET", "IMAGENET_MEAN", "IMAGENET_STD", "LEGACY_MODEL_DEFAULTS", "RENAMED", "Config",
            "ConfigError", "DataConfig", "DistillConfig", "EvaConfig", "FinetuneConfig", "ModelConfig",
-           "ModelConfigClass", "OptimConfig", "SwinConfig", "TrainConfig", "ViTConfig", "ViTLayoutConfig", "all_keys", "build_config",
+           "ModelConfigClass", "OptimConfig", "SwinConfig", "TrainConfig", "ViTConfig", "ViTLayoutConfig", "all_keys", "build_config", "check_attributes",
            "field_names", "flatten", "holds_old_default", "list_presets", "model_config_classes", "model_key_defaults",
            "not_a_key", "parse_duration", "parse_override", "preset_tree", "retype_model", "set_key", "to_yaml"]

@@ -57,6 +57,28 @@ def all_keys(obj: Any = None, prefix: str = "") -> list[str]:
     return keys
 
 
+def check_attributes(cfg: Config) -> None:
+    """Refuse an attribute set on a section of ``cfg`` that is not one of its keys
+    (``cfg.train.total_stepz = 3``): :meth:`Config.to_dict` would drop it without a word.
+
+    Raises:
+        ConfigError: the first such attribute, as ``unknown key 'train.total_stepz'; did you mean
+            'train.total_steps'? (set on the Config)``.
+    """
+    def walk(obj: Any, prefix: str) -> None:
+        known = {f.name for f in dataclasses.fields(obj)}
+        for name, value in vars(obj).items():
+            if name not in known and not name.startswith("_"):
+                key = prefix + name
+                raise ConfigError(f"unknown key {key!r}{_nearest(key, cfg)} (set on the Config)", key)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{name}.")
+
+    for f in dataclasses.fields(cfg):
+        if dataclasses.is_dataclass(section := getattr(cfg, f.name)):
+            walk(section, f"{f.name}.")
+
+
 def _nearest(key: str, cfg: Config | None = None) -> str:
     keys = all_keys(cfg)
     leaf = key.rsplit(".", 1)[-1]

@@ -178,6 +178,7 @@ class DatasetSource(ImageSource):
         if len(dataset) == 0:
             raise DataError(f"{about} is empty")
         raw = _raw_labels(dataset, about)
+        _check_labels(raw, about, training=classes is None)
         names = [str(c) for c in getattr(dataset, "classes", None) or []]
         if all(isinstance(v, (int, np.integer)) for v in raw):  # class indices (into the dataset's names)
             own = names if len(names) > max(raw) else [str(i) for i in range(int(max(raw)) + 1)]
@@ -250,6 +251,24 @@ def _raw_labels(dataset, about: str) -> list:
             return [_plain(v) for v in values]
     log.info("%s has no targets attribute: reading its %d labels item by item", about, len(dataset))
     return [_plain(_pair(dataset[i], about, i)[1]) for i in range(len(dataset))]
+
+
+def _check_labels(raw: list, about: str, training: bool) -> None:
+    """Refuse labels that would train a wrong model silently: a label that is neither a class index
+    (``int`` >= 0) nor a class name (``str``), indices mixed with names, and (for the training
+    split) fewer than 2 classes. Raises DataError naming the item and its label."""
+    for i, v in enumerate(raw):
+        if isinstance(v, str) or (isinstance(v, int) and v >= 0):
+            continue
+        raise DataError(f"{about}[{i}]: label {v!r} ({type(v).__name__}) is neither a class index (an int >= 0) "
+                        "nor a class name (a str)")
+    kinds = [isinstance(v, str) for v in raw]
+    if any(kinds) and not all(kinds):
+        i, j = kinds.index(False), kinds.index(True)
+        raise DataError(f"{about} mixes class indices and class names: {about}[{i}] is {raw[i]!r}, "
+                        f"{about}[{j}] is {raw[j]!r}; use one or the other")
+    if training and len(set(raw)) < 2:
+        raise DataError(f"{about}: every item has the label {raw[0]!r}; a classifier needs at least 2 classes")
 
 
 def _plain(label: Any) -> Any:
