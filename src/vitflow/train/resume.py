@@ -46,16 +46,14 @@ def find_resume(t: TrainConfig, preset: str) -> tuple[Path, dict[str, Any]] | No
         return None
     if r != "auto":
         p = Path(r)
-        found = ckpt.latest_checkpoint(p) if p.is_dir() else p
-        if found is None or not found.is_file():
+        if not (ckpt.list_checkpoints(p) if p.is_dir() else p.is_file()):
             raise FileNotFoundError(f"train.resume={r}: no checkpoint there")
-        return found, ckpt.load_checkpoint(found)
+        state = ckpt.load_checkpoint(p)  # a run directory: its newest readable one
+        return Path(state["path"]), state
     run = resumed_run_dir(t.resume, t.run_dir, preset)
-    for path in reversed(ckpt.list_checkpoints(run) if run else []):
-        try:
-            return path, ckpt.load_checkpoint(path)
-        except ValueError as e:
-            log.warning("skipping unreadable checkpoint %s (%s); trying the one before it", path, e)
+    state = ckpt.newest_readable(run) if run else None
+    if state is not None:
+        return Path(state["path"]), state
     log.info("train.resume=auto: no readable checkpoint in %s; the run starts from step 0",
              run or f"runs/{preset}-*")
     return None
