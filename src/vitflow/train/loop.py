@@ -60,7 +60,13 @@ class Trainer:
         self.cfg, t = cfg, cfg.train
         self.dist, self.device, self.precision = start_process(t)
         apply_launch(t, cfg.preset, lambda flag: self.dist.any(flag, self.device))  # restarts find their run
-        self.state, self.run_dir, start_over = locate_run(t, cfg.preset, cfg.to_dict(), self.dist)
+        self.state, self.run_dir, start_over, self.claim = locate_run(t, cfg.preset, cfg.to_dict(), self.dist)
+        with self.claim.released_on_error():  # one writer per folder; a failed start releases it
+            self._build(cfg, callbacks, start_over)
+
+    def _build(self, cfg: Config, callbacks: Sequence[Callback], start_over: bool) -> None:
+        """The rest of the set-up, once the run directory is claimed: data, model, optimization, callbacks."""
+        t = cfg.train
         self.data = open_datasets(cfg.data, image_size := cfg.model.img_size or model_kwargs(cfg.model.name)["img_size"])
         named = open_evals(cfg.data, self.data.classes)  # data.evals, and what keep_best / early stopping watch:
         self.selection = Selection(t.keep_best, t.early_stopping_patience, t.early_stopping_min_delta,
@@ -162,6 +168,7 @@ class Trainer:
         finally:
             self.callbacks.call("on_fit_end", self, summary)
             self.metrics.close()
+            self.claim.release()
             shutdown(self.dist)
 
     def _loop(self) -> None:

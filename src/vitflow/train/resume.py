@@ -19,7 +19,7 @@ from vitflow.models.kernels import onednn
 from vitflow.rundir import CONFIG
 from vitflow.runtime import mix_seed, rng_state, set_rng_state
 from vitflow.train.distributed import DistEnv
-from vitflow.train.run_dir import check_new_run, run_dir_for
+from vitflow.train.run_dir import RunClaim, check_new_run, claim_run_dir, run_dir_for
 from vitflow.train.schedules import set_total_steps
 
 log = logging.getLogger(__name__)
@@ -103,27 +103,59 @@ def resume_config(preset: str | None, overrides: Sequence[str], checks: Mapping[
 
 
 def locate_run(t: TrainConfig, preset: str, config: dict[str, Any], dist: DistEnv
-               ) -> tuple[dict[str, Any] | None, Path, bool]:
-    """Where a run starts: ``(resumed checkpoint state or None, run directory, starts over)``;
-    rank 0 decides for every rank. ``config``: the run's whole config as a mapping (compared with
-    the checkpoint's). ``starts over``: a vitflow run directory without a readable
-    checkpoint that ``train.resume=auto`` continues from step 0 (its records are emptied).
+               ) -> tuple[dict[str, Any] | None, Path, bool, RunClaim]:
+    """Where a run starts: ``(resumed checkpoint state or None, run directory, starts over, the
+    claim on the run directory)``. Rank 0 claims the folder first (:func:`~vitflow.train.run_dir.
+    claim_run_dir`: one writer per folder), then decides for every rank; the other ranks wait on
+    its decision (and raise its error) and hold an empty claim. ``config``: the run's whole config
+    as a mapping (compared with the checkpoint's). ``starts over``: a vitflow run directory without
+    a readable checkpoint that ``train.resume=auto`` continues from step 0 (its records are emptied).
 
     Raises:
         FileNotFoundError / ValueError: see :func:`find_resume` and :func:`check_resume`;
-        RunDirError: a ``train.run_dir`` that cannot take a run from step 0 (see
-        :func:`~vitflow.train.run_dir.check_new_run`).
+        RunDirBusy: another process holds the folder; RunDirError: a ``train.run_dir`` that
+        cannot take a run from step 0 (see :func:`~vitflow.train.run_dir.check_new_run`).
     """
-    found = find_resume(t, preset) if dist.is_main else None
-    path = dist.broadcast(str(found[0]) if found else None)
+    claim = found = payload = None
+    if dist.is_main:
+        try:
+            claim, found, run_dir, over = _claim_and_find(t, preset, config)
+            payload = (str(found[0]) if found else None, str(run_dir), over)
+        except (ValueError, OSError) as e:  # every rank raises it (the others would wait forever)
+            payload = e
+    shared = dist.broadcast(payload)
+    if isinstance(shared, BaseException):
+        raise shared
+    path, run_dir, over = shared
     state = found[1] if found else (ckpt.load_checkpoint(path) if path else None)
-    if state is not None:
-        check_resume(state, t, config, warn=dist.is_main)
-    run_dir = Path(dist.broadcast(str(run_dir_for(t, preset, Path(path) if path else None)) if dist.is_main else None))
-    over = False
-    if dist.is_main and (state is None or run_dir.resolve() != Path(path).parent.parent.resolve()):
-        over = check_new_run(run_dir, t.resume if state is None else "none")  # (a resume elsewhere: a fork)
-    return state, run_dir, dist.broadcast(over)
+    if state is not None and not dist.is_main:
+        check_resume(state, t, config, warn=False)
+    return state, Path(run_dir), over, claim or RunClaim(Path(run_dir))
+
+
+def _claim_and_find(t: TrainConfig, preset: str, config: dict[str, Any]
+                    ) -> tuple[RunClaim, tuple[Path, dict[str, Any]] | None, Path, bool]:
+    """Rank 0's part of :func:`locate_run`: claim the folder this start writes, before anything is
+    read from it or checked; then the checkpoint it resumes and whether a new run may use the folder.
+    Returns ``(claim, found, run directory, starts over)``; an error releases the claim."""
+    planned = Path(t.run_dir) if t.run_dir else (resumed_run_dir(t.resume, None, preset) if t.resume != "none"
+                                                 else None) or run_dir_for(t, preset, None)
+    claim = claim_run_dir(planned)
+    try:
+        found = find_resume(t, preset)
+        if found is not None:
+            check_resume(found[1], t, config)
+        run_dir = run_dir_for(t, preset, found[0] if found else None)
+        if run_dir.resolve() != claim.path:  # train.resume=auto found nothing to continue: a new folder
+            claim.release()
+            claim = claim_run_dir(run_dir)
+        over = False
+        if found is None or run_dir.resolve() != found[0].parent.parent.resolve():
+            over = check_new_run(run_dir, t.resume if found is None else "none")  # (a resume elsewhere: a fork)
+        return claim, found, run_dir, over
+    except BaseException:
+        claim.release()
+        raise
 
 
 def check_resume(state: dict[str, Any], t: TrainConfig, config: dict[str, Any], warn: bool = True
