@@ -109,8 +109,8 @@ class RunClaim:
     (another rank of a multi-process run: rank 0 holds the claim)."""
 
     def __init__(self, path: Path, lock: Path | None = None, mode: str = "none", fd: int | None = None,
-                 created: Sequence[Path] = ()):
-        self.path, self.lock, self.mode, self.holder = path, lock, mode, Holder.this_process()
+                 created: Sequence[Path] = (), holder: Holder | None = None):
+        self.path, self.lock, self.mode, self.holder = path, lock, mode, holder or Holder.this_process()
         self._fd, self._created, self.held = fd, list(created), mode != "none"
         self._finalizer = weakref.finalize(self, _release, lock, mode, fd, self.holder, self._created)
         if not self.held:
@@ -189,7 +189,7 @@ def claim_run_dir(path: str | Path) -> RunClaim:
         gone = {False: "which is no longer running", None: "which no longer holds it (a lost node?)"}.get(
             stale.alive(), "which no longer holds it")
         log.warning("%s: took over the claim left by %s, %s", path, stale, gone)
-    return RunClaim(path, lock, mode, fd, created)
+    return RunClaim(path, lock, mode, fd, created, me)
 
 
 def _busy(path: Path, holder: Holder | None, extra: str = "") -> RunDirBusy:
