@@ -21,6 +21,7 @@ from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
 from vitflow.metrics import headline, summary_names
 from vitflow.rundir import EVAL
 from vitflow.runtime import Precision
+from vitflow.timing import local_choices
 from vitflow.train.distributed import DistEnv
 from vitflow.train.logging import MetricsLog, ProgressLog
 from vitflow.train.run_dir import write_samples
@@ -61,10 +62,12 @@ class RunEvaluator:
             source = source.subset(np.arange(self.dist.rank, len(source), self.dist.world_size))
             reduce = self.dist.all_reduce_sum
         loader = eval_loader(source, self.pp, self.batch_size, self.num_workers)
-        if not self.multilabel:
-            return evaluate(model, loader, self.device, self.precision, self.pp, self.skips, reduce, len(self.classes))
-        return evaluate_multilabel(model, loader, self.device, self.precision, self.pp, self.skips,
-                                   None if self._chooses_threshold(role) else self.threshold)
+        with local_choices():  # the ranks' shares may differ in shape: each times its own
+            if not self.multilabel:
+                return evaluate(model, loader, self.device, self.precision, self.pp, self.skips, reduce,
+                                len(self.classes))
+            return evaluate_multilabel(model, loader, self.device, self.precision, self.pp, self.skips,
+                                       None if self._chooses_threshold(role) else self.threshold)
 
     def _chooses_threshold(self, role: str) -> bool:
         """Whether an evaluation of ``role`` chooses the multi-label threshold: every one of the

@@ -30,7 +30,7 @@ from vitflow.runtime import settled_heap
 from vitflow.train.budget import ProgressiveResizing
 from vitflow.train.callbacks import Callback, CallbackList, LiveReport, StepOutput
 from vitflow.train.class_weights import write_distribution
-from vitflow.train.distributed import micro_batch, shutdown
+from vitflow.train.distributed import micro_batch, run_precision, shutdown
 from vitflow.train.elastic import apply_launch
 from vitflow.train.evaluator import RunEvaluator, run_summary
 from vitflow.train.logging import EpochTracker, MetricsLog, start_record
@@ -58,7 +58,7 @@ class Trainer:
     def __init__(self, cfg: Config, callbacks: Sequence[Callback] = ()):
         apply_pretrained(cfg)  # model.name=auto and the weights' preprocessing, unless the user set them
         self.cfg, t = cfg, cfg.train
-        self.dist, self.device, self.precision = start_process(t)
+        self.dist, self.device = start_process(t)
         apply_launch(t, cfg.preset, lambda flag: self.dist.any(flag, self.device))  # restarts find their run
         self.state, self.run_dir, start_over, self.claim = locate_run(t, cfg.preset, cfg.to_dict(), self.dist)
         with self.claim.released_on_error():  # one writer per folder; a failed start releases it
@@ -67,6 +67,7 @@ class Trainer:
     def _build(self, cfg: Config, callbacks: Sequence[Callback], start_over: bool) -> None:
         """The rest of the set-up, once the run directory is claimed: data, model, optimization, callbacks."""
         t = cfg.train
+        self.precision = run_precision(t.precision, self.device, self.dist)  # a resumed run's recorded choices known
         self.data = open_datasets(cfg.data, image_size := cfg.model.img_size or model_kwargs(cfg.model.name)["img_size"])
         named = open_evals(cfg.data, self.data.classes)  # data.evals, and what keep_best / early stopping watch:
         self.selection = Selection(t.keep_best, t.early_stopping_patience, t.early_stopping_min_delta,

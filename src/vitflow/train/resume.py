@@ -6,6 +6,7 @@ restores its config, and overrides given with it are applied and listed."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -13,6 +14,7 @@ import torch
 import yaml
 
 from vitflow import checkpoint as ckpt
+from vitflow import timing
 from vitflow.config import DEFAULT_PRESET, Config, TrainConfig, build_config, flatten, parse_override, to_yaml
 from vitflow.evaluation import scalar_metrics
 from vitflow.models.kernels import onednn
@@ -24,7 +26,7 @@ from vitflow.train.schedules import set_total_steps
 
 log = logging.getLogger(__name__)
 
-_RUN_KEYS = ("train.resume", "train.run_dir", "train.time_budget")  # where/how long, not what is trained
+_RUN_KEYS = ("train.resume", "train.run_dir", "train.time_budget", "train.retime")  # where/how long/this start only
 
 
 def find_resume(t: TrainConfig, preset: str) -> tuple[Path, dict[str, Any]] | None:
@@ -95,9 +97,10 @@ def resume_config(preset: str | None, overrides: Sequence[str], checks: Mapping[
     if run is None or not (run / CONFIG).is_file():
         return None
     saved = yaml.safe_load((run / CONFIG).read_text())
-    cfg = build_config(base=saved, overrides=[*overrides, f"train.run_dir={run}"], checks=checks)
+    cfg = build_config(base=saved, overrides=["train.retime=false", *overrides, f"train.run_dir={run}"],
+                       checks=checks)  # (--retime is for the start that asks)
     old, new = flatten(saved), flatten(yaml.safe_load(to_yaml(cfg)))  # both as YAML values (lists, not tuples)
-    changed = [f"{k} {old.get(k)!r} -> {new[k]!r}" for k in sorted(new) if old.get(k) != new[k]]
+    changed = [f"{k} {old.get(k)!r} -> {new[k]!r}" for k in sorted(new) if old.get(k) != new[k] and k != "train.retime"]
     log.info("resuming %s with its saved config%s", run, f"; changed: {'; '.join(changed)}" if changed else "")
     return cfg
 
@@ -130,7 +133,35 @@ def locate_run(t: TrainConfig, preset: str, config: dict[str, Any], dist: DistEn
     state = found[1] if found else (ckpt.load_checkpoint(path) if path else None)
     if state is not None and not dist.is_main:
         check_resume(state, t, config, warn=False)
+    reuse_choices(state, t.retime, dist.is_main)
     return state, Path(run_dir), over, claim or RunClaim(Path(run_dir))
+
+
+def reuse_choices(state: dict[str, Any] | None, retime: bool, warn: bool = True) -> None:
+    """A resumed run computes as its first steps did: the choices made by timing that its checkpoint
+    recorded (:mod:`vitflow.timing`: the fp32 GEMM, ``precision=auto``, the attention backend and the
+    bf16 GEMM per shape, Swin's window kernel) become this process's, and a line lists them. With
+    ``retime`` (``train.retime``, ``--retime``) every choice is timed again, the machine's cache
+    unread, and (resuming, ``warn``: rank 0) a warning says that the run is then not promised to
+    round as an uninterrupted one."""
+    timing.set_retime(retime)
+    if state is None:
+        return
+    if retime:
+        if warn:
+            log.warning("--retime: the choices made by timing are made again, not taken from %s; the resumed run is "
+                        "not promised to be bit-identical to an uninterrupted one", state["path"])
+        return
+    if state.get("fp32_gemm"):  # (also in checkpoints from before the record)
+        onednn.set_fp32_gemm(state["fp32_gemm"])
+    choices = state.get("choices") or {}
+    timing.adopt(choices)
+    shown = [f"fp32 GEMM {state['fp32_gemm']}"] if state.get("fp32_gemm") else []
+    shown += [f"{kind} " + ", ".join(f"{v} x{n}" for v, n in sorted(Counter(table.values()).items()))
+              for kind, table in sorted(choices.items()) if kind != onednn.KIND]
+    if shown:
+        log.info("resuming with the choices made by timing that %s recorded (%s); --retime makes them again",
+                 state["path"], "; ".join(shown))
 
 
 def _claim_and_find(t: TrainConfig, preset: str, config: dict[str, Any]
@@ -208,11 +239,16 @@ def training_state(trainer, records: dict[str, int] | None = None) -> dict[str, 
     optimizer, schedule, loss scale, RNG states (every rank's), the loader position and skipped
     images, the records files' sizes a resume cuts them back to (``records``, default: now), the
     config, model arguments, classes, preprocessing, the last evaluation's figures, the multi-label
-    threshold, the EMA, the guard, the callbacks' states, and the fp32 GEMM the run chose. Every
+    threshold, the EMA, the guard, the callbacks' states, the fp32 GEMM the run chose and every choice
+    made by timing (:func:`vitflow.timing.recorded`, all ranks'; :func:`reuse_choices`). Every
     rank must call it (FSDP state and the RNG states are gathered); ``None`` on ranks other than 0."""
     model_state = trainer.parallel.model_state(trainer.model)
     optimizer_state = trainer.parallel.optimizer_state(trainer.model, trainer.optimizer)
     rngs = trainer.dist.gather(rng_state())
+    choices: dict[str, dict[str, str]] = {}  # every rank's (rank 0's where two differ: an evaluation's own)
+    for ranks in reversed(trainer.dist.gather(timing.recorded())):
+        for kind, table in ranks.items():
+            choices.setdefault(kind, {}).update(table)
     if not trainer.dist.is_main:
         return None
     return {
@@ -226,15 +262,15 @@ def training_state(trainer, records: dict[str, int] | None = None) -> dict[str, 
         "preprocess": trainer.data.preprocess.to_dict(), "metrics": scalar_metrics(trainer.last_eval or {}),
         "task": trainer.data.task, "threshold": trainer.evaluator.threshold,
         "ema": trainer.ema.state_dict() if trainer.ema is not None else None, "guard": trainer.guard.state_dict(),
-        "eval_due": trainer.eval_due, "fp32_gemm": onednn.decided(),
+        "eval_due": trainer.eval_due, "fp32_gemm": onednn.decided(), "choices": choices,
     }
 
 
 def restore_training(state: dict, trainer) -> None:
-    """Load a checkpoint's optimizer, schedule, loss scale, EMA, guard and callback states (and the
-    fp32 GEMM its run chose, :mod:`vitflow.models.kernels.onednn`) into a
-    :class:`~vitflow.train.loop.Trainer` built for the resumed run. A changed
-    ``train.total_steps`` stretches the restored schedule to it."""
+    """Load a checkpoint's optimizer, schedule, loss scale, EMA, guard and callback states into a
+    :class:`~vitflow.train.loop.Trainer` built for the resumed run (its choices made by timing were
+    taken before, :func:`reuse_choices`). A changed ``train.total_steps`` stretches the restored
+    schedule to it."""
     t = trainer.cfg.train
     trainer.parallel.load_optimizer_state(trainer.model, trainer.optimizer, state["optimizer"])
     trainer.scheduler.load_state_dict(state["scheduler"])
@@ -247,8 +283,6 @@ def restore_training(state: dict, trainer) -> None:
     if state.get("guard"):
         trainer.guard.load_state_dict(state["guard"])
     trainer.callbacks.load_state_dict(state)
-    if state.get("fp32_gemm"):  # the run's fp32 GEMM, so that the resumed steps round as the first ones did
-        onednn.set_fp32_gemm(state["fp32_gemm"])
     log.info("resumed from %s at step %d", state["path"], trainer.step)
 
 
