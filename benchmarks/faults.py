@@ -134,11 +134,12 @@ def trained_steps(run: Path) -> int:
 
 
 def kill_chain(suite: Suite, run: Path, rng: random.Random, kills: int, during_writes: bool) -> tuple[int, int, bool]:
-    """Start the run, SIGKILL it ``kills`` times, resuming after each; finish it. The moments: the
-    moment a checkpoint write's temporary file appears (``during_writes``), else random: one kill in
-    five at a random time of the start-up (0.5-6 s: imports, the claim, data and model), the others
-    at a random step ahead (so that the chain resumes from checkpoints however slow the machine).
-    Returns (kills made, resumes from a checkpoint, finished equal to the uninterrupted run)."""
+    """Start the run, SIGKILL it ``kills`` times, resuming after each; finish it. The moments, at a
+    random step ahead (so that the chain moves on and resumes from checkpoints however slow the
+    machine): the moment the next checkpoint write's temporary file appears (``during_writes``), or
+    that step itself; and, not ``during_writes``, one kill in five at a random time of the start-up
+    instead (0.5-6 s: imports, the claim, data and model). Returns (kills made, resumes from a
+    checkpoint, finished equal to the uninterrupted run)."""
     made = resumes = 0
     cmd = [sys.executable, "-m", "vitflow", "-q", "train", f"train.run_dir={run}", *RUN]
     while True:
@@ -148,7 +149,7 @@ def kill_chain(suite: Suite, run: Path, rng: random.Random, kills: int, during_w
             deadline = time.time() + (rng.uniform(0.5, 6.0) if at_start else 600)
             target = rng.randint(min(trained_steps(run) + 1, STEPS - 1), STEPS - 1)
             while proc.poll() is None and time.time() < deadline:
-                if during_writes and list((run / "checkpoints").glob(".step-*.tmp")):
+                if during_writes and list((run / "checkpoints").glob(".step-*.tmp")) and trained_steps(run) >= target:
                     break
                 if not during_writes and not at_start and trained_steps(run) >= target:
                     break

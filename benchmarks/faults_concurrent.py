@@ -25,9 +25,10 @@ from vitflow.rundir import read_metrics
 SHORT = ["train.total_steps=4", "train.threads=1", "train.live_report=false"]
 
 
-def _spin() -> None:
-    while True:
-        pass
+def _spin(parent: int) -> None:
+    while os.getppid() == parent:  # (ends with the suite, however the suite ends)
+        for _ in range(1_000_000):
+            pass
 
 
 class Contention:
@@ -38,7 +39,7 @@ class Contention:
 
     def __enter__(self) -> Contention:
         ctx = multiprocessing.get_context("fork")
-        self.procs = [ctx.Process(target=_spin, daemon=True) for _ in range(self.n)]
+        self.procs = [ctx.Process(target=_spin, args=(os.getpid(),), daemon=True) for _ in range(self.n)]
         for p in self.procs:
             p.start()
         return self
@@ -165,7 +166,7 @@ def missing_val_class(suite) -> None:
     (data / "val" / "b").mkdir()  # empty
     run = suite.tmp / "three-run"
     r = subprocess.run([sys.executable, "-m", "vitflow", "-q", "train", "--preset", "cifar10-vit-tiny",
-                        f"data.path={data}", "model.img_size=8", "train.batch_size=8", "train.total_steps=2",
+                        f"data.path={data}", "data.test_split=none", "model.img_size=8", "train.batch_size=8", "train.total_steps=2",
                         "train.live_report=false", f"train.run_dir={run}"], env=suite.env, capture_output=True,
                        text=True)
     warned = "split 'val' of" in r.stderr and "has no images of 2 of the 3 classes (b, c)" in r.stderr

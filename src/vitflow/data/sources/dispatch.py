@@ -128,8 +128,8 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
     if classes is not None and (absent := absent_classes(src)):  # a held-out split, labelled with the run's classes
         shown = ", ".join(absent[:10]) + (f" and {len(absent) - 10} more" if len(absent) > 10 else "")
         log.warning("split %r of %s has no images of %d of the %d classes (%s): its macro averages and per-class "
-                    "tables count only the %d classes present", split if isinstance(split, str) else sp.name, path,
-                    len(absent), len(src.classes), shown, len(src.classes) - len(absent))
+                    "tables count only the classes present (%d of %d)", split if isinstance(split, str) else sp.name,
+                    path, len(absent), len(src.classes), shown, len(src.classes) - len(absent), len(src.classes))
     return src
 
 
