@@ -40,11 +40,11 @@ def test_plan_on_a_cpu_keeps_64_tokens_and_scales_the_batch_and_lr_with_the_data
 def test_a_named_swin_keeps_its_own_sizes_and_position_encoding(tmp_path: Path):
     plan = {k: v for k, v, _ in plan_overrides(DataProfile(245, 2, 375, 500), "cpu", {"model.name"}, "swin")}
     assert "model.img_size" not in plan and "model.patch_size" not in plan and plan["model.pos_embed"] == "learned"
-    # end to end on the CIFAR JPEG tar: the preset's ViT-only sin-cos positions are not handed to the Swin,
-    # and the model is built with the variant's patch 2 (a 16 x 16 grid), not the plan's 4
+    # end to end on the CIFAR JPEG tar: the preset's ViT-only sin-cos positions are not handed to the Swin (its
+    # section has no pos_embed), and the model is built with the variant's patch 2 (a 16 x 16 grid), not the plan's 4
     cfg = planned_config(["model.name=swin_cifar_patch2_window4_32", f"data.path={need(CIFAR_TAR)}",
                           f"train.run_dir={tmp_path / 'run'}"], CONFIG_CHECKS)
-    assert (cfg.model.img_size, cfg.model.patch_size, cfg.model.pos_embed) == (None, None, "learned")
+    assert (cfg.model.img_size, cfg.model.patch_size, hasattr(cfg.model, "pos_embed")) == (None, None, False)
     model = create_model(**model_args(cfg.model, 10))
     assert tuple(model.patch_embed.proj.weight.shape) == (96, 3, 2, 2)
 

@@ -56,7 +56,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, callbacks: Sequence[Callback] = ()):
-        apply_pretrained(cfg)  # model.name=auto and the weights' preprocessing, unless the user set them
+        cfg.model, _ = apply_pretrained(cfg.model, cfg.data, getattr(cfg, "key_origins", None))  # auto, preprocessing
         self.cfg, t = cfg, cfg.train
         self.dist, self.device = start_process(t)
         apply_launch(t, cfg.preset, lambda flag: self.dist.any(flag, self.device))  # restarts find their run

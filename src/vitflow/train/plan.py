@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vitflow.config import Config, DataConfig, ModelConfig, build_config, to_yaml
+from vitflow.config import Config, DataConfig, ModelConfig, build_config, field_names, to_yaml
 from vitflow.data import DataError
 from vitflow.data.remote.fs import configure_from as configure_remote
 from vitflow.data.sources.dispatch import open_training
 from vitflow.data.sources.table import reads_path
-from vitflow.models import family_of, model_kwargs
+from vitflow.models import config_class, family_of, model_kwargs
 from vitflow.runtime import resolve_device
 
 log = logging.getLogger(__name__)
@@ -159,18 +159,21 @@ def planned_config(overrides: list[str], checks, preset: str = PHOTO_PRESET) -> 
         ConfigError, DataError: as :func:`vitflow.config.build_config` and :func:`profile_data`.
     """
     set_by_user = {o.split("=", 1)[0].strip() for o in overrides}
-    base = build_config(preset, overrides=overrides, checks=checks)
+    base = build_config(preset, overrides=overrides, checks=checks, model_config=config_class)
     profile = profile_data(base.data)
     log.info("plan: %d training images of %d classes, median %dx%d px", profile.images, profile.classes,
              profile.long_side, profile.short_side)
     family = "vit" if base.model.name == "auto" else family_of(base.model.name).name
-    plan = plan_overrides(profile, resolve_device(base.train.device).type, set_by_user, family)
+    keys = field_names(type(base.model))  # the planned model keys the family has (a Swin takes no pos_embed)
+    plan = [p for p in plan_overrides(profile, resolve_device(base.train.device).type, set_by_user, family)
+            if not p[0].startswith("model.") or p[0][6:] in keys]
     fixed = [f"{k}={v}" for k, v, _ in plan if not isinstance(v, str) or ":" not in v and v != "by_batch"]
-    batch = build_config(preset, overrides=fixed + overrides, checks=checks).train.batch_size
+    batch = build_config(preset, overrides=fixed + overrides, checks=checks, model_config=config_class).train.batch_size
     plan = [p for p in resolve_plan(plan, batch, profile.images) if p[0] not in set_by_user]
     for key, value, why in plan:
         log.info("plan: %s=%s  (%s)", key, value, why)
-    cfg = build_config(preset, overrides=[f"{k}={v}" for k, v, _ in plan] + overrides, checks=checks)
+    cfg = build_config(preset, overrides=[f"{k}={v}" for k, v, _ in plan] + overrides, checks=checks,
+                       model_config=config_class)
     for warning in size_warnings(cfg.model, cfg.train.device, profile):
         log.warning("%s", warning)
     log.info("resolved config (save it and pass --config FILE to repeat the run):\n%s", to_yaml(cfg).rstrip())
