@@ -105,7 +105,7 @@ def test_the_same_split_given_twice_is_evaluated_once_under_both_names(tmp_path,
     run = tmp_path / "run"
     with caplog.at_level(logging.WARNING):
         assert main(["train", "--json", "model.img_size=8", f"data.path={root}", "data.test_split=val",
-                     "train.total_steps=2", "train.batch_size=6", "train.live_report=false",
+                     "train.total_steps=2", "train.batch_size=6", "train.precision=fp32", "train.live_report=false",
                      f"train.run_dir={run}"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert passes == ["val"]  # one pass, at the end

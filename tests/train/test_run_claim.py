@@ -90,7 +90,7 @@ def test_the_marker_fallback_takes_over_a_dead_holder_and_refuses_another_hosts(
 def test_train_resume_and_a_sweep_trial_refuse_a_claimed_folder_and_touch_nothing(tmp_path, capsys):
     run = tmp_path / "run"
     (tmp_path / ".run.partial-node-7-4242" / "checkpoints").mkdir(parents=True)  # a killed start's staging folder
-    assert main(["train", "-q", "train.total_steps=2", f"train.run_dir={run}"]) == 0
+    assert main(["train", "-q", "train.total_steps=2", "train.precision=fp32", f"train.run_dir={run}"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # staging renamed, the dead one's removed, no lock
     before = snapshot(run)
     claim = rd.claim_run_dir(run)
@@ -99,13 +99,14 @@ def test_train_resume_and_a_sweep_trial_refuse_a_claimed_folder_and_touch_nothin
         assert f"{run} is in use by another vitflow run (pid {os.getpid()}" in capsys.readouterr().err
         fresh = tmp_path / "fresh"
         other = rd.claim_run_dir(fresh)
-        assert main(["train", "-q", "train.total_steps=2", f"train.run_dir={fresh}"]) == 2
+        assert main(["train", "-q", "train.total_steps=2", "train.precision=fp32", f"train.run_dir={fresh}"]) == 2
         assert "is in use by another vitflow run" in capsys.readouterr().err and not fresh.exists()
         other.release()
         sweep = tmp_path / "sweep"
         space = tmp_path / "space.yaml"
         space.write_text("optim.lr: {type: float, low: 0.001, high: 0.002, log: true}\n")
-        args = ["sweep", "--space", str(space), "--dir", str(sweep), "--metric", "test_top1", "train.total_steps=2"]
+        args = ["sweep", "--space", str(space), "--dir", str(sweep), "--metric", "test_top1", "train.total_steps=2",
+            "train.precision=fp32"]
         assert main([*args, "--trials", "1"]) == 0
         trial = rd.claim_run_dir(sweep / "trial-0001")  # the next trial's folder, held by "another process"
         assert main([*args, "--trials", "2"]) == 0
