@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    flags = subprocess.run("grep -o 'amx[a-z_]*\\|avx512_bf16\\|avx2' /proc/cpuinfo | sort -u", shell=True,
+    flags = subprocess.run("grep -o 'amx[a-z0-9_]*\\|avx512_bf16\\|avx2' /proc/cpuinfo | sort -u", shell=True,
                            capture_output=True, text=True).stdout.split()
     print(f"CPU flags: {' '.join(flags)}; {os.cpu_count()} cores; {MODEL} bf16, {args.img_size} px, batch "
           f"{args.batch_size}", flush=True)
