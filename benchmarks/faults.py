@@ -1,27 +1,38 @@
 """Fault injection: every fault a run meets on real machines, injected into real `vitflow`
-processes, and whether anything was lost.
+processes on a busy machine, and whether anything was lost.
 
-    python benchmarks/faults.py [--json] [--kills 30] [--seed 0]
+    python benchmarks/faults.py [--json] [--kills 30] [--seed 0] [--no-contention]
 
 Cases: a reused run folder (another run's, and a folder of the user's), a failed start, a resume
 of a folder that does not exist, SIGTERM, SIGKILL at random moments and during checkpoint writes
 (resumed again and again until the run ends), a disk that fills up (a small tmpfs when this
 process may mount one, else a per-process file-size limit), a truncated newest checkpoint, an
-unfinished checkpoint write, a crafted CIFAR batch, a file name that is not UTF-8, a tar cut at a
-member boundary and an unsupported ONNX opset. Each prints what was injected, what vitflow did and
-whether anything was lost: weights equal to an uninterrupted run (bit for bit, CPU, one thread),
-records equal (every train / eval / epoch record and the summary, measured fields aside), the
-user's files byte-identical. The last line with ``--json``:
-``{"cases": N, "passed": N, "kills": K, "bit_identical_resumes": R}``.
+unfinished checkpoint write, a crafted CIFAR batch, a file name that is not UTF-8 through
+``--json`` and ``--csv``, a tar cut at a member boundary and an unsupported ONNX opset; and two
+things at once (``faults_concurrent.py``): two trains into one folder (at the same instant, 8 s
+apart in both orders), a resume while the run trains, the claim of a killed run, eval / predict /
+export of a run whose newest checkpoint is cut, a validation split missing classes. Everything runs
+under CPU contention: a busy-loop neighbour process per core, started before the reference run and
+stopped at the end (``--no-contention``: none). Each case prints what was injected, what vitflow
+did and whether anything was lost: weights equal to an uninterrupted run (bit for bit, CPU, one
+thread), records equal (every train / eval / epoch record and the summary, measured fields aside),
+the user's files byte-identical. The choices made by timing are cached in the suite's own folder
+(``VITFLOW_CHOICES_CACHE``): the reference run makes them, every other run takes them. The last
+line with ``--json``: ``{"cases": N, "passed": N, "kills": K, "bit_identical_resumes": R}``, ``R``
+the cases that resume from a checkpoint (SIGTERM, each SIGKILL chain with a resume, the disk full,
+the truncated checkpoint, the killed run's claim) and ended bit-identical to the uninterrupted run.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
 import os
 import pickle
 import random
+import re
 import resource
 import shutil
 import signal
@@ -36,6 +47,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+import faults_concurrent as concurrent
 from vitflow import checkpoint as ckpt
 from vitflow.rundir import read_metrics
 
@@ -50,6 +62,16 @@ MEASURED = {"time", "images_per_s", "data_stall", "memory_mb", "elapsed_s", "tra
 def vitflow(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "vitflow", "-q", *args], env=ENV, capture_output=True, text=True,
                           **kw)
+
+
+def vitflow_bytes(*args: str) -> subprocess.CompletedProcess:
+    """A vitflow command whose output is kept as bytes (so that invalid UTF-8 would show)."""
+    return subprocess.run([sys.executable, "-m", "vitflow", "-q", *args], env=ENV, capture_output=True)
+
+
+def unescape(name: str) -> bytes:
+    """A file name of vitflow's JSON / CSV back to its bytes (docs/troubleshooting.md): ``\\xNN`` is byte NN."""
+    return re.sub(rb"\\x([0-9a-f]{2})", lambda m: bytes.fromhex(m[1].decode()), name.encode("utf-8"))
 
 
 def records(run: Path) -> list[dict]:
@@ -69,6 +91,12 @@ def snapshot(folder: Path) -> dict:
 class Suite:
     def __init__(self, tmp: Path, reference: Path):
         self.tmp, self.reference, self.rows, self.kills, self.resumes = tmp, reference, [], 0, 0
+        self.resume_cases, self.env, self.run_args = 0, ENV, RUN
+
+    def resumed(self, bit_identical: bool) -> None:
+        """A case that resumed from a checkpoint: counted, and counted bit-identical when it was."""
+        self.resume_cases += 1
+        self.resumes += bool(bit_identical)
 
     def case(self, name: str, injected: str, did: str, nothing_lost: bool) -> None:
         self.rows.append({"case": name, "injected": injected, "vitflow": did, "nothing_lost": bool(nothing_lost)})
@@ -88,18 +116,42 @@ class Suite:
         return True
 
 
+def trained_steps(run: Path) -> int:
+    """The last step of the run's ``train`` records (0 before any)."""
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    steps = [0]
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except ValueError:  # a line being written
+            continue
+        if r.get("kind") == "train":
+            steps.append(r["step"])
+    return max(steps)
+
+
 def kill_chain(suite: Suite, run: Path, rng: random.Random, kills: int, during_writes: bool) -> tuple[int, int, bool]:
-    """Start the run, SIGKILL it ``kills`` times (at a random moment, or the moment a checkpoint
-    write's temporary file appears), resuming after each; finish it. Returns (kills made, resumes
-    from a checkpoint, finished equal to the uninterrupted run)."""
+    """Start the run, SIGKILL it ``kills`` times, resuming after each; finish it. The moments, at a
+    random step ahead (so that the chain moves on and resumes from checkpoints however slow the
+    machine): the moment the next checkpoint write's temporary file appears (``during_writes``), or
+    that step itself; and, not ``during_writes``, one kill in five at a random time of the start-up
+    instead (0.5-6 s: imports, the claim, data and model). Returns (kills made, resumes from a
+    checkpoint, finished equal to the uninterrupted run)."""
     made = resumes = 0
     cmd = [sys.executable, "-m", "vitflow", "-q", "train", f"train.run_dir={run}", *RUN]
     while True:
         proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if made < kills:
-            deadline = time.time() + (rng.uniform(4.0, 12.0) if not during_writes else 60)
+            at_start = not during_writes and rng.random() < 0.2
+            deadline = time.time() + (rng.uniform(0.5, 6.0) if at_start else 600)
+            target = rng.randint(min(trained_steps(run) + 1, STEPS - 1), STEPS - 1)
             while proc.poll() is None and time.time() < deadline:
-                if during_writes and list((run / "checkpoints").glob(".step-*.tmp")):
+                if during_writes and list((run / "checkpoints").glob(".step-*.tmp")) and trained_steps(run) >= target:
+                    break
+                if not during_writes and not at_start and trained_steps(run) >= target:
                     break
                 time.sleep(0.0005 if during_writes else 0.01)
             if proc.poll() is None:
@@ -153,7 +205,7 @@ def sigterm(suite: Suite) -> None:
     hint = f"vitflow resume {run}" in out
     r = vitflow("resume", str(run))
     equal = proc.returncode == 143 and hint and r.returncode == 0 and suite.finished_equal(run)
-    suite.resumes += equal
+    suite.resumed(equal)
     suite.case("SIGTERM", "SIGTERM mid-run, then the printed command",
                f"exit {proc.returncode}, hint {'printed' if hint else 'MISSING'}, resumed",
                equal)
@@ -184,7 +236,7 @@ def disk_full(suite: Suite) -> None:
         subprocess.run(["mount", "-o", f"remount,size={int(size * 40)}", str(mount)], check=True)
     r2 = vitflow("resume", str(run), "train.keep_checkpoints=3")
     equal = r2.returncode == 0 and same_weights(suite.reference, run) and records(suite.reference) == records(run)
-    suite.resumes += equal
+    suite.resumed(equal)
     if mounted:
         subprocess.run(["umount", str(mount)])
     suite.case("disk full", f"{'a tmpfs of ' + str(int(size * 3.5 / 1024)) + ' KiB' if mounted else 'a file-size limit'}",
@@ -206,7 +258,7 @@ def truncated_newest(suite: Suite) -> None:
     r = vitflow("resume", str(run))
     warned = "skipping unreadable checkpoint" in r.stderr
     equal = r.returncode == 0 and warned and not orphan.exists() and suite.finished_equal(run)
-    suite.resumes += equal
+    suite.resumed(equal)
     suite.case("truncated checkpoint", "the newest checkpoint cut in half, an unfinished write left",
                f"{'warned, took the one before' if warned else 'no warning'}; orphan removed: {not orphan.exists()}",
                equal)
@@ -236,11 +288,17 @@ def inputs(suite: Suite) -> None:
     r = vitflow("train", "--preset", "cifar10-vit-tiny", f"data.path={pets}", "model.img_size=16",
                 "data.train_split=train[:75%]", "data.test_split=train[75%:]", "train.batch_size=4",
                 "train.total_steps=2", f"train.run_dir={suite.tmp / 'pets-run'}")
-    p = vitflow("predict", str(suite.tmp / "pets-run"), str(pets), "--json")
-    back = {os.fsencode(json.loads(line)["path"]) for line in p.stdout.splitlines()}
-    suite.case("non-UTF-8 file name", "caf\\xe9.png among the images", f"train exit {r.returncode}, predict exit "
-               f"{p.returncode}, name round-trips: {os.fsencode(pets / 'ants') + b'/caf' + bytes([0xE9]) + b'.png' in back}",
-               r.returncode == 0 and p.returncode == 0 and any(b.endswith(b"caf\xe9.png") for b in back))
+    odd = os.fsencode(pets / "ants") + b"/caf\xe9.png"
+    p = vitflow_bytes("predict", str(suite.tmp / "pets-run"), str(pets), "--json")
+    back = {bytes.fromhex(row["path_bytes"]) if "path_bytes" in row else unescape(row["path"])
+            for row in map(json.loads, p.stdout.decode("utf-8", "strict").splitlines())}  # strict: valid UTF-8
+    c = vitflow_bytes("predict", str(suite.tmp / "pets-run"), str(pets), "--csv")
+    table = list(csv.reader(io.StringIO(c.stdout.decode("utf-8", "strict"))))
+    in_csv = odd in {unescape(row[0]) for row in table[1:]}
+    suite.case("non-UTF-8 file name", "caf\\xe9.png among the images, --json and --csv",
+               f"train exit {r.returncode}, predict exits {p.returncode} {c.returncode}, valid UTF-8, bytes back: "
+               f"JSON {odd in back}, CSV {in_csv}", r.returncode == 0 and p.returncode == 0 and c.returncode == 0
+               and odd in back and in_csv)
     tar = suite.tmp / "pets.tar"
     with tarfile.open(tar, "w") as tf:
         tf.add(pets, "pets")
@@ -260,33 +318,46 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kills", type=int, default=30, help="SIGKILLs in all (at least 30 for the record)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-contention", action="store_true", help="no busy-loop neighbours")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    with tempfile.TemporaryDirectory(prefix="vitflow-faults-") as tmp:
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="vitflow-faults-") as tmp, \
+            concurrent.Contention(not args.no_contention) as load:
         tmp = Path(tmp)
+        ENV["VITFLOW_CHOICES_CACHE"] = str(tmp / "choices.json")  # made by the reference run, taken by the others
+        print(f"CPU contention: {load.n} busy-loop neighbour(s) on {os.cpu_count()} core(s)", flush=True)
         reference = tmp / "reference"
         r = vitflow("train", f"train.run_dir={reference}", *RUN)
         if r.returncode:
             raise SystemExit(r.stderr)
         suite = Suite(tmp, reference)
         folders(suite)
+        for gap, first in ((0, 1), (8, 1), (8, 2)):
+            concurrent.two_trains(suite, gap, first)
+        concurrent.resume_while_training(suite)
         sigterm(suite)
-        chains, left = 0, args.kills
+        chains, left = 0, args.kills - 1  # (the killed run's claim is one kill)
         while left > 0:  # chains of kills, alternately at random moments and during checkpoint writes
             n = min(left, 5)
             made, resumes, equal = kill_chain(suite, tmp / f"killed-{chains}", rng, n, during_writes=chains % 2 == 1)
             suite.kills += made
-            suite.resumes += resumes if equal else 0
+            if resumes:
+                suite.resumed(equal)
             suite.case(f"SIGKILL chain {chains}", f"{made} kills {'in checkpoint writes' if chains % 2 else 'at random'}",
-                       "resumed after each, finished", equal)
+                       f"resumed {resumes} time(s) from a checkpoint, finished", equal)
             left, chains = left - max(made, 1), chains + 1
+        concurrent.killed_holder(suite)
         disk_full(suite)
         truncated_newest(suite)
+        concurrent.cut_newest_readers(suite)
+        concurrent.missing_val_class(suite)
         inputs(suite)
     passed = sum(r["nothing_lost"] for r in suite.rows)
-    print(f"{passed} of {len(suite.rows)} cases lost nothing; {suite.kills} SIGKILLs; {suite.resumes} resumes "
-          "ended bit-identical to the uninterrupted run")
+    print(f"{passed} of {len(suite.rows)} cases lost nothing; {suite.kills} SIGKILLs; {suite.resumes} of the "
+          f"{suite.resume_cases} cases that resume ended bit-identical to the uninterrupted run "
+          f"({time.perf_counter() - t0:.0f} s, {load.n} busy-loop neighbours)")
     if args.json:
         print(json.dumps({"cases": len(suite.rows), "passed": passed, "kills": suite.kills,
                           "bit_identical_resumes": suite.resumes}))

@@ -11,6 +11,9 @@ import pytest
 # auto's timing, made in each process on busy cores, can choose differently in two runs that a test
 # compares bit for bit (vitflow.models.kernels.onednn).
 os.environ.setdefault("VITFLOW_FP32_GEMM", "onednn")
+# No cache of choices made by timing between the suite's processes (~/.cache/vitflow/choices.json): tests of
+# attention=auto and cpu_bf16_matmul=auto see their timing; the cache's own tests set VITFLOW_CHOICES_CACHE.
+os.environ.setdefault("VITFLOW_CHOICES_CACHE", "off")
 
 from helpers import make_folder  # noqa: E402
 

@@ -15,7 +15,8 @@ from vitflow.metrics.classification import CONFIDENCE_SCALE, calibration, calibr
 
 
 def test_precision_recall_f1_balanced_accuracy_equal_sklearn():
-    """5 classes: class 3 is never predicted, class 4 never occurs in the targets (but is predicted)."""
+    """5 classes: class 3 is never predicted, class 4 never occurs in the targets (but is predicted):
+    the per-class figures are sklearn's over all classes, the macro averages over the classes present."""
     rng = np.random.default_rng(0)
     y = rng.choice([0, 1, 2, 3], size=200, p=[0.5, 0.25, 0.15, 0.1])
     pred = np.where(rng.random(200) < 0.6, y, rng.choice([0, 1, 2, 4], size=200))
@@ -29,8 +30,9 @@ def test_precision_recall_f1_balanced_accuracy_equal_sklearn():
     np.testing.assert_allclose(r["f1"], f, rtol=0, atol=1e-15)
     assert r["support"] == s.tolist()
     for avg in ("macro", "weighted"):
-        p, rc, f, _ = precision_recall_fscore_support(y, pred, labels=labels, average=avg, zero_division=0)
+        p, rc, f, _ = precision_recall_fscore_support(y, pred, labels=[0, 1, 2, 3], average=avg, zero_division=0)
         assert (r[f"{avg}_precision"], r[f"{avg}_recall"], r[f"{avg}_f1"]) == pytest.approx((p, rc, f), abs=1e-15)
+    assert r["absent"] == [4]
     with pytest.warns(UserWarning):  # sklearn warns about class 4, predicted but absent; the value is the reference
         expected = balanced_accuracy_score(y, pred)
     assert r["balanced_accuracy"] == pytest.approx(expected, abs=1e-15)

@@ -18,6 +18,7 @@ any instant leaves either the previous checkpoints or the new one, never a torn 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -31,6 +32,8 @@ from vitflow.models import create_model, model_kwargs
 from vitflow.models.kernels.matmul import as_plain_linear
 from vitflow.models.lora import apply_lora, has_lora_weights, merge_lora, merge_lora_state_dict, split_lora_args
 from vitflow.models.pretrained.weights import load_adapted, load_error_reason
+
+log = logging.getLogger(__name__)
 
 FORMAT = "vitflow-checkpoint"
 VERSION = 1
@@ -129,17 +132,64 @@ def remove_orphans(run_dir: str | Path) -> list[Path]:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Read a vitflow checkpoint on the CPU without executing code from it.
+    """Read a vitflow checkpoint on the CPU without executing code from it. ``path``: a checkpoint
+    file, or a run directory, whose newest *readable* checkpoint is taken (:func:`newest_readable`:
+    an unreadable newer one, a killed copy or a bad disk, is skipped with a warning naming it). Every
+    command that reads a run directory (eval, predict, export, quantize, report, embed, bench infer,
+    resume) reads it through this function.
 
     Raises:
-        FileNotFoundError: no such file. ValueError: truncated, corrupt or not a vitflow checkpoint.
+        FileNotFoundError: no such file, or a run directory without a checkpoint.
+        ValueError: truncated, corrupt or not a vitflow checkpoint (for a file of a run directory
+            the message names the run's readable checkpoints); a run directory whose checkpoints
+            are all unreadable.
     """
     path = Path(path)
     if path.is_dir():
-        found = latest_checkpoint(path)
-        if found is None:
+        if not list_checkpoints(path):
             raise FileNotFoundError(f"no checkpoint in run directory {path}")
-        path = found
+        state = newest_readable(path)
+        if state is None:
+            raise ValueError(f"no readable checkpoint in run directory {path}: every one is truncated or corrupt "
+                             "(see the warnings above)")
+        return state
+    try:
+        return _read(path)
+    except ValueError as e:
+        readable = _readable_names(path.parent.parent, path) if path.parent.name == "checkpoints" else []
+        if readable:
+            raise ValueError(f"{e}; readable checkpoints of this run: {', '.join(readable)}") from e.__cause__
+        raise
+
+
+def newest_readable(run_dir: str | Path) -> dict[str, Any] | None:
+    """The newest checkpoint of ``run_dir`` that can be read (:func:`load_checkpoint`'s state), or
+    ``None`` when there is none; each unreadable newer one is skipped with a warning naming it
+    (``skipping unreadable checkpoint PATH (reason); trying the one before it``)."""
+    for p in reversed(list_checkpoints(run_dir)):
+        try:
+            return _read(p)
+        except ValueError as e:
+            log.warning("skipping unreadable checkpoint %s (%s); trying the one before it", p, e)
+    return None
+
+
+def _readable_names(run_dir: Path, unreadable: Path, most: int = 3) -> list[str]:
+    """The names of up to ``most`` of ``run_dir``'s readable checkpoints (newest first), ``best.pt``
+    included, ``unreadable`` left out."""
+    found = []
+    for p in [*reversed(list_checkpoints(run_dir)), run_dir / "checkpoints" / "best.pt"]:
+        if len(found) < most and p.is_file() and p.resolve() != unreadable.resolve():
+            try:
+                _read(p)
+                found.append(p.name)
+            except ValueError:
+                pass
+    return found
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """One checkpoint file, read (see :func:`load_checkpoint`)."""
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if path.suffix.lower() == ".onnx":

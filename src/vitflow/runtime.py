@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vitflow import timing
 from vitflow.timing import fastest
 
 log = logging.getLogger(__name__)
@@ -123,11 +124,15 @@ def _cpu_auto_precision() -> str:
     0.73-0.96x), so ``auto`` keeps fp32 there."""
     if not cpu_bf16_supported():
         return "fp32"
-    g = cpu_gemm_gflops()
-    name = "bf16" if g["bf16"] > g["fp32"] else "fp32"
-    log.info("precision auto: %s (this CPU's GEMM: bf16 %.0f GFLOP/s, fp32 %.0f%s)", name, g["bf16"], g["fp32"],
-             "" if name == "bf16" else "; bf16 autocast would be slower here, set precision bf16 to force it")
-    return name
+
+    def timed() -> str:
+        g = cpu_gemm_gflops()
+        name = "bf16" if g["bf16"] > g["fp32"] else "fp32"
+        log.info("precision auto: %s (this CPU's GEMM: bf16 %.0f GFLOP/s, fp32 %.0f%s)", name, g["bf16"], g["fp32"],
+                 "" if name == "bf16" else "; bf16 autocast would be slower here, set precision bf16 to force it")
+        return name
+
+    return timing.choose("precision", "cpu", timed)  # a resumed run's, the machine's cached, or timed
 
 
 @dataclass

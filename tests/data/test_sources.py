@@ -218,10 +218,15 @@ def test_cifar_batches_are_read_without_running_code_and_malformed_ones_named(tm
 
 
 def test_file_names_that_are_not_utf8_are_read_named_and_kept_as_bytes(tmp_path, capsysbinary):
-    """``caf\\xe9.png`` (Latin-1, not UTF-8): read, named as ``caf\\xe9.png`` in messages, written back
-    byte for byte by predict's JSON (escaped) and CSV; a prepare of the folder works too."""
+    """``caf\\xe9.png`` (Latin-1, not UTF-8): read, named as ``caf\\xe9.png`` in messages; predict's JSON
+    and CSV are valid UTF-8 (strict JSON and CSV readers take them) with the name escaped as ``caf\\xe9.png``,
+    its bytes recoverable (JSON: ``path_bytes``; both: the documented ``\\xNN`` unescape); a prepare of
+    the folder works too."""
+    import csv
+    import io
     import json
     import os
+    import re
 
     from vitflow.cli import main
 
@@ -243,12 +248,20 @@ def test_file_names_that_are_not_utf8_are_read_named_and_kept_as_bytes(tmp_path,
                  "data.train_split=train[:75%]", "data.test_split=train[75%:]", "train.batch_size=4",
                  "train.total_steps=2", f"train.run_dir={run}"]) == 0
     capsysbinary.readouterr()
+
+    def unescape(name: str) -> bytes:  # the recipe of docs/troubleshooting.md
+        return re.sub(rb"\\x([0-9a-f]{2})", lambda m: bytes.fromhex(m[1].decode()), name.encode("utf-8"))
+
     assert main(["predict", str(run), str(root), "--json"]) == 0
-    rows = [json.loads(line) for line in capsysbinary.readouterr().out.splitlines()]
-    paths = {os.fsencode(r["path"]) for r in rows}
-    assert odd in paths and any("error" in r and "bad" in r["path"] for r in rows)
+    rows = [json.loads(line) for line in capsysbinary.readouterr().out.decode("utf-8", "strict").splitlines()]
+    cafe = next(r for r in rows if "caf" in r["path"])
+    assert cafe["path"] == f"{root}/a/caf\\xe9.png" and bytes.fromhex(cafe["path_bytes"]) == odd
+    assert unescape(cafe["path"]) == odd and any("error" in r and r["path"].endswith("bad\\xff.png") for r in rows)
+    assert all("path_bytes" not in r for r in rows if "caf" not in r["path"] and "bad" not in r["path"])
     assert main(["predict", str(run), str(root), "--csv"]) == 0
-    assert odd + b"," in capsysbinary.readouterr().out  # the file name's own bytes
+    table = list(csv.reader(io.StringIO(capsysbinary.readouterr().out.decode("utf-8", "strict"))))
+    assert {unescape(r[0]) for r in table[1:]} == {unescape(r["path"]) for r in rows}
+    assert odd in {unescape(r[0]) for r in table[1:]}
     assert main(["prepare", str(root), str(tmp_path / "packed")]) == 0
     assert b"bad\\xff.png" in capsysbinary.readouterr().err  # named once, printable
 

@@ -177,19 +177,30 @@ def test_the_environment_sets_the_mode_and_a_bad_value_is_named(tmp_path):
     assert out.stderr.strip().splitlines()[-1] == "error: VITFLOW_FP32_GEMM must be one of auto, onednn, torch, got 'mkl'"
 
 
-def test_every_rank_takes_rank_0s_fp32_gemm():
+def test_every_rank_takes_rank_0s_fp32_gemm(monkeypatch):
     """Under torchrun on a CPU each rank would time on its own (at once, on shared cores) and could
-    pick the other GEMM: rank 0's choice is broadcast (here a rank 1 whose broadcast hands it 'torch')."""
+    pick the other GEMM: the choice is made at start-up while every rank is there and rank 0's is
+    taken (vitflow.timing's agreement; here a rank 1 that timed 'onednn' and whose broadcast hands
+    it rank 0's 'torch')."""
+    from vitflow import timing
     from vitflow.train.distributed import DistEnv, run_precision
 
     class Rank1(DistEnv):
         def broadcast(self, obj):
-            assert obj is None  # rank 1 sends nothing
+            assert obj == "onednn"  # its own choice, replaced by rank 0's
             return "torch"
 
-    with onednn.forced("onednn"):
-        run_precision("fp32", torch.device("cpu"), Rank1(rank=1, world_size=2))
-        assert onednn.decided() == "torch"
+    monkeypatch.setattr(onednn, "_time_gemms", lambda: "onednn")
+    rank1 = Rank1(rank=1, world_size=2)
+    timing.forget(onednn.KIND)
+    timing.set_agreement(rank1.broadcast)
+    try:
+        with onednn.forced("auto"):
+            run_precision("fp32", torch.device("cpu"), rank1)
+            assert onednn.decided() == "torch"
+    finally:
+        timing.set_agreement(None)
+        timing.forget(onednn.KIND)
 
 
 def test_evaluating_a_checkpoint_takes_its_runs_gemm_unless_the_process_chose_one(digits_run, tmp_path, monkeypatch):

@@ -29,6 +29,8 @@ def parse_args(argv: Sequence[str] | None = None):
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if getattr(args, "retime", False):  # train / resume --retime
+        args.overrides = [*args.overrides, "train.retime=true"]
     return args
 
 
@@ -39,8 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     vitflow_log, previous = logging.getLogger("vitflow"), logging.getLogger("vitflow").level
     if level != logging.INFO:
         vitflow_log.setLevel(level)  # -v: vitflow's debug lines, not every library's
-    # file names that are not valid UTF-8 travel as surrogate escapes: stdout writes them back as their
-    # original bytes (CSV and JSON stay lossless), stderr as \\xNN (a message never fails to print)
+    # file names that are not valid UTF-8 travel as surrogate escapes: JSON and CSV write them as \\xNN
+    # (vitflow.cli.outputs.escaped: valid UTF-8, with the exact bytes beside); stdout's other lines as their
+    # original bytes, stderr as \\xNN (a message never fails to print)
     for stream, errors in ((sys.stdout, "surrogateescape"), (sys.stderr, "backslashreplace")):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors=errors)

@@ -12,7 +12,7 @@ import signal
 import sys
 
 from vitflow.cli.deploy import cmd_export, cmd_prune, cmd_quantize
-from vitflow.cli.outputs import chosen, live_report_hook, train_epilogue
+from vitflow.cli.outputs import chosen, escaped, live_report_hook, train_epilogue
 from vitflow.cli.outputs import print_json as _print_json
 from vitflow.cli.serve import cmd_serve
 from vitflow.config import build_config, list_presets, preset_tree, to_yaml
@@ -179,6 +179,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         writer.writerow(["path", "rank", "class", "index", "prob", "error"])
     for r in predictor.predict_refs(refs, args.topk, args.batch_size, args.workers):
         failed += "error" in r
+        if args.json or writer:  # valid UTF-8: a name's bytes that are not UTF-8 as \xNN (escaped)
+            r = escaped(r)
         if args.json:
             print(json.dumps(r))
         elif writer:

@@ -6,14 +6,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from typing import Callable
+from typing import Any, Callable
+
+from vitflow.data.sources.readers import display_name
 
 
 def print_json(args: argparse.Namespace, obj) -> None:
     """The ``--json`` result line, on the real stdout (:func:`main` sends every other line of a
-    ``--json`` command to stderr, so that ``vitflow eval RUN --json | jq`` works)."""
-    print(json.dumps(obj), file=getattr(args, "json_stdout", None) or sys.stdout)
+    ``--json`` command to stderr, so that ``vitflow eval RUN --json | jq`` works); every string
+    valid UTF-8 (:func:`escaped`)."""
+    print(json.dumps(escaped(obj)), file=getattr(args, "json_stdout", None) or sys.stdout)
+
+
+def escaped(obj: Any) -> Any:
+    """``obj`` (JSON-like: dicts, lists, strings, numbers) with every string valid UTF-8, as strict
+    JSON tools and CSV readers need: the bytes of a file name that are not UTF-8 (carried in a
+    ``str`` as surrogate escapes, ``os.fsdecode``) written as ``\\xNN`` (byte ``0xNN``:
+    ``caf\\xe9.jpg``; :func:`~vitflow.data.sources.readers.display_name`). A dict's ``path`` so
+    escaped is followed by ``path_bytes``, the name's exact bytes in hex (``bytes.fromhex``). Other
+    strings are unchanged."""
+    if isinstance(obj, str):
+        return display_name(obj) if _has_surrogates(obj) else obj
+    if isinstance(obj, (list, tuple)):
+        return [escaped(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    out = {}
+    for k, v in obj.items():
+        out[escaped(k)] = escaped(v)
+        if k == "path" and isinstance(v, str) and _has_surrogates(v):
+            out["path_bytes"] = os.fsencode(v).hex()
+    return out
+
+
+def _has_surrogates(text: str) -> bool:
+    return any("\udc80" <= ch <= "\udcff" for ch in text)
 
 
 def chosen(args: argparse.Namespace) -> str:

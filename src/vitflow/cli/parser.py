@@ -71,12 +71,15 @@ def _training_commands(sub) -> None:
     p.add_argument("--json", action="store_true", help="end with one JSON line of final metrics")
     p.add_argument("--nproc", type=int, default=1, metavar="N",
                    help="data-parallel on N local processes (runs torchrun --standalone --nproc-per-node N)")
+    _add_retime_arg(p, "not those an earlier run on this machine made (train.retime=true)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.total_steps=500")
 
     p = sub.add_parser("resume", help="continue an interrupted run with its saved config (overrides applied)")
     p.add_argument("run_dir", help="the run directory")
     p.add_argument("--json", action="store_true", help="end with one JSON line of final metrics")
     p.add_argument("--nproc", type=int, default=1, metavar="N", help="data-parallel on N local processes")
+    _add_retime_arg(p, "not those the checkpoint recorded: the resumed run is then not promised to be bit-identical "
+                    "to an uninterrupted one (train.retime=true)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config keys to change, e.g. train.total_steps=2000")
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on its test split (--knn K: k-NN top-1 of its frozen features)")
@@ -104,6 +107,11 @@ def _training_commands(sub) -> None:
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="one JSON object per image")
     fmt.add_argument("--csv", action="store_true", help="CSV: path,rank,class,index,prob,error (one row per class)")
+
+
+def _add_retime_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--retime", action="store_true", help="make the choices made by timing again (fp32 GEMM, "
+                   f"attention and bf16 GEMM per shape, precision=auto), {what}")
 
 
 def _add_tta_arg(p: argparse.ArgumentParser, what: str = "average the probabilities over test-time views") -> None:

@@ -98,6 +98,9 @@ class TrainConfig:
     seed: int = 0  # model initialisation, batch order and augmentation
     run_dir: str | None = None  # None = runs/<preset>-<timestamp>
     resume: str = "none"  # none | auto | path to a checkpoint
+    # choose by timing again (fp32 GEMM, attention / bf16 GEMM per shape, precision=auto) instead of taking a resumed
+    # checkpoint's or the machine's cached choices; a resume is then not promised to be bit-identical
+    retime: bool = False
     ema_decay: float = 0.0  # EMA of the weights, e.g. 0.999; 0 = off
     ema_warmup: bool = True  # effective decay min(ema_decay, (1 + n) / (10 + n)) after n updates
     compile: bool = False  # torch.compile the training forward/backward

@@ -65,7 +65,8 @@ class Datasets:
 
 def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
     """Open ``cfg.train_split`` and the validation and test splits (see
-    :func:`~vitflow.data.sources.dispatch.resolve_eval_splits`; labelled with the train classes) and cache
+    :func:`~vitflow.data.sources.dispatch.resolve_eval_splits`; labelled with the train classes; a test
+    split that is the validation split, ``data.test_split=val``, is that same source) and cache
     them in RAM when they fit ``cfg.max_in_memory`` (the training split not in stream access).
 
     Raises:
@@ -82,7 +83,7 @@ def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
                  len(train.classes))
     held_out = {}
     for key, split in (("val_split", val_split), ("test_split", test_split)):
-        if split is not None:
+        if split is not None and not (key == "test_split" and split == val_split):  # the same split: opened once
             try:
                 held_out[key] = open_split(cfg.path, split, cfg.source, classes=train.classes, cfg=cfg)
             except DataError as e:  # named by its key (a store's error names its URL already)
@@ -95,8 +96,9 @@ def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
             train = _cache(train, cfg, image_size, "train", crops_resized)
         held_out = {k: _cache(v, cfg, image_size, k[:-6], True, exact=True) for k, v in held_out.items()}
     pp = Preprocess(image_size, cfg.crop_pct, cfg.interpolation, tuple(cfg.mean), tuple(cfg.std))
-    return Datasets(train, held_out.get("val_split"), held_out.get("test_split"), train.classes, pp, val_split,
-                    test_split, cfg.task)
+    val = held_out.get("val_split")
+    test = val if test_split is not None and test_split == val_split else held_out.get("test_split")
+    return Datasets(train, val, test, train.classes, pp, val_split, test_split, cfg.task)
 
 
 def _cache(source: ImageSource, cfg: DataConfig, image_size: int, desc: str, resizable: bool,

@@ -8,9 +8,9 @@ count, the number correct (``int64``) and the sum of the confidences in fixed po
 units of ``2**-32``: :data:`CONFIDENCE_SCALE`), so that integer addition, which does not depend on
 the order, replaces float sums, which do.
 
-The definitions follow scikit-learn (``precision_recall_fscore_support`` with
-``labels=range(C)`` and ``zero_division=0``, ``balanced_accuracy_score``) so that the values can be
-checked against it, and Guo et al. 2017 ("On Calibration of Modern Neural Networks", ICML) for the
+The definitions follow scikit-learn (``precision_recall_fscore_support`` with ``labels=`` the
+classes present in the split's targets and ``zero_division=0``, ``balanced_accuracy_score``) so that
+the values can be checked against it, and Guo et al. 2017 ("On Calibration of Modern Neural Networks", ICML) for the
 ECE; the implementation is our own.
 """
 
@@ -96,17 +96,18 @@ def confusion_metrics(confusion: Any) -> dict[str, Any]:
     Per class ``c``: precision ``TP / predicted``, recall ``TP / support``, F1 ``2 TP / (support +
     predicted)``, each 0 when its denominator is (scikit-learn's ``zero_division=0``): a class never
     predicted has precision 0, a class absent from the targets recall 0 and support 0. Macro: the
-    unweighted mean over all ``C`` classes (absent ones included, as
-    ``precision_recall_fscore_support(labels=range(C), average="macro")``); weighted: weighted by
-    support. Balanced accuracy: the mean recall over the classes that occur in the targets
-    (``balanced_accuracy_score``; Brodersen et al. 2010).
+    unweighted mean over the classes *present* in the targets (support > 0; a class the split has
+    no image of is left out, as ``precision_recall_fscore_support(labels=present, average="macro")``,
+    and listed in ``absent``); weighted: weighted by support. Balanced accuracy: the mean recall over
+    the classes present (``balanced_accuracy_score``; Brodersen et al. 2010).
 
     Args:
         confusion: ``(C, C)`` non-negative integer counts (NumPy, list or torch tensor).
     Returns:
         ``{"precision", "recall", "f1", "support"}`` (lists of ``C`` floats / ints) and
         ``"macro_precision", "macro_recall", "macro_f1", "weighted_precision", "weighted_recall",
-        "weighted_f1", "balanced_accuracy"`` (floats in [0, 1]).
+        "weighted_f1", "balanced_accuracy"`` (floats in [0, 1]) and ``"absent"`` (the indices of the
+        classes without support, left out of the macro averages).
     Raises:
         ValueError: not a square 2-D matrix, or no image at all.
     """
@@ -121,28 +122,40 @@ def confusion_metrics(confusion: Any) -> dict[str, Any]:
     weights = support / support.sum()
     present = support > 0
     out: dict[str, Any] = {"precision": precision.tolist(), "recall": recall.tolist(), "f1": f1.tolist(),
-                           "support": support.tolist()}
+                           "support": support.tolist(), "absent": np.flatnonzero(~present).tolist()}
     for name, values in (("precision", precision), ("recall", recall), ("f1", f1)):
-        out[f"macro_{name}"] = float(values.mean())
+        out[f"macro_{name}"] = float(values[present].mean())
         out[f"weighted_{name}"] = float(np.sum(values * weights))
     out["balanced_accuracy"] = float(recall[present].mean())
     return out
 
 
 def per_class_text(classes: list[str], result: dict[str, Any], limit: int = 50) -> str:
-    """A plain-text table of :func:`confusion_metrics`' per-class figures (first ``limit`` classes)
-    and the averages, for ``vitflow eval``."""
-    width = max([len("weighted avg"), *(len(c) for c in classes[:limit])])
+    """A plain-text table of :func:`confusion_metrics`' per-class figures (the first ``limit``
+    classes present in the split) and the averages, then the classes absent from the split, for
+    ``vitflow eval``."""
+    absent = set(result.get("absent", ()))
+    shown = [(i, c) for i, c in enumerate(classes) if i not in absent]
+    width = max([len("weighted avg"), *(len(c) for _, c in shown[:limit])])
     lines = [f"{'class':<{width}}  precision  recall     F1  support"]
-    for i, name in enumerate(classes[:limit]):
+    for i, name in shown[:limit]:
         lines.append(f"{name:<{width}}  {result['precision'][i]:9.2%} {result['recall'][i]:7.2%} "
                      f"{result['f1'][i]:6.2%}  {result['support'][i]:7d}")
-    if len(classes) > limit:
-        lines.append(f"... {len(classes) - limit} more classes (see --json)")
+    if len(shown) > limit:
+        lines.append(f"... {len(shown) - limit} more classes (see --json)")
     total = sum(result["support"])
     for avg in ("macro", "weighted"):
         lines.append(f"{avg + ' avg':<{width}}  {result[f'{avg}_precision']:9.2%} {result[f'{avg}_recall']:7.2%} "
                      f"{result[f'{avg}_f1']:6.2%}  {total:7d}")
     lines.append(f"balanced accuracy {result['balanced_accuracy']:.2%}  ECE {result['ece']:.4f} "
                  f"({len(result['reliability']['count'])} bins)")
+    if absent:
+        lines.append(absent_note(classes, sorted(absent)))
     return "\n".join(lines)
+
+
+def absent_note(classes: list[str], absent: list[int], limit: int = 20) -> str:
+    """The line that names the classes a split has no image of (``absent``: class indices)."""
+    names = [classes[i] for i in absent]
+    shown = ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+    return f"absent from this split, left out of the table and the macro averages: {shown}"

@@ -146,11 +146,12 @@ def f1_scores(predicted: Any, targets: Any) -> dict[str, float]:
     """Micro and macro precision, recall and F1 of multi-label predictions.
 
     Micro: the counts of true positives, predictions and positives are summed over all ``n * C``
-    entries first. Macro: the unweighted mean over all ``C`` classes of the per-class values, every
-    class included (one without positives has recall 0 and F1 0). A ratio with a zero denominator is
-    0, so the values equal ``sklearn.metrics.f1_score`` / ``precision_score`` / ``recall_score``
-    with ``average="micro"`` or ``"macro"`` and ``zero_division=0``; F1 is ``2 TP / (2 TP + FP +
-    FN)``.
+    entries first. Macro: the unweighted mean of the per-class values over the classes with a
+    positive in ``targets`` (a class the split has no example of is left out; all ``C`` when none
+    has a positive). A ratio with a zero denominator is 0, so the values equal
+    ``sklearn.metrics.f1_score`` / ``precision_score`` / ``recall_score`` with ``average="micro"``,
+    or ``"macro"`` and ``labels=`` those classes, and ``zero_division=0``; F1 is ``2 TP / (2 TP +
+    FP + FN)``.
 
     Args:
         predicted: bool (or 0/1) ``(n, C)``, the predicted label set of each example.
@@ -166,7 +167,8 @@ def f1_scores(predicted: Any, targets: Any) -> dict[str, float]:
     tp = np.count_nonzero(pred & true, axis=0)
     n_pred, n_true = np.count_nonzero(pred, axis=0), np.count_nonzero(true, axis=0)
     micro = _prf(tp.sum(), n_pred.sum(), n_true.sum())
-    macro = _prf(tp, n_pred, n_true)
+    present = n_true > 0 if n_true.any() else np.ones_like(n_true, dtype=bool)
+    macro = [v[present] for v in _prf(tp, n_pred, n_true)]
     return {
         "micro_f1": float(micro[2]), "macro_f1": float(macro[2].mean()),
         "micro_precision": float(micro[0]), "micro_recall": float(micro[1]),

@@ -78,7 +78,7 @@ def tune_attention(blocks: nn.Module, x: torch.Tensor, grid: tuple[int, int] | N
         return
     keys = {blk.attn.kernel.key(blk.attn.qkv(blk.norm1(x)), blk.attn.num_heads, blk.attn.context(grid))
             for blk in autos}
-    keys = [k for k in keys if not auto.decided(k)]
+    keys = [k for k in sorted(keys, key=str) if not auto.decided(k)]  # one order on every rank (rank 0's choices)
     if not keys:
         return
     backward = any(k[-1] for k in keys)

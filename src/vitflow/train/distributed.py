@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vitflow import timing
 from vitflow.models.kernels import onednn
 from vitflow.runtime import Precision, resolve_precision
 from vitflow.train.elastic import adopt_slurm_env
@@ -109,7 +110,10 @@ def rank_device(device: torch.device, env: DistEnv) -> torch.device:
 
 
 def shutdown(env: DistEnv) -> None:
-    """Leave the process group (after the last collective)."""
+    """Leave the process group (after the last collective); choices made by timing are each
+    process's own again, read from the cache again (``train.retime`` ends with the run)."""
+    timing.set_agreement(None)
+    timing.set_retime(False)
     if env.enabled and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -221,12 +225,14 @@ def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
 
 def run_precision(name: str, device: torch.device, dist: DistEnv) -> Precision:
     """``train.precision`` resolved for ``device``. The timed numeric choices on a CPU (``auto``
-    precision, the fp32 GEMM of :mod:`vitflow.models.kernels.onednn`) are rank 0's on every rank, so that all
-    ranks train alike."""
+    precision, the fp32 GEMM of :mod:`vitflow.models.kernels.onednn`, made here under torchrun) are
+    :mod:`vitflow.timing`'s: a resumed run's recorded ones, else the machine's cached ones, else
+    timed; under torchrun rank 0's on every rank (:func:`vitflow.timing.set_agreement`), so that
+    all ranks train alike."""
     if device.type == "cpu":
         onednn.fp32_mode()  # a bad VITFLOW_FP32_GEMM fails here, before the run folder is made
         if dist.enabled:
-            onednn.set_fp32_gemm(dist.broadcast(onednn.fp32_gemm() if dist.is_main else None))
-    if name == "auto":
+            onednn.fp32_gemm()  # chosen now, while every rank is here
+    elif name == "auto":  # not timed: the device's kind
         name = dist.broadcast(resolve_precision("auto", device).name if dist.is_main else None)
     return resolve_precision(name, device)

@@ -1,5 +1,6 @@
 """The evaluations of a training run: the validation split (or, without one, the test split)
-during training and at the end, the test split once at the end. Each is logged with its split,
+during training and at the end, the test split once at the end (the validation split's own figures
+when it is that split, ``data.test_split=val``: evaluated once). Each is logged with its split,
 ``eval.json`` rewritten, a line printed; sharded over the ranks under DDP (single-label)."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
 from vitflow.metrics import headline, summary_names
 from vitflow.rundir import EVAL
 from vitflow.runtime import Precision
+from vitflow.timing import local_choices
 from vitflow.train.distributed import DistEnv
 from vitflow.train.logging import MetricsLog, ProgressLog
 from vitflow.train.run_dir import write_samples
@@ -54,6 +56,13 @@ class RunEvaluator:
         self.threshold = threshold  # multi-label: the one chosen so far (a resumed run's, from its checkpoint)
         self.named = named or {}  # data.evals: name -> (split expression, source), evaluated with the monitored split
         self.named_results: dict[str, dict[str, Any]] = {}  # their figures at the latest evaluation
+        # data.test_split=val: one split under two names, evaluated once (the test role reuses val's pass)
+        self.same = len(self.splits) == 2 and self.splits["val"][0] == self.splits["test"][0]
+        self._last_val: tuple[int, dict[str, Any], dict[str, Any] | None] | None = None
+        if self.same and dist.is_main:
+            log.warning("data.test_split=%s is the validation split itself: it is evaluated once and reported as both "
+                        "val and test (its figures chose the run's checkpoints: not a held-out test)",
+                        self.splits["test"][0])
 
     def _evaluate(self, model: torch.nn.Module, source: ImageSource, role: str) -> dict[str, Any]:
         reduce = None
@@ -61,10 +70,12 @@ class RunEvaluator:
             source = source.subset(np.arange(self.dist.rank, len(source), self.dist.world_size))
             reduce = self.dist.all_reduce_sum
         loader = eval_loader(source, self.pp, self.batch_size, self.num_workers)
-        if not self.multilabel:
-            return evaluate(model, loader, self.device, self.precision, self.pp, self.skips, reduce, len(self.classes))
-        return evaluate_multilabel(model, loader, self.device, self.precision, self.pp, self.skips,
-                                   None if self._chooses_threshold(role) else self.threshold)
+        with local_choices():  # the ranks' shares may differ in shape: each times its own
+            if not self.multilabel:
+                return evaluate(model, loader, self.device, self.precision, self.pp, self.skips, reduce,
+                                len(self.classes))
+            return evaluate_multilabel(model, loader, self.device, self.precision, self.pp, self.skips,
+                                       None if self._chooses_threshold(role) else self.threshold)
 
     def _chooses_threshold(self, role: str) -> bool:
         """Whether an evaluation of ``role`` chooses the multi-label threshold: every one of the
@@ -79,8 +90,13 @@ class RunEvaluator:
         metrics of those weights (``raw_*``: the trained ones when an EMA exists)."""
         named, role = role is None, role or self.monitored
         split, source = self.splits[role]
-        raw = self._evaluate(model, source, role)
-        averaged = self._evaluate(ema, source, role) if ema is not None else None
+        if self.same and role == "test" and self._last_val is not None and self._last_val[0] == step:
+            raw, averaged = self._last_val[1:]  # the validation split's pass of this step, under its second name
+        else:
+            raw = self._evaluate(model, source, role)
+            averaged = self._evaluate(ema, source, role) if ema is not None else None
+        if role == "val":
+            self._last_val = (step, raw, averaged)
         served = averaged or raw
         if self._chooses_threshold(role):
             self.threshold = served["threshold"]

@@ -30,7 +30,7 @@ from vitflow.runtime import settled_heap
 from vitflow.train.budget import ProgressiveResizing
 from vitflow.train.callbacks import Callback, CallbackList, LiveReport, StepOutput
 from vitflow.train.class_weights import write_distribution
-from vitflow.train.distributed import micro_batch, shutdown
+from vitflow.train.distributed import micro_batch, run_precision, shutdown
 from vitflow.train.elastic import apply_launch
 from vitflow.train.evaluator import RunEvaluator, run_summary
 from vitflow.train.logging import EpochTracker, MetricsLog, start_record
@@ -59,9 +59,16 @@ class Trainer:
     def __init__(self, cfg: Config, callbacks: Sequence[Callback] = ()):
         cfg.model, _ = apply_pretrained(cfg.model, cfg.data, getattr(cfg, "key_origins", None))  # auto, preprocessing
         self.cfg, t = cfg, cfg.train
-        self.dist, self.device, self.precision = start_process(t)
+        self.dist, self.device = start_process(t)
         apply_launch(t, cfg.preset, lambda flag: self.dist.any(flag, self.device))  # restarts find their run
-        self.state, self.run_dir, start_over = locate_run(t, cfg.preset, cfg.to_dict(), self.dist)
+        self.state, self.run_dir, start_over, self.claim = locate_run(t, cfg.preset, cfg.to_dict(), self.dist)
+        with self.claim.released_on_error():  # one writer per folder; a failed start releases it
+            self._build(cfg, callbacks, start_over)
+
+    def _build(self, cfg: Config, callbacks: Sequence[Callback], start_over: bool) -> None:
+        """The rest of the set-up, once the run directory is claimed: data, model, optimization, callbacks."""
+        t = cfg.train
+        self.precision = run_precision(t.precision, self.device, self.dist)  # a resumed run's recorded choices known
         image_size = cfg.model.img_size or model_kwargs(cfg.model.name)["img_size"]
         self.data = open_run_datasets(cfg, image_size, self.dist, self.state)  # data.normalize=dataset first
         named = open_evals(cfg.data, self.data.classes)  # data.evals, and what keep_best / early stopping watch:
@@ -164,6 +171,7 @@ class Trainer:
         finally:
             self.callbacks.call("on_fit_end", self, summary)
             self.metrics.close()
+            self.claim.release()
             shutdown(self.dist)
 
     def _loop(self) -> None:

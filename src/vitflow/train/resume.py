@@ -6,6 +6,7 @@ restores its config, and overrides given with it are applied and listed."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -13,6 +14,7 @@ import torch
 import yaml
 
 from vitflow import checkpoint as ckpt
+from vitflow import timing
 from vitflow.config import (
     DEFAULT_PRESET,
     Config,
@@ -29,12 +31,12 @@ from vitflow.models.kernels import onednn
 from vitflow.rundir import CONFIG
 from vitflow.runtime import mix_seed, rng_state, set_rng_state
 from vitflow.train.distributed import DistEnv
-from vitflow.train.run_dir import check_new_run, run_dir_for
+from vitflow.train.run_dir import RunClaim, check_new_run, claim_run_dir, run_dir_for
 from vitflow.train.schedules import set_total_steps
 
 log = logging.getLogger(__name__)
 
-_RUN_KEYS = ("train.resume", "train.run_dir", "train.time_budget")  # where/how long, not what is trained
+_RUN_KEYS = ("train.resume", "train.run_dir", "train.time_budget", "train.retime")  # where/how long/this start only
 
 
 def find_resume(t: TrainConfig, preset: str) -> tuple[Path, dict[str, Any]] | None:
@@ -56,16 +58,14 @@ def find_resume(t: TrainConfig, preset: str) -> tuple[Path, dict[str, Any]] | No
         return None
     if r != "auto":
         p = Path(r)
-        found = ckpt.latest_checkpoint(p) if p.is_dir() else p
-        if found is None or not found.is_file():
+        if not (ckpt.list_checkpoints(p) if p.is_dir() else p.is_file()):
             raise FileNotFoundError(f"train.resume={r}: no checkpoint there")
-        return found, ckpt.load_checkpoint(found)
+        state = ckpt.load_checkpoint(p)  # a run directory: its newest readable one
+        return Path(state["path"]), state
     run = resumed_run_dir(t.resume, t.run_dir, preset)
-    for path in reversed(ckpt.list_checkpoints(run) if run else []):
-        try:
-            return path, ckpt.load_checkpoint(path)
-        except ValueError as e:
-            log.warning("skipping unreadable checkpoint %s (%s); trying the one before it", path, e)
+    state = ckpt.newest_readable(run) if run else None
+    if state is not None:
+        return Path(state["path"]), state
     log.info("train.resume=auto: no readable checkpoint in %s; the run starts from step 0",
              run or f"runs/{preset}-*")
     return None
@@ -107,36 +107,96 @@ def resume_config(preset: str | None, overrides: Sequence[str], checks: Mapping[
     if run is None or not (run / CONFIG).is_file():
         return None
     saved = yaml.safe_load((run / CONFIG).read_text())
-    cfg = build_config(base=saved, overrides=[*overrides, f"train.run_dir={run}"], checks=checks,
-                       model_config=config_class)
+    cfg = build_config(base=saved, overrides=["train.retime=false", *overrides, f"train.run_dir={run}"],
+                       checks=checks, model_config=config_class)  # (--retime is for the start that asks)
     old, new = flatten(saved), flatten(yaml.safe_load(to_yaml(cfg)))  # both as YAML values (lists, not tuples)
-    changed = [f"{k} {old.get(k)!r} -> {new[k]!r}" for k in sorted(new) if old.get(k) != new[k]]
+    changed = [f"{k} {old.get(k)!r} -> {new[k]!r}" for k in sorted(new) if old.get(k) != new[k] and k != "train.retime"]
     log.info("resuming %s with its saved config%s", run, f"; changed: {'; '.join(changed)}" if changed else "")
     return cfg
 
 
 def locate_run(t: TrainConfig, preset: str, config: dict[str, Any], dist: DistEnv
-               ) -> tuple[dict[str, Any] | None, Path, bool]:
-    """Where a run starts: ``(resumed checkpoint state or None, run directory, starts over)``;
-    rank 0 decides for every rank. ``config``: the run's whole config as a mapping (compared with
-    the checkpoint's). ``starts over``: a vitflow run directory without a readable
-    checkpoint that ``train.resume=auto`` continues from step 0 (its records are emptied).
+               ) -> tuple[dict[str, Any] | None, Path, bool, RunClaim]:
+    """Where a run starts: ``(resumed checkpoint state or None, run directory, starts over, the
+    claim on the run directory)``. Rank 0 claims the folder first (:func:`~vitflow.train.run_dir.
+    claim_run_dir`: one writer per folder), then decides for every rank; the other ranks wait on
+    its decision (and raise its error) and hold an empty claim. ``config``: the run's whole config
+    as a mapping (compared with the checkpoint's). ``starts over``: a vitflow run directory without
+    a readable checkpoint that ``train.resume=auto`` continues from step 0 (its records are emptied).
 
     Raises:
         FileNotFoundError / ValueError: see :func:`find_resume` and :func:`check_resume`;
-        RunDirError: a ``train.run_dir`` that cannot take a run from step 0 (see
-        :func:`~vitflow.train.run_dir.check_new_run`).
+        RunDirBusy: another process holds the folder; RunDirError: a ``train.run_dir`` that
+        cannot take a run from step 0 (see :func:`~vitflow.train.run_dir.check_new_run`).
     """
-    found = find_resume(t, preset) if dist.is_main else None
-    path = dist.broadcast(str(found[0]) if found else None)
+    claim = found = payload = None
+    if dist.is_main:
+        try:
+            claim, found, run_dir, over = _claim_and_find(t, preset, config)
+            payload = (str(found[0]) if found else None, str(run_dir), over)
+        except (ValueError, OSError) as e:  # every rank raises it (the others would wait forever)
+            payload = e
+    shared = dist.broadcast(payload)
+    if isinstance(shared, BaseException):
+        raise shared
+    path, run_dir, over = shared
     state = found[1] if found else (ckpt.load_checkpoint(path) if path else None)
-    if state is not None:
-        check_resume(state, t, config, warn=dist.is_main)
-    run_dir = Path(dist.broadcast(str(run_dir_for(t, preset, Path(path) if path else None)) if dist.is_main else None))
-    over = False
-    if dist.is_main and (state is None or run_dir.resolve() != Path(path).parent.parent.resolve()):
-        over = check_new_run(run_dir, t.resume if state is None else "none")  # (a resume elsewhere: a fork)
-    return state, run_dir, dist.broadcast(over)
+    if state is not None and not dist.is_main:
+        check_resume(state, t, config, warn=False)
+    reuse_choices(state, t.retime, dist.is_main)
+    return state, Path(run_dir), over, claim or RunClaim(Path(run_dir))
+
+
+def reuse_choices(state: dict[str, Any] | None, retime: bool, warn: bool = True) -> None:
+    """A resumed run computes as its first steps did: the choices made by timing that its checkpoint
+    recorded (:mod:`vitflow.timing`: the fp32 GEMM, ``precision=auto``, the attention backend and the
+    bf16 GEMM per shape, Swin's window kernel) become this process's, and a line lists them. With
+    ``retime`` (``train.retime``, ``--retime``) every choice is timed again, the machine's cache
+    unread, and (resuming, ``warn``: rank 0) a warning says that the run is then not promised to
+    round as an uninterrupted one."""
+    timing.set_retime(retime)
+    if state is None:
+        return
+    if retime:
+        if warn:
+            log.warning("--retime: the choices made by timing are made again, not taken from %s; the resumed run is "
+                        "not promised to be bit-identical to an uninterrupted one", state["path"])
+        return
+    if state.get("fp32_gemm"):  # (also in checkpoints from before the record)
+        onednn.set_fp32_gemm(state["fp32_gemm"])
+    choices = state.get("choices") or {}
+    timing.adopt(choices)
+    shown = [f"fp32 GEMM {state['fp32_gemm']}"] if state.get("fp32_gemm") else []
+    shown += [f"{kind} " + ", ".join(f"{v} x{n}" for v, n in sorted(Counter(table.values()).items()))
+              for kind, table in sorted(choices.items()) if kind != onednn.KIND]
+    if shown:
+        log.info("resuming with the choices made by timing that %s recorded (%s); --retime makes them again",
+                 state["path"], "; ".join(shown))
+
+
+def _claim_and_find(t: TrainConfig, preset: str, config: dict[str, Any]
+                    ) -> tuple[RunClaim, tuple[Path, dict[str, Any]] | None, Path, bool]:
+    """Rank 0's part of :func:`locate_run`: claim the folder this start writes, before anything is
+    read from it or checked; then the checkpoint it resumes and whether a new run may use the folder.
+    Returns ``(claim, found, run directory, starts over)``; an error releases the claim."""
+    planned = Path(t.run_dir) if t.run_dir else (resumed_run_dir(t.resume, None, preset) if t.resume != "none"
+                                                 else None) or run_dir_for(t, preset, None)
+    claim = claim_run_dir(planned)
+    try:
+        found = find_resume(t, preset)
+        if found is not None:
+            check_resume(found[1], t, config)
+        run_dir = run_dir_for(t, preset, found[0] if found else None)
+        if run_dir.resolve() != claim.path:  # train.resume=auto found nothing to continue: a new folder
+            claim.release()
+            claim = claim_run_dir(run_dir)
+        over = False
+        if found is None or run_dir.resolve() != found[0].parent.parent.resolve():
+            over = check_new_run(run_dir, t.resume if found is None else "none")  # (a resume elsewhere: a fork)
+        return claim, found, run_dir, over
+    except BaseException:
+        claim.release()
+        raise
 
 
 def check_resume(state: dict[str, Any], t: TrainConfig, config: dict[str, Any], warn: bool = True
@@ -193,11 +253,16 @@ def training_state(trainer, records: dict[str, int] | None = None) -> dict[str, 
     optimizer, schedule, loss scale, RNG states (every rank's), the loader position and skipped
     images, the records files' sizes a resume cuts them back to (``records``, default: now), the
     config, model arguments, classes, preprocessing, the last evaluation's figures, the multi-label
-    threshold, the EMA, the guard, the callbacks' states, and the fp32 GEMM the run chose. Every
+    threshold, the EMA, the guard, the callbacks' states, the fp32 GEMM the run chose and every choice
+    made by timing (:func:`vitflow.timing.recorded`, all ranks'; :func:`reuse_choices`). Every
     rank must call it (FSDP state and the RNG states are gathered); ``None`` on ranks other than 0."""
     model_state = trainer.parallel.model_state(trainer.model)
     optimizer_state = trainer.parallel.optimizer_state(trainer.model, trainer.optimizer)
     rngs = trainer.dist.gather(rng_state())
+    choices: dict[str, dict[str, str]] = {}  # every rank's (rank 0's where two differ: an evaluation's own)
+    for ranks in reversed(trainer.dist.gather(timing.recorded())):
+        for kind, table in ranks.items():
+            choices.setdefault(kind, {}).update(table)
     if not trainer.dist.is_main:
         return None
     state = {
@@ -211,7 +276,7 @@ def training_state(trainer, records: dict[str, int] | None = None) -> dict[str, 
         "preprocess": trainer.data.preprocess.to_dict(), "metrics": scalar_metrics(trainer.last_eval or {}),
         "task": trainer.data.task, "threshold": trainer.evaluator.threshold,
         "ema": trainer.ema.state_dict() if trainer.ema is not None else None, "guard": trainer.guard.state_dict(),
-        "eval_due": trainer.eval_due, "fp32_gemm": onednn.decided(),
+        "eval_due": trainer.eval_due, "fp32_gemm": onednn.decided(), "choices": choices,
     }
     for key, value in trainer.callbacks.state_dict().items():  # (ProgressLog: "meter", Selection: "selection")
         if key in state:
@@ -221,10 +286,10 @@ def training_state(trainer, records: dict[str, int] | None = None) -> dict[str, 
 
 
 def restore_training(state: dict, trainer) -> None:
-    """Load a checkpoint's optimizer, schedule, loss scale, EMA, guard and callback states (and the
-    fp32 GEMM its run chose, :mod:`vitflow.models.kernels.onednn`) into a
-    :class:`~vitflow.train.loop.Trainer` built for the resumed run. A changed
-    ``train.total_steps`` stretches the restored schedule to it."""
+    """Load a checkpoint's optimizer, schedule, loss scale, EMA, guard and callback states into a
+    :class:`~vitflow.train.loop.Trainer` built for the resumed run (its choices made by timing were
+    taken before, :func:`reuse_choices`). A changed ``train.total_steps`` stretches the restored
+    schedule to it."""
     t = trainer.cfg.train
     trainer.parallel.load_optimizer_state(trainer.model, trainer.optimizer, state["optimizer"])
     trainer.scheduler.load_state_dict(state["scheduler"])
@@ -237,8 +302,6 @@ def restore_training(state: dict, trainer) -> None:
     if state.get("guard"):
         trainer.guard.load_state_dict(state["guard"])
     trainer.callbacks.load_state_dict(state)
-    if state.get("fp32_gemm"):  # the run's fp32 GEMM, so that the resumed steps round as the first ones did
-        onednn.set_fp32_gemm(state["fp32_gemm"])
     log.info("resumed from %s at step %d", state["path"], trainer.step)
 
 

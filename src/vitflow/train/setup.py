@@ -1,5 +1,5 @@
 """Building what a run needs from its config sections, in the order that keeps a run reproducible:
-the process (threads, ranks, device, precision), the model (seeded from ``train.seed``; a resumed
+the process (threads, ranks, device), the model (seeded from ``train.seed``; a resumed
 run's weights), its EMA and criterion, then the parallel wrapper, optimizer, schedule and the
 non-finite guard. Each builder takes the sections it reads, never the whole tree."""
 
@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from vitflow import timing
 from vitflow.config import DistillConfig, FinetuneConfig, ModelConfig, OptimConfig, TrainConfig, parse_duration
 from vitflow.config.build import flatten
 from vitflow.data import Datasets
@@ -20,7 +21,7 @@ from vitflow.train.budget import BudgetStop
 from vitflow.train.callbacks import Callback
 from vitflow.train.class_weights import setup_imbalance
 from vitflow.train.distill import build_criterion
-from vitflow.train.distributed import DistEnv, Parallel, init_distributed, rank_device, run_precision
+from vitflow.train.distributed import DistEnv, Parallel, init_distributed, rank_device
 from vitflow.train.ema import ModelEMA
 from vitflow.train.finetune import FineTuning
 from vitflow.train.guards import NonFiniteGuard
@@ -35,15 +36,17 @@ from vitflow.train.trackers import open_trackers
 log = logging.getLogger(__name__)
 
 
-def start_process(t: TrainConfig) -> tuple[DistEnv, torch.device, Precision]:
-    """The allocator and threads, the process group under torchrun, this rank's device and the
-    run's precision: ``(dist, device, precision)``."""
+def start_process(t: TrainConfig) -> tuple[DistEnv, torch.device]:
+    """The allocator and threads, the process group under torchrun (whose ranks then take rank 0's
+    choices made by timing, :func:`vitflow.timing.set_agreement`) and this rank's device:
+    ``(dist, device)``. The precision is resolved once a resumed run's recorded choices are known
+    (:func:`~vitflow.train.distributed.run_precision`)."""
     configure_allocator()
     if t.threads:
         torch.set_num_threads(t.threads)
     dist = init_distributed(t.device)
-    device = rank_device(resolve_device(t.device), dist)
-    return dist, device, run_precision(t.precision, device, dist)
+    timing.set_agreement(dist.broadcast if dist.enabled else None)
+    return dist, rank_device(resolve_device(t.device), dist)
 
 
 class ModelParts(NamedTuple):

@@ -10,6 +10,8 @@ from typing import Any
 
 from matplotlib.figure import Figure  # no pyplot: any backend, and a notebook's own backend left as it is
 
+from vitflow.metrics.classification import absent_note  # noqa: E402
+
 
 def plot_reliability(reliability: dict[str, Any], ece: float, path: str | Path, title: str = "") -> Path:
     """A reliability diagram as a PNG: per equal-width confidence bin, the fraction correct (bars)
@@ -45,8 +47,10 @@ def plot_reliability(reliability: dict[str, Any], ece: float, path: str | Path, 
 def prf_table(ev: dict[str, Any]) -> str:
     """The per-class precision / recall / F1 / support table of ``ev`` (an ``eval.json``) with
     its macro and weighted averages and the balanced accuracy, as HTML."""
-    rows = []
+    rows, absent = [], set(ev.get("absent", ()))
     for i, name in enumerate(ev["classes"]):
+        if i in absent:
+            continue
         rows.append(f"<tr><td>{html.escape(str(name))}</td><td class=num>{ev['precision'][i]:.1%}</td>"
                     f"<td class=num>{ev['recall'][i]:.1%}</td><td class=num>{ev['f1'][i]:.1%}</td>"
                     f"<td class=num>{ev['support'][i]}</td></tr>")
@@ -59,7 +63,9 @@ def prf_table(ev: dict[str, Any]) -> str:
             + "".join(rows) + "</table>"
             f"<p>Balanced accuracy (mean recall over the classes present) {ev['balanced_accuracy']:.2%}. "
             "Precision: correct / predicted as the class; recall: correct / images of the class; "
-            "support: images of the class; 0 where nothing was predicted or present.</p>")
+            "support: images of the class; 0 where nothing was predicted or present.</p>"
+            + (f"<p>{html.escape(absent_note(ev['classes'], sorted(absent)))} (the split has no image of them).</p>"
+               if absent else ""))
 
 
 def calibration_html(ev: dict[str, Any], out: Path) -> str:

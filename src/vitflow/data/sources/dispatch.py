@@ -8,7 +8,10 @@ kind: what differs between kinds is in their records."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+import numpy as np
 
 from vitflow.config import DataConfig
 from vitflow.data.remote.fs import is_remote
@@ -18,6 +21,8 @@ from vitflow.data.sources.kind import SourceKind, Where
 from vitflow.data.sources.labels import TEST_NAMES, VAL_NAMES, canonical_split
 from vitflow.data.sources.remote import remote_kind
 from vitflow.data.sources.splits import Split, parse_split
+
+log = logging.getLogger(__name__)
 
 
 def kind_of(path: str | Path | None, source: str = "auto", label: str = "data.path") -> SourceKind:
@@ -99,8 +104,13 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
     Returns:
         An :class:`ImageSource` with the selected images, in path (or dataset) order before slicing.
     Raises:
-        DataError: missing path, unknown split, no images, an empty class folder, class folders
-            not in ``classes``, or multi-label data that is not a label table.
+        DataError: missing path, unknown split, no images, an empty class folder of the split that
+            defines the classes, class folders not in ``classes``, or multi-label data that is not a
+            label table.
+
+    A split opened with ``classes`` (a validation, test or evaluation split) that has no image of
+    some of them is opened with a warning naming the split and those classes (its macro averages
+    and per-class tables then count only the classes present: :mod:`vitflow.metrics.classification`).
     """
     cfg = cfg or DataConfig()
     kind = kind_of(path, source, label)
@@ -114,7 +124,22 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
                         "per image")
     name = canonical_split(sp.name, kind.split_names(where, cfg)) if sp.name in VAL_NAMES else sp.name
     src = kind.open(where, name or sp.name, classes, cfg)  # not there: the kind's message names what it has
-    return src.subset(sp.select(len(src)))
+    src = src.subset(sp.select(len(src)))
+    if classes is not None and (absent := absent_classes(src)):  # a held-out split, labelled with the run's classes
+        shown = ", ".join(absent[:10]) + (f" and {len(absent) - 10} more" if len(absent) > 10 else "")
+        log.warning("split %r of %s has no images of %d of the %d classes (%s): its macro averages and per-class "
+                    "tables count only the classes present (%d of %d)", split if isinstance(split, str) else sp.name,
+                    path, len(absent), len(src.classes), shown, len(src.classes) - len(absent), len(src.classes))
+    return src
+
+
+def absent_classes(source: ImageSource) -> list[str]:
+    """The classes of ``source`` that none of its images has (single-label: no image of the class;
+    multi-label: no image with the label), in class order."""
+    labels = np.asarray(source.labels)
+    present = labels.astype(bool).any(axis=0) if labels.ndim == 2 else np.bincount(
+        labels, minlength=len(source.classes)).astype(bool)
+    return [c for c, here in zip(source.classes, present) if not here]
 
 
 def open_training(cfg: DataConfig, label: str = "data.path") -> ImageSource:

@@ -131,8 +131,8 @@ def open_class_folders(p: Path, split: str, classes: list[str] | None = None,
     label with; ``None``: this split's sorted class folders).
 
     Raises:
-        DataError: unknown split, no class folders, an empty class folder, or class folders not
-        in ``classes``.
+        DataError: unknown split, no class folders, an empty class folder (when ``classes`` is
+        ``None``: the split that defines the classes), or class folders not in ``classes``.
     """
     reader = read_with(p)
     files, dirs = reader.list()
@@ -153,7 +153,7 @@ def open_class_folders(p: Path, split: str, classes: list[str] | None = None,
         else:
             per_class[parts[0]].append(rel)
     empty = [c for c, items in per_class.items() if not items]
-    if empty:
+    if empty and classes is None:  # (a held-out split may lack a class: open_split warns)
         raise DataError(f"class folder(s) with no images in {reader.describe(prefix + empty[0])}"
                         + (f" and {len(empty) - 1} more" if len(empty) > 1 else "")
                         + ": add images or remove the folder")

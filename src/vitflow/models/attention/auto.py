@@ -4,7 +4,9 @@ The best kernel depends on the machine, the dtype and the sequence length: on th
 explicit attention trains a 65-token ViT ~2x faster than fused SDPA in bf16 while SDPA wins by
 1.2-4x at 1025 tokens (``shared/reference/cpu-baselines.md``). A choice is made once per key
 ``(qkv shape, heads, dtype, device, bias?, dropout?, autocast?, training?)`` and logged; choices
-are shared by all layers and models in the process, and the RNG state is left untouched.
+are shared by all layers and models in the process, and the RNG state is left untouched. They are
+part of :mod:`vitflow.timing`'s record: kept in training checkpoints (a resumed run takes them
+back), cached per machine (a new run takes an earlier one's) and, under torchrun, rank 0's.
 
 - In a model (:func:`tune`, called by ``VisionTransformer``): the whole block stack runs on the
   real tokens with each candidate forced in every block (forward, plus the backward to the
@@ -30,12 +32,14 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from vitflow import timing
 from vitflow.models.attention.core import AttentionContext, AttentionKernel
 from vitflow.timing import fastest, sync
 
 log = logging.getLogger(__name__)
 
-_CHOICES: dict[tuple, str] = {}
+KIND = "attention"  # its choices in vitflow.timing's record: kept in checkpoints, cached per machine
+_CHOICES: dict[tuple, str] = timing.choice_table(KIND)
 _FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("vitflow_auto_forced", default=None)
 TIMED_CALLS = 3
 TUNE_ROUNDS = 3
@@ -53,8 +57,14 @@ def forced(name: str) -> Iterator[None]:
 
 
 def decided(key: tuple) -> bool:
-    """True when ``key`` (:meth:`AutoKernel.key`) already has a choice."""
-    return key in _CHOICES
+    """True when ``key`` (:meth:`AutoKernel.key`) already has a choice: this process's, a resumed
+    run's or the machine's cache's (:mod:`vitflow.timing`), which it then takes."""
+    if key in _CHOICES:
+        return True
+    known = timing.remembered(KIND, key)
+    if known is not None:
+        timing.record(KIND, key, known, timed=False)
+    return known is not None
 
 
 def tune(keys: Sequence[tuple], names: Sequence[str], run: Callable[[], object], device: torch.device,
@@ -80,7 +90,7 @@ def tune(keys: Sequence[tuple], names: Sequence[str], run: Callable[[], object],
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         best = fastest({n: call(n) for n in names}, TUNE_ROUNDS, device, (RuntimeError, ValueError), failed)
-    for key in keys:
+    for key in sorted(keys, key=str):  # the same order on every rank (each agrees with rank 0)
         choice = _record(key, best, what)
     return choice
 
@@ -89,8 +99,7 @@ def _record(key: tuple, times: dict[str, float], what: str) -> str:
     quickest = min(times.values())
     if quickest == float("inf"):
         raise RuntimeError(f"attention=auto: no candidate ran on qkv {key[0]}")
-    best = next(n for n, t in times.items() if t <= quickest * (1 + TIE))
-    _CHOICES[key] = best
+    best = timing.record(KIND, key, next(n for n, t in times.items() if t <= quickest * (1 + TIE)))
     log.info("attention=auto: %s for qkv %s %s on %s, %s (%s ms: %s)", best, key[0], str(key[2]).removeprefix("torch."),
              key[3], "fwd+bwd" if key[-1] else "fwd", what, ", ".join(f"{n} {t * 1e3:.2f}" for n, t in times.items()))
     return best
@@ -145,7 +154,7 @@ class AutoKernel(AttentionKernel):
         first sight of its key unless :func:`tune` already chose)."""
         key = self.key(qkv, num_heads, ctx)
         backward = key[-1]
-        if key not in _CHOICES:
+        if not decided(key):
             devices = [qkv.device] if qkv.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices), torch.no_grad() if not backward else torch.enable_grad():
                 times = {name: time_kernel(k, qkv, num_heads, ctx, backward)
@@ -162,5 +171,6 @@ class AutoKernel(AttentionKernel):
 
 
 def clear_choices() -> None:
-    """Forget every timed choice (the next call of each key times the candidates again)."""
-    _CHOICES.clear()
+    """Forget every timed choice, a resumed run's too (the next call of each key takes the machine's
+    cache's or times the candidates again)."""
+    timing.forget(KIND)

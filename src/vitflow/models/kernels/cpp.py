@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from vitflow.timing import cpu_flags
+
 log = logging.getLogger(__name__)
 
 SOURCES = ("window_attention.cpp", "layer_norm.cpp")  # plus the header vec.h
@@ -33,17 +35,9 @@ _STATE: dict[str, object] = {}
 
 
 def _fingerprint() -> str:
-    """8 hex digits of the CPU's flag list (``/proc/cpuinfo``; the machine name elsewhere) and of
+    """8 hex digits of the CPU's model and flag list (:func:`vitflow.timing.cpu_flags`) and of
     the sources and header: a new CPU or a changed source gets its own build."""
-    flags = platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
-    except OSError:
-        pass
-    digest = hashlib.sha1(flags.encode())
+    digest = hashlib.sha1(cpu_flags().encode())
     for path in sorted(Path(__file__).with_name("csrc").iterdir()):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:8]

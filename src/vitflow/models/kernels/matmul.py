@@ -29,7 +29,8 @@ call of each ``(rows, in, out, bias?, input dtype, backward?)`` both run on cons
 shape — forward, plus the backward's GEMMs when gradients are on, run without autograd so that a
 first call inside a checkpointed block is safe; one warm-up and :data:`TIMED_CALLS` timed calls
 each, fastest call — and ``fp32`` is kept only when it is more than :data:`TIE` faster; the
-choice is logged, at debug level). Outside bf16 CPU autocast a :class:`Linear` is ``F.linear``.
+choice is logged, at debug level, and kept in :mod:`vitflow.timing`'s record: in checkpoints, in the
+machine's cache, rank 0's under torchrun). Outside bf16 CPU autocast a :class:`Linear` is ``F.linear``.
 
 :class:`Linear` also takes an optional ``residual`` and then returns ``residual + linear(x)`` with
 the add inside the GEMM (BLAS ``C = A B + C``) where that is exact and safe: the pre-norm block's
@@ -47,6 +48,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vitflow import timing
 from vitflow.models.kernels import onednn
 from vitflow.timing import fastest, tracing
 
@@ -60,7 +62,8 @@ TIE = 0.05  # fp32 must be faster than the native kernel by more than this to be
 # microbenchmarks 7-50% faster per product, the bf16 training step 2.5% faster in-process A/B) and its
 # bias gradient a GEMM with a ones vector (bf16 column sums of 100352 x 384: 13.8 -> 3.5 ms).
 SPLIT_ROWS = 20000
-_CHOICES: dict[tuple, str] = {}
+KIND = "bf16_matmul"  # its choices in vitflow.timing's record: kept in checkpoints, cached per machine
+_CHOICES: dict[tuple, str] = timing.choice_table(KIND)
 
 
 def check_mode(mode: str) -> str:
@@ -195,7 +198,7 @@ def _bf16_cpu_autocast(x: torch.Tensor) -> bool:
 
 
 def _choose(key: tuple, layer: nn.Linear) -> str:
-    """Time both kernels for ``key`` and record the choice. The backward's GEMMs are run
+    """Time both kernels for ``key``; returns the choice. The backward's GEMMs are run
     explicitly without autograd: the first call may sit inside a checkpointed region, whose
     saved-tensor bookkeeping must not see the timing."""
     rows, k, n, has_bias, dtype, backward = key
@@ -220,15 +223,15 @@ def _choose(key: tuple, layer: nn.Linear) -> str:
     choice = "fp32" if best["fp32"] < best["bf16"] * (1 - TIE) else "bf16"
     log.debug("cpu_bf16_matmul=auto: %s GEMM for (%d x %d) @ (%d x %d)^T, %s (ms: bf16 %.2f, fp32 %.2f)", choice, rows,
              k, k, n, "fwd+bwd" if backward else "fwd", best["bf16"] * 1e3, best["fp32"] * 1e3)
-    _CHOICES[key] = choice
     return choice
 
 
 def _gemm_choice(layer: nn.Linear, x: torch.Tensor) -> str:
-    """``auto``'s choice for ``layer`` on ``x``: the recorded one for this shape, timed on first sight."""
+    """``auto``'s choice for ``layer`` on ``x``: the recorded one for this shape (this process's, a
+    resumed run's, the machine's cache's: :func:`vitflow.timing.choose`), timed on first sight."""
     backward = torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad)
     key = (x.numel() // x.shape[-1], layer.in_features, layer.out_features, layer.bias is not None, x.dtype, backward)
-    return _CHOICES.get(key) or _choose(key, layer)
+    return _CHOICES.get(key) or timing.choose(KIND, key, lambda: _choose(key, layer))
 
 
 class Linear(nn.Linear):
@@ -309,5 +312,6 @@ def as_plain_linear(model: nn.Module) -> nn.Module:
 
 
 def clear_choices() -> None:
-    """Forget the timed choices (the next call of each shape times both kernels again)."""
-    _CHOICES.clear()
+    """Forget the timed choices, a resumed run's too (the next call of each shape takes the machine's
+    cache's or times both kernels again)."""
+    timing.forget(KIND)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from vitflow import timing
 from vitflow.runtime import cpu_bf16_supported
 from vitflow.timing import fastest
 
@@ -45,6 +46,7 @@ TIMED_CALLS = 3
 TIE = 0.1  # oneDNN must be faster than PyTorch's GEMM by more than this to be chosen
 ENV_VAR = "VITFLOW_FP32_GEMM"  # the process's default mode (auto where unset); set_fp32_gemm overrides it
 _STATE: dict[str, str | None] = {"mode": None, "choice": ""}  # mode None: ENV_VAR's
+KIND, PROBE = "fp32_gemm", "(1024 x 768) @ (768 x 3072)"  # auto's choice in vitflow.timing's record
 
 
 def set_fp32_gemm(mode: str) -> str:
@@ -90,7 +92,8 @@ def fp32_gemm() -> str:
     PyTorch lacks oneDNN). The mode is :func:`set_fp32_gemm`'s, else :data:`ENV_VAR`'s, else ``auto``:
     timed on the first call: (1024 x 768) @ (768 x 3072), forward plus input gradient, on constant
     data, one warm-up and :data:`TIMED_CALLS` calls each, fastest call; oneDNN is kept only when more
-    than :data:`TIE` faster; the choice (or :data:`ENV_VAR`'s) is logged at debug level (``vitflow -v``).
+    than :data:`TIE` faster (or the machine's cached choice, :func:`vitflow.timing.choose`); the choice
+    (or :data:`ENV_VAR`'s) is logged at debug level (``vitflow -v``).
 
     Raises:
         ValueError: :data:`ENV_VAR` holds another value (see :func:`fp32_mode`).
@@ -99,7 +102,8 @@ def fp32_gemm() -> str:
         chosen = fp32_mode()
         if AVAILABLE and chosen != "auto" and not _STATE["mode"]:
             log.debug("fp32 linear layers: %s GEMM (%s)", chosen, ENV_VAR)
-        _STATE["choice"] = "torch" if not AVAILABLE else _time_gemms() if chosen == "auto" else chosen
+        _STATE["choice"] = ("torch" if not AVAILABLE else timing.choose(KIND, PROBE, _time_gemms) if chosen == "auto"
+                            else chosen)
     return _STATE["choice"]
 
 
