@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from vitflow.cli.deploy import cmd_export, cmd_prune, cmd_quantize
 from vitflow.cli.outputs import chosen, live_report_hook, train_epilogue
@@ -18,6 +19,7 @@ from vitflow.config import build_config, list_presets, preset_tree, to_yaml
 from vitflow.data import check_config as check_data_config
 from vitflow.data.sources.readers import display_name
 from vitflow.models import check_config as check_model_config
+from vitflow.rundir import run_of_checkpoint, write_eval_record
 from vitflow.train import check_config as check_train_config
 
 # the layers' config checks, run by every command that builds a config
@@ -32,19 +34,26 @@ def _default_preset(args: argparse.Namespace) -> str | None:
     return "finetune"
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def _train_config(args: argparse.Namespace):
+    """The config of ``vitflow train``: a resumed run's own, a planned one (a photo folder, or a
+    fine-tune of ``model.pretrained`` on it: the recipe from the data and the clock), or the
+    preset's (``args.preset`` is set to the one used)."""
     from vitflow.train.plan import is_planned, planned_config
     from vitflow.train.resume import resume_config
 
     cfg = resume_config(args.preset, args.overrides, CONFIG_CHECKS)  # a resume: the run's own config
-    if cfg is None:
-        args.preset = _default_preset(args)
     if cfg is not None and (args.preset or args.config):
         logging.getLogger("vitflow").warning("--preset / --config ignored: a resumed run keeps its saved config "
                                              "(change keys with key=value)")
     if cfg is None and is_planned(args.preset, args.config, args.overrides):
-        cfg = planned_config(args.overrides, CONFIG_CHECKS)  # a photo folder: the recipe from the data
-    cfg = cfg or build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS)
+        return planned_config(args.overrides, CONFIG_CHECKS, args.preset)
+    if cfg is None:
+        args.preset = _default_preset(args)
+    return cfg or build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = _train_config(args)
     if args.print_config:
         from vitflow.models.pretrained.config import apply_pretrained
 
@@ -141,6 +150,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
           f"{tta}, {r['images_per_s']:.0f} images/s, {r['checkpoint']})")
     if "f1" in result:  # single-label: the per-class table
         print(per_class_text(r["classes"], result))
+    if (run := run_of_checkpoint(r["checkpoint"])) is not None:  # the run report shows it
+        kept = {k: r[k] for k in ("step", "split_expr", "weights", "classes", "checkpoint", "tta")}
+        path = write_eval_record(run, {**kept, **result, "split": role, "source": "vitflow eval", "time": time.time(),
+                                       "task": "multilabel" if "map" in result else "multiclass"})
+        print(f"recorded for the run's report: {path}")
     return _skipped_and_json(args, r, result["skipped"])
 
 

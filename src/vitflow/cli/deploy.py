@@ -52,7 +52,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.split and not args.data:
         raise ValueError("--split selects images of --data: give --data PATH too (no top-1 is measured without it)")
     try:
-        r = quantize_file(args.model, args.output, args.backend, args.dtype, args.data, args.split or "test",
+        r = quantize_file(args.model, args.output, args.backend, args.dtype, args.data, args.split,
                           args.max_drop, args.force, per_channel=not args.per_tensor)
     except AccuracyDropError as e:
         print(f"refused: {e}", file=sys.stderr)

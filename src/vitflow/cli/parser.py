@@ -190,8 +190,9 @@ def _deployment_commands(sub) -> None:
                    help="int8 (default); fp16/bf16 weight casting for GPU inference (torch backend)")
     p.add_argument("--data", metavar="PATH",
                    help="data to measure top-1 (multi-label models: mAP) on before and after: a folder, tar, "
-                   "label file or dataset")
-    p.add_argument("--split", help="split of --data (default test; e.g. 'test[:2000]')")
+                   "label file or dataset, or a split folder of class folders (PHOTOS/test)")
+    p.add_argument("--split", help="split of --data (default: its test split, else its validation split, else all "
+                   "of a split folder; e.g. 'test[:2000]')")
     p.add_argument("--max-drop", type=float, default=1.0, help="max top-1 (mAP) drop in points (default 1.0)")
     p.add_argument("--force", action="store_true", help="write the model even if top-1 dropped more")
     p.add_argument("--per-tensor", action="store_true", help="ONNX: one weight scale per tensor (default per channel)")

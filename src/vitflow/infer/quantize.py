@@ -25,7 +25,10 @@ import torch
 
 from vitflow.checkpoint import apply_quantization, load_checkpoint, model_from_checkpoint, save_checkpoint
 from vitflow.config import DataConfig
-from vitflow.data import open_split
+from vitflow.config.messages import MESSAGES
+from vitflow.data import DataError, open_split
+from vitflow.data.sources.dispatch import split_names
+from vitflow.data.sources.labels import TEST_NAMES, VAL_NAMES
 from vitflow.infer.calibration import accuracy
 from vitflow.infer.export import export_onnx
 from vitflow.infer.onnx_model import ModelInfo, OnnxModel, copy_metadata, is_onnx, quiet_toolchain, require
@@ -117,7 +120,7 @@ class _Cast(torch.nn.Module):
 
 
 def quantize_file(model_path: str | Path, out: str | Path, backend: str = "onnxruntime", dtype: str = "int8",
-                  data: str | None = None, split: str = "test", max_drop: float = 1.0, force: bool = False,
+                  data: str | None = None, split: str | None = None, max_drop: float = 1.0, force: bool = False,
                   per_channel: bool = True, log=print) -> dict:
     """Quantise a checkpoint or ONNX model, optionally guarded by top-1 on real data.
 
@@ -129,7 +132,7 @@ def quantize_file(model_path: str | Path, out: str | Path, backend: str = "onnxr
         dtype: ``int8``; ``fp16`` / ``bf16`` (torch backend: weight casting).
         data: an image folder or tar to measure top-1 on before and after; the output is written
             only if top-1 dropped by at most ``max_drop`` percentage points, or with ``force``.
-        split: the split of ``data`` (``test``, ``test[:2000]``, ...).
+        split: the split of ``data`` (``test``, ``test[:2000]``, ...); ``None``: :func:`measured_split`.
     Returns:
         ``{"path", "bytes", "ops", "top1_before", "top1_after", "drop_points",
         "images", "written"}`` (accuracy keys only with ``data``).
@@ -138,6 +141,7 @@ def quantize_file(model_path: str | Path, out: str | Path, backend: str = "onnxr
         FileNotFoundError / ValueError: unreadable model, unsupported combination, bad data.
     """
     _check_request(model_path, out, backend, dtype)
+    split = measured_split(data, split) if data is not None else split  # bad data fails before any work
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -205,6 +209,26 @@ def _quantize_checkpoint(model_path: str | Path, tmp: Path, dtype: str):
         candidate = _Cast(model_from_checkpoint(state).to(dt), dt)
     save_checkpoint(new_state, tmp)
     return reference, candidate, info
+
+
+def measured_split(data: str, split: str | None) -> str:
+    """The split of ``data`` the guard measures: ``split`` when given; else its test split, else its
+    validation split; else, for a folder of class folders (a split folder itself, e.g.
+    ``PHOTOS/test``), all its images (the folder kind's root split).
+
+    Raises:
+        DataError: no such split to choose (one line naming the folder to give instead).
+    """
+    if split:
+        return split
+    names = split_names(data)
+    found = next((n for n in (*TEST_NAMES, *VAL_NAMES) if n in names), None)
+    if found:
+        return found
+    if names == ["train"] and Path(data).is_dir() and not (Path(data) / "train").is_dir():
+        log.info("--data %s: class folders at its root; measuring all its images", data)
+        return "train"
+    raise DataError(MESSAGES["quantize_no_split"].format(path=str(data).rstrip("/"), splits=", ".join(names)))
 
 
 def _accuracy_guard(reference, candidate, info: ModelInfo, data: str, split: str, max_drop: float, force: bool,

@@ -36,9 +36,10 @@ from vitflow.train.evaluator import RunEvaluator, run_summary
 from vitflow.train.logging import EpochTracker, MetricsLog, start_record
 from vitflow.train.preempt import interrupted_end
 from vitflow.train.resume import locate_run, restore_training, seed_ranks, training_state
-from vitflow.train.run_dir import open_run_dir
+from vitflow.train.run_dir import open_run_dir, write_samples
 from vitflow.train.schedules import schedule_of
-from vitflow.train.selection import BEST, Selection
+from vitflow.rundir import BEST
+from vitflow.train.selection import Selection
 from vitflow.train.setup import build_model, build_optimization, builtin_callbacks, start_process
 from vitflow.train.store_stop import stop_on_store_error
 
@@ -80,6 +81,7 @@ class Trainer:
         if self.dist.is_main:  # created now that the data and the model are known to be good
             open_run_dir(self.run_dir, to_yaml(cfg), cfg.preset)
             write_distribution(self.run_dir, self.data)  # each split's class counts, for the report
+            write_samples(self.data.val or self.data.test, self.run_dir)  # held-out images: predict, the report
         saved = self.state or {}
         self.metrics = MetricsLog(self.run_dir, t.tensorboard, self.dist.is_main,
                                   saved.get("records", {} if start_over else None), self.step if self.state else None,
@@ -94,6 +96,7 @@ class Trainer:
         # the last monitored evaluation's figures, request_stop's reason, the signal that interrupted the run:
         self.last_eval, self.stop_reason, self.interrupted = None, None, None
         self.eval_due = self.finishing = False  # a periodic evaluation runs; the final ones run
+        self.eval_requested = False  # a callback asked for an evaluation (and a checkpoint) after this step
         if self.state:
             restore_training(self.state, self)
         seed_ranks(self.state, self.dist, t.seed, self.step)  # last: set-up leaves the model's random stream alone
@@ -108,6 +111,11 @@ class Trainer:
         self.stop_reason = self.stop_reason or reason
         if interrupt:
             self.interrupted = self.interrupted or reason
+
+    def request_evaluation(self) -> None:
+        """Evaluate, then checkpoint, after the current step (``train.eval_interval``'s clock asks
+        so); the ranks agree at the step boundary."""
+        self.eval_requested = True
 
     def train_step(self, batches: list[dict]) -> tuple[float, float, bool]:
         """Forward, loss and backward over the micro-batches (at this step's resolution), clip, then
@@ -181,14 +189,22 @@ class Trainer:
             self.callbacks.call("on_step_end", self, StepOutput(self.step, loss, grad_norm, n, wait, cost, taken))
             if self._stopping():
                 break
-            if taken and t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
+            asked = self._evaluation_asked()  # by a callback (train.eval_interval): an evaluation, then a checkpoint
+            if taken and (asked or t.eval_every and self.step % t.eval_every == 0) and self.step < self.total_steps:
                 self._evaluate_periodic()
                 if self._stopping():  # early stopping, a callback
                     break
-            if taken and t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < self.total_steps:
+            if taken and (asked or t.checkpoint_every and self.step % t.checkpoint_every == 0) and \
+                    self.step < self.total_steps:
                 self.save()
         if self.stop_reason and not self.interrupted and self.stop_reason != self.selection.stopped:
             log.info("%s", self.stop_reason)  # (early stopping said so when it fired)
+
+    def _evaluation_asked(self) -> bool:
+        """Whether a callback asked for an evaluation at this step (on any rank: one all-reduce, only
+        when ``train.eval_interval`` is set); the request is then consumed."""
+        asked, self.eval_requested = self.eval_requested, False
+        return bool(self.cfg.train.eval_interval) and self.dist.any(asked, self.device)
 
     def _stopping(self) -> bool:
         """Whether any rank asked to stop (one all-reduce: every rank then stops after the same step)."""
