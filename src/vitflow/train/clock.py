@@ -143,8 +143,10 @@ def _stepper(model, optimizer, x, y, precision, accum: int, smoothing: float, de
 def _median_step(step, best: float | None) -> float:
     """The median of up to :data:`TIMED_STEPS` timed calls of ``step`` after an untimed one, fewer
     past :data:`MAX_PROBE_SECONDS`, or after one that is 1.5x slower than ``best`` (another thread
-    count's median: this one loses anyway)."""
-    step()
+    count's median: this one loses anyway; an untimed call 3x slower ends it at once)."""
+    warm = step()
+    if best is not None and warm > 3 * best:
+        return warm
     times, t0 = [], time.perf_counter()
     while len(times) < TIMED_STEPS:
         times.append(step())

@@ -242,7 +242,17 @@ def _warmup(f: Facts, v: Values) -> Choice:
     return max(1, round(steps / 20)), f"5% of the {steps} expected steps"
 
 
-EVALUATIONS, EVAL_SHARE = 12, 0.1  # evaluations a run aims at; the most of its time they may take
+EVALUATIONS, FEWEST, EVAL_SHARE, MOST_SHARE = 12, 10, 0.1, 0.25  # evaluations a run aims at, and their time
+
+
+def evaluation_count(seconds: float, one: float) -> int:
+    """Evaluations of ``one`` seconds each in a run of ``seconds``: :data:`EVALUATIONS` while they
+    take at most :data:`EVAL_SHARE` of it, down to :data:`FEWEST` (the first within 10% of the
+    run), fewer only where even those would take over :data:`MOST_SHARE`."""
+    if one <= 0:
+        return EVALUATIONS
+    n = min(EVALUATIONS, max(FEWEST, int(EVAL_SHARE * seconds / one)))
+    return n if n * one <= MOST_SHARE * seconds else max(2, int(MOST_SHARE * seconds / one))
 
 
 def _eval_interval(f: Facts, v: Values) -> Choice:
@@ -251,9 +261,9 @@ def _eval_interval(f: Facts, v: Values) -> Choice:
         return None
     seconds = parse_duration(budget)
     one = f.eval_images * f.clock.eval_image_s if f.clock else 0.0
-    n = max(2, min(EVALUATIONS, int(EVAL_SHARE * seconds / one) if one else EVALUATIONS))
+    n = evaluation_count(seconds, one)
     why = (f"{n} evaluations spread over train.time_budget={budget}: the first after ~{100 / n:.0f}% of the run"
-           + (f" (each ~{one:.1f} s: at most {EVAL_SHARE:.0%} of the time)" if n < EVALUATIONS else ""))
+           + (f" (each ~{one:.1f} s: {n * one / seconds:.0%} of the time)" if n < EVALUATIONS else ""))
     return f"{max(1, round(seconds / n))}s", why
 
 
