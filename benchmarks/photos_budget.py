@@ -12,7 +12,8 @@ commit); ``--stop-after`` sends SIGINT that many seconds after the start (a user
 vitflow checkpoints and returns). The run's figures come from ``vitflow eval`` of its newest
 checkpoint, by the same tree, on the validation split and, when the data has one, the test split.
 
-Printed (and with ``--json`` one JSON line): the expected duration the run printed before step 1
+The run's log, each line with its second, goes to ``train.log`` beside the run folder. Printed (and
+with ``--json`` one JSON line): the expected duration the run printed before step 1
 and the start-up it announced, the wall time from that line to the end and its ratio to the
 expectation, the time of the first evaluation as a fraction of the training time, the steps, the
 val / test top-1, and the load average at the start and the end (this machine is shared).
@@ -92,6 +93,7 @@ def main() -> None:
     cmd = [sys.executable, "-m", "vitflow", "train", f"data.path={data}", f"train.run_dir={run}", *args.overrides]
     code, lines, wall = _run(cmd, env, args.stop_after)
     load1 = os.getloadavg()[0]
+    (run.parent / "train.log").write_text("".join(f"{t:8.1f} {text}\n" for t, text in lines))  # beside the run
     found = next(((t, EXPECTED.search(text)) for t, text in lines if EXPECTED.search(text)), None)
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     start = next(r for r in records if r["kind"] == "start")

@@ -92,3 +92,7 @@ def test_planned_finetune_of_a_run_loads_it_and_says_so(source_run: Path, tmp_pa
     assert len(kept) > 20 and all(torch.equal(own[k], state["model"][k]) for k in kept)  # the run's weights, loaded
     assert trainer.model.head.weight.shape[0] == 2  # a new head for the 2 classes
     assert trainer.fit()["step"] == cfg.train.total_steps
+    bare = tmp_path / "bare.pt"  # weights that name no architecture: the plan leaves model.name=auto to say so
+    torch.save({k: v for k, v in state["model"].items()}, bare)
+    with pytest.raises(ConfigError, match="has no config naming an architecture"):
+        planned_config([f"data.path={data}", f"model.pretrained={bare}"], CONFIG_CHECKS)

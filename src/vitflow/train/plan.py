@@ -106,13 +106,15 @@ def size_warnings(m: ModelConfig, device: str, profile: DataProfile) -> list[str
     return out
 
 
-def _source(m: ModelConfig) -> tuple[str, str, dict] | None:
-    """``(origin, model name, model kwargs)`` of ``model.pretrained`` (what a fine-tune takes), or ``None``."""
+def _source(m: ModelConfig) -> tuple[str, str | None, dict] | None:
+    """``(origin, model name, model kwargs)`` of ``model.pretrained`` (what a fine-tune takes), or
+    ``None`` without one; bare weights name no architecture (the name is then the user's, or none:
+    ``model.name=auto`` then says to set it)."""
     if not m.pretrained:
         return None
     pre = resolve_pretrained(m.pretrained)
     if not pre.model_name:
-        return None  # bare weights: the user's model.name says the architecture
+        return f"the weights {m.pretrained}", None if m.name == "auto" else m.name, {}
     kwargs = {**pre.model_kwargs, **({"img_size": pre.preprocess["input_size"]} if "input_size" in (
         pre.preprocess or {}) else {})}
     return pre.origin or f"the config of {m.pretrained}", pre.model_name, kwargs

@@ -27,8 +27,8 @@ class Facts:
     """What the rules know besides the values: the training split (``images``, ``classes``, the
     median ``short_side`` in pixels, and whether every sampled image has one size ``uniform``),
     the device kind (``cpu`` / ``cuda``), the family of a model the user named (``vit`` otherwise),
-    the pretrained source's architecture (``source``: ``(origin, model name, model kwargs)``) for a
-    fine-tune, the evaluated images (``eval_images``: the validation split, ``final_images``:
+    the pretrained source's architecture (``source``: ``(origin, model name, model kwargs)``; the
+    name ``None`` for bare weights without a ``model.name``) for a fine-tune, the evaluated images (``eval_images``: the validation split, ``final_images``:
     every split evaluated at the end), the measured :class:`~vitflow.train.clock.Clock` (phase 1)
     and the keys the user set."""
 
@@ -95,6 +95,8 @@ def _patch_size(f: Facts, v: Values) -> Choice:
 def _model_name(f: Facts, v: Values) -> Choice:
     if f.source is not None:
         origin, name, kw = f.source
+        if name is None:
+            return None  # bare weights and no model.name: model.name=auto asks for one
         shown = ", ".join(f"{k}={kw[k]}" for k in ("img_size", "patch_size", "pos_embed", "global_pool") if k in kw)
         return "auto", f"fine-tune: the architecture of {origin}: {name}" + (f" ({shown})" if shown else "")
     if f.family != "vit":

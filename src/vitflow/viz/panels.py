@@ -79,8 +79,8 @@ def samples_panel(run: Path, checkpoint: str | Path | None = None, predict: bool
     return (f"<h2>Held-out samples ({len(samples)} images of RUN_DIR/samples)</h2><div class=samples>{''.join(cells)}"
             "</div><p class=note>True class from the file name; "
             + ("predictions of the newest checkpoint" if predicted else "the newest checkpoint's predictions and "
-               "attention maps are drawn by the report written at the end (or <code>vitflow report RUN_DIR</code>)")
-            + " (<code>vitflow predict RUN_DIR RUN_DIR/samples</code>).</p>")
+               "attention maps are drawn by the report written at the end, or by <code>vitflow report RUN_DIR</code>")
+            + "; try <code>vitflow predict RUN_DIR RUN_DIR/samples</code>.</p>")
 
 
 def _predictions(checkpoint: str | Path, samples: list[Path]) -> dict[str, tuple[str, float]]:

@@ -176,7 +176,7 @@ def sample_indices(labels: np.ndarray, n: int = 10) -> list[int]:
 
 def export_samples(source: ImageSource, folder: str | Path, n: int = 10) -> list[Path]:
     """Write up to ``n`` readable images of ``source`` (one per class first: :func:`sample_indices`)
-    into ``folder`` as ``NN_<class>.EXT`` (``NN`` is the index in ``source``): a file's own bytes
+    into ``folder`` as ``NN_<class>.EXT`` (``NN`` is the index in ``source``, zero-padded): a file's own bytes
     when the images are files (a :class:`FileSource`, also behind a RAM cache's ``base``), else a
     PNG of the decoded image. For ``vitflow predict``, the report's attention maps and sample panel.
     Returns the paths."""
@@ -187,11 +187,12 @@ def export_samples(source: ImageSource, folder: str | Path, n: int = 10) -> list
     files = getattr(source, "base", None)
     files = files if isinstance(files, FileSource) and len(files) == len(source) else source
     paths: list[Path] = []
+    width = max(2, len(str(len(source) - 1)))  # the names sort in index order
     for i in sample_indices(np.asarray(source.labels), 4 * n):
         if len(paths) == n:
             break
         label = source.labels[i]
-        name = f"{i:02d}_{source.classes[int(label.argmax() if np.ndim(label) else label)]}"
+        name = f"{i:0{width}d}_{source.classes[int(label.argmax() if np.ndim(label) else label)]}"
         try:
             if isinstance(files, FileSource):
                 suffix = Path(os.fsdecode(files.keys[i])).suffix.lower() or ".jpg"
