@@ -55,7 +55,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import vitflow  # noqa: E402
-from vitflow.models import MODELS, onednn  # noqa: E402
+from vitflow.models import MODELS  # noqa: E402
+from vitflow.models.kernels import onednn  # noqa: E402
 from vitflow.runtime import configure_allocator  # noqa: E402
 
 MODEL_SPECS = {  # key: (vitflow variant, batch, classes, input size (None: the variant's))

@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import make_folder
+from helpers import make_folder, take_pretrained
 from vitflow.cli import main
 from vitflow.config import DataConfig, build_config
 from vitflow.config.messages import MESSAGES, render
 from vitflow.data.sources.dispatch import resolve_eval_splits
 from vitflow.infer.hub_folder import timm_model_args
 from vitflow.infer.quantize import measured_split
-from vitflow.models.pretrained.config import apply_pretrained
 from vitflow.models.pretrained.hub import resolve_pretrained
 from vitflow.train.run_dir import check_new_run
 
@@ -61,7 +60,7 @@ def test_the_common_cases_print_their_entry(tmp_path: Path, monkeypatch):
     printed["hub_offline"] = _raised(resolve_pretrained, "hf-hub:someone/nothing-here")
     bare = tmp_path / "w.pt"
     torch.save({"blocks.0.norm1.weight": torch.ones(4)}, bare)
-    printed["auto_without_architecture"] = _raised(apply_pretrained, build_config(
+    printed["auto_without_architecture"] = _raised(take_pretrained, build_config(
         "finetune", overrides=[f"model.pretrained={bare}", "data.path=x"]))
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     printed["run_without_checkpoint"] = _raised(resolve_pretrained, tmp_path / "run")

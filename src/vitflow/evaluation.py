@@ -14,8 +14,11 @@ import torch
 
 from vitflow.data import SkipReport, model_input
 from vitflow.data.transforms import Preprocess
-from vitflow.metrics import Accumulator, meaningful
-from vitflow.metrics import headline  # noqa: F401  headline: vitflow.evaluation.headline, as before
+from vitflow.metrics import (
+    Accumulator,
+    headline,  # noqa: F401  headline: vitflow.evaluation.headline, as before
+    meaningful,
+)
 from vitflow.metrics.classification import ECE_BINS, calibration, calibration_counts, confusion_metrics
 from vitflow.metrics.multilabel import choose_threshold, multilabel_metrics
 from vitflow.runtime import Precision

@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import make_folder
+from helpers import make_folder, take_pretrained
 from vitflow.checkpoint import load_checkpoint
 from vitflow.cli.commands import CONFIG_CHECKS
 from vitflow.config import ConfigError, build_config
 from vitflow.infer.hub_folder import save_hub_folder
-from vitflow.models.pretrained.config import apply_pretrained
 from vitflow.models.pretrained.hub import resolve_pretrained
 from vitflow.train import Trainer, train
 from vitflow.train.clock import Clock
@@ -60,7 +59,7 @@ def test_a_run_its_checkpoint_and_its_hub_folder_name_their_architecture(source_
 
 def test_auto_takes_the_whole_architecture_from_a_run(source_run: Path):
     cfg = build_config("finetune", overrides=[f"model.pretrained={source_run}", "data.path=x"])
-    apply_pretrained(cfg)
+    take_pretrained(cfg)
     m = cfg.model
     assert (m.name, m.img_size, m.patch_size, m.depth, m.pos_embed, m.global_pool) == (
         "vit_compact_patch8_64", 16, 4, 2, "sincos2d", "avg")
@@ -68,7 +67,7 @@ def test_auto_takes_the_whole_architecture_from_a_run(source_run: Path):
     bare = source_run.parent / "bare.pt"
     torch.save({"blocks.0.norm1.weight": torch.ones(192)}, bare)
     with pytest.raises(ConfigError, match="has no config naming an architecture .* or a vitflow run"):
-        apply_pretrained(build_config("finetune", overrides=[f"model.pretrained={bare}", "data.path=x"]))
+        take_pretrained(build_config("finetune", overrides=[f"model.pretrained={bare}", "data.path=x"]))
 
 
 def test_planned_finetune_of_a_run_loads_it_and_says_so(source_run: Path, tmp_path: Path, caplog, monkeypatch):

@@ -146,12 +146,12 @@ def test_expectations_before_step_1_say_duration_first_evaluation_and_the_budget
 def test_a_named_swin_keeps_its_own_sizes_and_position_encoding(tmp_path: Path, monkeypatch):
     swin = plan(dataclasses.replace(HYMENOPTERA, family="swin"), **{"model.name": "swin_cifar_patch2_window4_32"})
     assert (swin["model.img_size"], swin["model.patch_size"], swin["model.pos_embed"]) == (None, None, "learned")
-    # end to end on the CIFAR JPEG tar: the preset's ViT-only sin-cos positions are not handed to the Swin,
-    # and the model is built with the variant's patch 2 (a 16 x 16 grid), not the plan's 4
+    # end to end on the CIFAR JPEG tar: the preset's ViT-only sin-cos positions are not handed to the Swin (its
+    # section has no pos_embed), and the model is built with the variant's patch 2 (a 16 x 16 grid), not the plan's 4
     monkeypatch.setattr("vitflow.train.plan.measure_clock", lambda cfg, classes: CLOCK)
     cfg = planned_config(["model.name=swin_cifar_patch2_window4_32", f"data.path={need(CIFAR_TAR)}",
                           f"train.run_dir={tmp_path / 'run'}"], CONFIG_CHECKS)
-    assert (cfg.model.img_size, cfg.model.patch_size, cfg.model.pos_embed) == (None, None, "learned")
+    assert (cfg.model.img_size, cfg.model.patch_size, hasattr(cfg.model, "pos_embed")) == (None, None, False)
     model = create_model(**model_args(cfg.model, 10))
     assert tuple(model.patch_embed.proj.weight.shape) == (96, 3, 2, 2)
 

@@ -144,12 +144,13 @@ def is_batched(source: ImageSource, cfg: DataConfig, image_size: int) -> bool:
 
 
 def choose_workers(cfg: DataConfig, source: ImageSource, transform, batched: bool) -> int:
-    """``data.num_workers``, or for ``auto``: 0 on the batched path; else 0 when a probe shows
+    """``data.num_workers``, or for ``auto``: 0 on the batched path or for a source that cannot go to
+    worker processes (:meth:`~vitflow.data.sources.base.ImageSource.worker_problem`); else 0 when a probe shows
     per-image work under 0.2 ms (worker IPC would cost more), otherwise one worker per core
     (at most 8)."""
     if cfg.num_workers != "auto":
         return int(cfg.num_workers)
-    if batched:
+    if batched or source.worker_problem():  # (a dataset that does not pickle: loaded in this process)
         return 0
     if isinstance(source, ShardStream):  # no random access to probe; photos from shards
         return min(os.cpu_count() or 1, 8)
@@ -290,6 +291,6 @@ def eval_loader(source: ImageSource, pp: Preprocess, batch_size: int, num_worker
     gather = size is not None and min(size) == photo_cache_size(pp.image_size, pp.crop_pct)
     if gather and size != (pp.image_size, pp.image_size):
         source = CenterCropSource(source, pp.image_size)
-    workers = 0 if gather or num_workers == "auto" and in_ram(source) else (
+    workers = 0 if gather or num_workers == "auto" and (in_ram(source) or source.worker_problem()) else (
         min(os.cpu_count() or 1, 8) if num_workers == "auto" else int(num_workers))
     return make_loader(source, None if gather else eval_transform(pp), sampler, workers)

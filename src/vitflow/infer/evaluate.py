@@ -16,6 +16,7 @@ from vitflow.data.sources.dispatch import scored_split
 from vitflow.data.transforms import Preprocess
 from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
 from vitflow.infer.tta import parse_tta, with_tta
+from vitflow.models import config_class
 from vitflow.models.kernels import onednn
 from vitflow.runtime import resolve_device, resolve_precision
 
@@ -55,7 +56,8 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
     """
     spec = parse_tta(tta)  # a bad spec fails before any work
     state = load_checkpoint(path)
-    cfg = build_config(base=state["config"], overrides=overrides, checks={"data": check_data_config})
+    cfg = build_config(base=state["config"], overrides=overrides, checks={"data": check_data_config},
+                       model_config=config_class)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     dev = resolve_device(device or cfg.train.device)

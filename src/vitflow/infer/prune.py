@@ -38,6 +38,7 @@ from vitflow.data.transforms import Preprocess
 from vitflow.infer.bench import time_paths
 from vitflow.infer.calibration import accuracy, checkpoint_split
 from vitflow.infer.quantize import inference_state
+from vitflow.models import config_class
 from vitflow.models.kernels.matmul import Linear
 from vitflow.runtime import resolve_precision
 
@@ -232,7 +233,7 @@ def prune_checkpoint(checkpoint, out, heads: float = 0.25, mlp: float = 0.0, dat
     if state.get("task", "multiclass") == "multilabel":
         raise ValueError(f"{state['path']} is a multi-label model: pruning scores and distils single-label "
                          "classifiers only")
-    cfg = build_config(base=state["config"])
+    cfg = build_config(base=state["config"], model_config=config_class)
     model = model_from_checkpoint(state).float()
     pp = Preprocess.from_dict(state["preprocess"])
     result: dict = {"path": str(out), "params_before": count_params(model)}

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
+from tqdm.auto import tqdm  # the notebook bar in Jupyter, the text bar elsewhere
 
 from vitflow.data import Datasets, SkipReport, eval_loader
 from vitflow.data.sources.base import ImageSource

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from tqdm import tqdm
+from tqdm.auto import tqdm  # the notebook bar in Jupyter, the text bar elsewhere
 
 from vitflow.data import SkipReport
 from vitflow.rundir import CSV, METRICS

@@ -26,6 +26,7 @@ from vitflow.data.remote.fs import RemoteError
 from vitflow.data.sources.evals import open_evals
 from vitflow.models import model_kwargs
 from vitflow.models.pretrained.config import apply_pretrained
+from vitflow.rundir import BEST
 from vitflow.runtime import settled_heap
 from vitflow.train.budget import ProgressiveResizing
 from vitflow.train.callbacks import Callback, CallbackList, LiveReport, StepOutput
@@ -38,7 +39,6 @@ from vitflow.train.preempt import interrupted_end
 from vitflow.train.resume import locate_run, restore_training, seed_ranks, training_state
 from vitflow.train.run_dir import open_run_dir, write_samples
 from vitflow.train.schedules import schedule_of
-from vitflow.rundir import BEST
 from vitflow.train.selection import Selection
 from vitflow.train.setup import build_model, build_optimization, builtin_callbacks, start_process
 from vitflow.train.store_stop import stop_on_store_error
@@ -57,7 +57,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, callbacks: Sequence[Callback] = ()):
-        apply_pretrained(cfg)  # model.name=auto and the weights' preprocessing, unless the user set them
+        cfg.model, _ = apply_pretrained(cfg.model, cfg.data, getattr(cfg, "key_origins", None))  # auto, preprocessing
         self.cfg, t = cfg, cfg.train
         self.dist, self.device, self.precision = start_process(t)
         apply_launch(t, cfg.preset, lambda flag: self.dist.any(flag, self.device))  # restarts find their run

@@ -23,13 +23,13 @@ import os
 
 import numpy as np
 
-from vitflow.config import Config, DataConfig, ModelConfig, build_config, parse_duration, to_yaml
+from vitflow.config import Config, DataConfig, ModelConfig, build_config, field_names, parse_duration, to_yaml
 from vitflow.config.build import flatten
 from vitflow.data import DataError
 from vitflow.data.remote.fs import configure_from as configure_remote
 from vitflow.data.sources.dispatch import open_split, open_training, resolve_eval_splits
 from vitflow.data.sources.table import reads_path
-from vitflow.models import family_of, model_kwargs
+from vitflow.models import config_class, family_of, model_kwargs
 from vitflow.models.pretrained.config import apply_pretrained
 from vitflow.models.pretrained.hub import resolve_pretrained
 from vitflow.runtime import resolve_device
@@ -135,8 +135,10 @@ def _measure(preset: str, planned: list, overrides: list[str], checks, classes: 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         log.info("plan: under torchrun the length is planned in epochs (the ranks must agree on a schedule)")
         return None
-    cfg = build_config(preset, overrides=[f"{k}={v}" for k, v, _ in planned] + overrides, checks=checks)
-    apply_pretrained(cfg)  # model.name=auto: the source's architecture (its weights are not needed to time it)
+    cfg = build_config(preset, overrides=[f"{k}={v}" for k, v, _ in planned] + overrides, checks=checks,
+                       model_config=config_class)
+    # model.name=auto: the source's architecture (its weights are not needed to time it)
+    cfg.model, _ = apply_pretrained(cfg.model, cfg.data, getattr(cfg, "key_origins", None))
     cfg.model.pretrained = None
     return measure_clock(cfg, classes)
 
@@ -154,25 +156,35 @@ def planned_config(overrides: list[str], checks, preset: str | None = None) -> C
     """
     user = {o.split("=", 1)[0].strip() for o in overrides}
     preset = preset or (FINETUNE_PRESET if "model.pretrained" in user else PHOTO_PRESET)
-    base = build_config(preset, overrides=overrides, checks=checks)
+    base = build_config(preset, overrides=overrides, checks=checks, model_config=config_class)
     profile = profile_data(base.data)
     log.info("plan: %d training images of %d classes, median %dx%d px; %d validation and %d test images",
              profile.images, profile.classes, profile.long_side, profile.short_side, profile.val_images,
              profile.test_images)
     facts, values = make_facts(base, profile, user), flatten(base.to_dict())
-    planned = run_rules(facts, values, 0)
+    planned = _family_keys(run_rules(facts, values, 0), base.model)
     clock = _measure(preset, planned, overrides, checks, profile.classes)
     facts = dataclasses.replace(facts, clock=clock)
-    planned += run_rules(facts, values, 1)
+    planned += _family_keys(run_rules(facts, values, 1), base.model)
     for key, value, why in planned:
         log.info("plan: %s=%s  (%s)", key, _shown(value), why)
-    cfg = build_config(preset, overrides=[f"{k}={_shown(v)}" for k, v, _ in planned] + overrides, checks=checks)
+    cfg = build_config(preset, overrides=[f"{k}={_shown(v)}" for k, v, _ in planned] + overrides, checks=checks,
+                       model_config=config_class)
     for line in expectations(facts, values, profile):
         log.info("plan: %s", line)
     for warning in size_warnings(cfg.model, cfg.train.device, profile):
         log.warning("%s", warning)
     log.info("resolved config (save it and pass --config FILE to repeat the run):\n%s", to_yaml(cfg).rstrip())
     return cfg
+
+
+def _family_keys(planned: list, m: ModelConfig) -> list:
+    """The planned values but the model keys the family of the user's ``model.name`` does not take
+    (a Swin has no ``pos_embed``, no PatchDropout)."""
+    if m.name == "auto":
+        return planned
+    keys = field_names(config_class(m.name))
+    return [p for p in planned if not p[0].startswith("model.") or p[0][6:] in keys]
 
 
 def _shown(value) -> str:

@@ -152,7 +152,7 @@ def _lr(f: Facts, v: Values) -> Choice:
     batch = v["train.batch_size"]
     if f.source is not None:
         lr = float(f"{2e-4 * math.sqrt(batch / 32):.2g}")
-        return lr, f"fine-tune: 2e-4 at batch 32 (the finetune recipe), scaled with the square root of the batch"
+        return lr, "fine-tune: 2e-4 at batch 32 (the finetune recipe), scaled with the square root of the batch"
     lr = float(f"{7e-4 * math.sqrt(batch / 128):.2g}")
     return lr, ("7e-4 at batch 128, the best of 3e-3 / 2e-3 / 1.2e-3 / 7e-4 in 5-minute CIFAR-10 runs (40.6 / 48.6 / "
                 "51.5 / 53.9%), scaled with the square root of the batch (AdamW)")

@@ -13,8 +13,18 @@ import torch
 import yaml
 
 from vitflow import checkpoint as ckpt
-from vitflow.config import DEFAULT_PRESET, Config, TrainConfig, build_config, flatten, parse_override, to_yaml
+from vitflow.config import (
+    DEFAULT_PRESET,
+    Config,
+    TrainConfig,
+    build_config,
+    flatten,
+    holds_old_default,
+    parse_override,
+    to_yaml,
+)
 from vitflow.evaluation import scalar_metrics
+from vitflow.models import config_class
 from vitflow.models.kernels import onednn
 from vitflow.rundir import CONFIG
 from vitflow.runtime import mix_seed, rng_state, set_rng_state
@@ -97,7 +107,8 @@ def resume_config(preset: str | None, overrides: Sequence[str], checks: Mapping[
     if run is None or not (run / CONFIG).is_file():
         return None
     saved = yaml.safe_load((run / CONFIG).read_text())
-    cfg = build_config(base=saved, overrides=[*overrides, f"train.run_dir={run}"], checks=checks)
+    cfg = build_config(base=saved, overrides=[*overrides, f"train.run_dir={run}"], checks=checks,
+                       model_config=config_class)
     old, new = flatten(saved), flatten(yaml.safe_load(to_yaml(cfg)))  # both as YAML values (lists, not tuples)
     changed = [f"{k} {old.get(k)!r} -> {new[k]!r}" for k in sorted(new) if old.get(k) != new[k]]
     log.info("resuming %s with its saved config%s", run, f"; changed: {'; '.join(changed)}" if changed else "")
@@ -148,8 +159,12 @@ def check_resume(state: dict[str, Any], t: TrainConfig, config: dict[str, Any], 
 def warn_config_changes(saved: dict[str, Any], config: dict[str, Any], path: Path) -> None:
     """Log the keys of ``config`` (a config as a mapping) that differ from the checkpoint's: a resume
     with another batch size, lr, data or model does not reproduce the uninterrupted run (and may not
-    load)."""
-    old, new = flatten(saved), flatten(config)
+    load). The keys of an older flat ``model`` section that the family lacks count as unchanged while
+    they hold their defaults (:func:`vitflow.config.holds_old_default`)."""
+    keys = config.get("model", {})
+    old = {k: v for k, v in flatten(saved).items()
+           if not (k.startswith("model.") and k[6:] not in keys and holds_old_default(k[6:], v))}
+    new = flatten(config)
     changed = [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
                if k not in _RUN_KEYS and old.get(k) != new.get(k)]
     if changed:
@@ -185,19 +200,24 @@ def training_state(trainer, records: dict[str, int] | None = None) -> dict[str, 
     rngs = trainer.dist.gather(rng_state())
     if not trainer.dist.is_main:
         return None
-    return {
+    state = {
         "step": trainer.step, "model": model_state, "optimizer": optimizer_state,
         "scheduler": trainer.scheduler.state_dict(),
         "scaler": trainer.precision.scaler.state_dict() if trainer.precision.scaler else None,
         "rng": rngs[0], "rng_ranks": rngs if trainer.dist.enabled else None,
         "data": {"position": list(trainer.epochs.position), "skipped": dict(trainer.epochs.skips.per_epoch)},
-        "records": records or trainer.metrics.offsets(), **trainer.callbacks.state_dict(),
+        "records": records or trainer.metrics.offsets(),
         "config": trainer.cfg.to_dict(), "model_args": trainer.model_args, "classes": trainer.data.classes,
         "preprocess": trainer.data.preprocess.to_dict(), "metrics": scalar_metrics(trainer.last_eval or {}),
         "task": trainer.data.task, "threshold": trainer.evaluator.threshold,
         "ema": trainer.ema.state_dict() if trainer.ema is not None else None, "guard": trainer.guard.state_dict(),
         "eval_due": trainer.eval_due, "fp32_gemm": onednn.decided(),
     }
+    for key, value in trainer.callbacks.state_dict().items():  # (ProgressLog: "meter", Selection: "selection")
+        if key in state:
+            raise ValueError(f"a callback's state_key {key!r} is a key vitflow's checkpoints use: choose another")
+        state[key] = value
+    return state
 
 
 def restore_training(state: dict, trainer) -> None:

@@ -36,10 +36,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
-from vitflow.config import build_config
-from vitflow.config.build import all_keys
-from vitflow.config.schema import DEFAULT_PRESET
+from vitflow.config import DEFAULT_PRESET, all_keys, build_config, model_key_defaults
 from vitflow.metrics import canonical_key, split_metric
+from vitflow.models import config_class
 from vitflow.train.callbacks import Callback
 
 log = logging.getLogger(__name__)
@@ -77,7 +76,7 @@ def read_space(path: str | Path) -> dict[str, dict[str, Any]]:
         raise SweepError(f"--space {path}: {e}") from None
     if not isinstance(tree, dict) or not tree:
         raise SweepError(f"--space {path}: expected a mapping of config keys to distributions")
-    keys = set(all_keys())
+    keys = set(all_keys()) | {f"model.{k}" for k in model_key_defaults()}  # (every family's model keys)
     for key, spec in tree.items():
         where = f"--space {path}: {key}"
         if key not in keys:
@@ -244,7 +243,8 @@ def _run_trial(study, space: Mapping[str, dict[str, Any]], base: dict[str, Any],
         values = _suggest(trial, space)
         assigned = [f"{k}={json.dumps(v)}" for k, v in values.items()]
         cfg = build_config(base["preset"], base["config_file"], [*base["overrides"], *assigned,
-                                                                  f"train.run_dir={run_dir}"], checks=base["checks"])
+                                                                  f"train.run_dir={run_dir}"], checks=base["checks"],
+                           model_config=config_class)
         trainer = Trainer(cfg, [Pruning(trial, metric)])
         summary = trainer.fit()
         if "interrupted" in summary:

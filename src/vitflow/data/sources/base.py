@@ -93,6 +93,11 @@ class ImageSource:
     def subset(self, idx: np.ndarray) -> "ImageSource":
         raise NotImplementedError
 
+    def worker_problem(self) -> str | None:
+        """Why this source cannot be handed to loader worker processes (one line naming what and how
+        to fix it), or ``None`` when it can (every source vitflow opens itself can)."""
+        return None
+
 
 class FileSource(ImageSource):
     """Encoded image files read through a :class:`~vitflow.data.sources.readers.FolderReader` (``keys``

@@ -1,7 +1,7 @@
 """The table of source kinds (:class:`~vitflow.data.sources.kind.SourceKind`), in detection
-order: ``data.source=auto`` takes the first row whose ``detect`` holds. Shard specs (patterns,
-lists) are recognised before anything else, then packed datasets, CIFAR batches, Hugging Face
-datasets and label files, which are folders or files with a mark of their own; an image folder
+order: ``data.source=auto`` takes the first row whose ``detect`` holds. Keys of Python objects
+(``python:N:CLASS``) and shard specs (patterns, lists) are recognised before anything else, then
+packed datasets, CIFAR batches, Hugging Face datasets and label files, which are folders or files with a mark of their own; an image folder
 (any directory) and a tar come last. :mod:`vitflow.data.sources.dispatch` reads the table, and
 :func:`check_config` checks ``data.source`` against it.
 
@@ -13,15 +13,15 @@ from __future__ import annotations
 import difflib
 
 from vitflow.config import ConfigError, DataConfig
-from vitflow.data.sources import cifar, digits, folder, hf, labelfile, packed
+from vitflow.data.sources import cifar, digits, folder, hf, labelfile, packed, pyobjects
 from vitflow.data.sources.base import DataError
 from vitflow.data.sources.kind import SourceKind
 from vitflow.data.sources.splits import check_splits
 from vitflow.data.wds import kind as wds
 
 # the last row is the catch-all: its ``what`` is what a path that no kind detects is said not to be
-KINDS: tuple[SourceKind, ...] = (digits.KIND, wds.KIND, packed.KIND, cifar.KIND, hf.KIND, labelfile.KIND,
-                                 folder.FOLDER, folder.TAR)
+KINDS: tuple[SourceKind, ...] = (digits.KIND, wds.KIND, packed.KIND, cifar.KIND, hf.KIND, pyobjects.KIND,
+                                 labelfile.KIND, folder.FOLDER, folder.TAR)
 
 
 def kind_named(name: str) -> SourceKind:
