@@ -19,10 +19,11 @@ from vitflow.data import Datasets, SkipReport, eval_loader
 from vitflow.data.sources.base import ImageSource
 from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
 from vitflow.metrics import headline, summary_names
-from vitflow.rundir import EVAL, SAMPLES
+from vitflow.rundir import EVAL
 from vitflow.runtime import Precision
 from vitflow.train.distributed import DistEnv
 from vitflow.train.logging import MetricsLog, ProgressLog
+from vitflow.train.run_dir import write_samples
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ def run_summary(trainer, results: dict[str, dict[str, Any]], checkpoint: Path | 
     ``train_images_per_s`` (all ranks, from the end of the first step), ``skipped_images``, ``skipped_steps``, ``elapsed_s``, fine-tuning's
     summary, each split's figures (:func:`summary_figures`), ``stopped`` (a callback's reason
     other than early stopping's, which says ``early_stopped``) and, on rank 0, ``samples`` (the
-    held-out images written at the start for ``vitflow predict`` and the report)."""
+    held-out images for ``vitflow predict`` and the report)."""
     summary = {"step": trainer.step, "run_dir": str(trainer.run_dir), "checkpoint": str(checkpoint),
                **trainer.selection.summary(), "train_images_per_s": trainer.callbacks.find(ProgressLog).images_per_s(),
                "skipped_images": trainer.epochs.skips.total, "skipped_steps": trainer.guard.skipped,
@@ -163,6 +164,9 @@ def run_summary(trainer, results: dict[str, dict[str, Any]], checkpoint: Path | 
                **summary_figures(results)}
     if trainer.stop_reason and not trainer.selection.stopped:
         summary["stopped"] = trainer.stop_reason
-    if trainer.dist.is_main and (trainer.run_dir / SAMPLES).is_dir():  # written at the start (write_samples)
-        summary["samples"] = str(trainer.run_dir / SAMPLES)
+    # written at the start, but for a user's Dataset (read first by the loader workers: a fork shares the files
+    # it opens lazily), written now
+    shown = trainer.evaluator.splits[trainer.evaluator.monitored][1]
+    if trainer.dist.is_main and (samples := write_samples(shown, trainer.run_dir)):
+        summary["samples"] = samples
     return summary

@@ -24,6 +24,7 @@ from vitflow.config import Config, to_yaml
 from vitflow.data import open_datasets, train_loader
 from vitflow.data.remote.fs import RemoteError
 from vitflow.data.sources.evals import open_evals
+from vitflow.data.sources.pyobjects import DatasetSource
 from vitflow.models import model_kwargs
 from vitflow.models.pretrained.config import apply_pretrained
 from vitflow.rundir import BEST
@@ -81,7 +82,9 @@ class Trainer:
         if self.dist.is_main:  # created now that the data and the model are known to be good
             open_run_dir(self.run_dir, to_yaml(cfg), cfg.preset)
             write_distribution(self.run_dir, self.data)  # each split's class counts, for the report
-            write_samples(self.data.val or self.data.test, self.run_dir)  # held-out images: predict, the report
+            held_out = self.data.val or self.data.test
+            if not isinstance(getattr(held_out, "base", held_out), DatasetSource):  # a user's Dataset: at the end
+                write_samples(held_out, self.run_dir)  # held-out images: predict, the report (RUN_DIR/samples)
         saved = self.state or {}
         self.metrics = MetricsLog(self.run_dir, t.tensorboard, self.dist.is_main,
                                   saved.get("records", {} if start_over else None), self.step if self.state else None,
