@@ -1,28 +1,35 @@
-"""Train cifar10-vit-tiny from the shared CIFAR-10 JPEG tar for a fixed wall-clock budget and
-print the test top-1 on the 10,000 test images.
+"""Train on the shared CIFAR-10 JPEG tar for a fixed wall-clock budget and print the test top-1 on
+the 10,000 test images: through vitflow's plan alone (the default), or the hand-made recipe.
 
-    python benchmarks/cifar10_budget.py [--budget 15m] [--data PATH] [--json] [key=value ...]
+    python benchmarks/cifar10_budget.py [--budget 15m] [--recipe] [--data PATH] [--json] [key=value ...]
 
-The tar is read in place (no extraction). The budget covers training, the final evaluation and
-the checkpoint; the cosine schedule is fitted to it after the first steps (``train.time_budget``).
+Default: ``vitflow train data.path=TAR train.time_budget=BUDGET`` as a user types it — the plan
+(:mod:`vitflow.train.plan`) chooses the model, pooling, positions, PatchDropout, batch, lr,
+threads, length and augmentation from the data and this machine's measured step time, and logs
+each choice with its reason. ``train.eval_every=0`` (no periodic evaluation of the 10,000 test
+images, as for the recipe) is the benchmark's own setting, not a recipe choice.
 
-On top of the preset (global average pooling, 2-D sin-cos position embedding), the short-budget
-recipe in ``RECIPE`` is applied before any ``key=value`` given here: a run that sees ~6 epochs
-underfits, so it drops the crop augmentation and label smoothing (flips stay), halves the tokens
-per image with PatchDropout (~1.9x the images/s) and uses batch 128 at lr 7e-4 — each choice
-measured in 5-minute probes (see the closing notes in the repository history).
+``--recipe``: the ``cifar10-vit-tiny`` preset with the short-budget recipe in ``RECIPE`` — a run
+that sees ~6 epochs underfits, so it drops the crop augmentation and label smoothing (flips stay),
+halves the tokens per image with PatchDropout (~1.9x the images/s) and uses batch 128 at lr 7e-4,
+each choice measured in 5-minute probes (docs/guides/benchmarks.md). The tar is read in place (no
+extraction). The budget covers training, the final evaluation and the checkpoint; the schedule is
+fitted to it after the first steps (``train.time_budget``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
 from vitflow.config import build_config
 from vitflow.models import config_class
 from vitflow.train import train
+from vitflow.train.checks import CONFIG_CHECKS
+from vitflow.train.plan import planned_config
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-jpg.tar"
 # --model swin: the 32x32 Swin (patch 2, window 4) on the same recipe, without the ViT's PatchDropout (a
@@ -37,23 +44,30 @@ RECIPE = ["train.batch_size=128", "optim.lr=7e-4", "optim.warmup_steps=100", "da
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", default="15m", help="wall-clock budget (default 15m)")
+    ap.add_argument("--recipe", action="store_true", help="the cifar10-vit-tiny preset + RECIPE instead of the plan")
     ap.add_argument("--data", default=str(DEFAULT_DATA), help="CIFAR-10 folder or tar with train/ and test/")
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
-    ap.add_argument("--model", default="vit", choices=("vit", "swin"), help="vit (the preset) or swin (SWIN)")
+    ap.add_argument("--model", default="vit", choices=("vit", "swin"), help="vit, or swin (SWIN; with --recipe)")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides")
     args = ap.parse_args()
-    cfg = build_config("cifar10-vit-tiny", overrides=[f"data.path={args.data}", f"train.time_budget={args.budget}",
-                                                      "train.eval_every=0", *RECIPE,
-                                                      *(SWIN if args.model == "swin" else VIT), *args.overrides],
-                       model_config=config_class)
-    t0 = time.perf_counter()
+    t0, load = time.perf_counter(), os.getloadavg()[0]
+    given = [f"data.path={args.data}", f"train.time_budget={args.budget}", "train.eval_every=0"]
+    if args.recipe:
+        cfg = build_config("cifar10-vit-tiny", overrides=[*given, *RECIPE, *(SWIN if args.model == "swin" else VIT),
+                                                          *args.overrides], model_config=config_class)
+    else:
+        cfg = planned_config([*given, *(SWIN[:1] if args.model == "swin" else []), *args.overrides], CONFIG_CHECKS)
     r = train(cfg)
     wall = time.perf_counter() - t0
-    print(f"cifar10-{cfg.model.name}, budget {args.budget}: test top-1 {r['test_top1']:.2%} top-5 {r['test_top5']:.2%} "
-          f"on 10,000 test images after {r['step']} steps ({r['step'] * cfg.train.batch_size / 50_000:.1f} epochs), "
-          f"{r['train_images_per_s']:.0f} train img/s, wall {wall:.0f} s")
+    how = "recipe" if args.recipe else "plan"
+    print(f"cifar10-{cfg.model.name} ({how}), budget {args.budget}: test top-1 {r['test_top1']:.2%} top-5 "
+          f"{r['test_top5']:.2%} on 10,000 test images after {r['step']} steps "
+          f"({r['step'] * cfg.train.batch_size / 50_000:.1f} epochs), {r['train_images_per_s']:.0f} train img/s, "
+          f"threads {cfg.train.threads or 'default'}, wall {wall:.0f} s (plan included), load {load:.1f} -> "
+          f"{os.getloadavg()[0]:.1f}")
     if args.json:
-        print(json.dumps({**r, "budget": args.budget, "wall_s": wall}))
+        print(json.dumps({**r, "budget": args.budget, "wall_s": wall, "how": how, "load_start": load,
+                          "load_end": os.getloadavg()[0], "threads": cfg.train.threads}))
 
 
 if __name__ == "__main__":

@@ -183,6 +183,18 @@ def on_page_content(html: str, page, config, files) -> str:
     return _ROLE.sub("", html)
 
 
+_MESSAGES = re.compile(r"<!-- vitflow-messages: (.+?) -->")
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    """The troubleshooting page's entries from the message table (MkDocs ``on_page_markdown``
+    event): each ``<!-- vitflow-messages: SECTION -->`` marker becomes that section's entries of
+    :data:`vitflow.config.messages.MESSAGES`, the text the code prints."""
+    from vitflow.config.messages import render
+
+    return _MESSAGES.sub(lambda m: render(m.group(1)), markdown)
+
+
 def on_files(files, config):
     """Add the generated pages to the site (MkDocs ``on_files`` event)."""
     from mkdocs.structure.files import File

@@ -177,3 +177,40 @@ def take_pretrained(cfg):
 
     cfg.model, pre = apply_pretrained(cfg.model, cfg.data, getattr(cfg, "key_origins", None))
     return pre
+
+
+# ImageNet-1k class indices (the sample's files sorted by WordNet id) of photos of each CIFAR-10 class
+IMAGENET_AS_CIFAR = {
+    "airplane": (404, 895), "automobile": (436, 468, 511, 609, 627, 656, 661, 751, 817),
+    "bird": (*range(7, 25), *range(80, 101), *range(127, 147)), "cat": tuple(range(281, 286)),
+    "deer": (351, 352, 353), "dog": tuple(range(151, 269)), "frog": (30, 31, 32), "horse": (339,),
+    "ship": (403, 484, 510, 554, 625, 628, 724, 780, 814, 871, 914), "truck": (555, 569, 675, 717, 734, 864, 867),
+}
+
+
+def photo_folder(root: Path, cifar=(("train", 300), ("val", 50), ("test", 50)), imagenet=(0.6, 0.2, 0.2)) -> Path:
+    """A photo folder of real photos in the 10 CIFAR-10 classes, ``root/{train,val,test}/<class>/``:
+    CIFAR-10 JPEGs (32x32, ``cifar`` gives the count per class of each split, taken in order from
+    CIFAR's train split, none twice) and the ImageNet sample's photos of those classes
+    (:data:`IMAGENET_AS_CIFAR`: 218 photos of many sizes, up to 2400 px; split by the fractions
+    ``imagenet`` within each class). The defaults give 4,218 images (3,131 / 544 / 543)."""
+    from vitflow.data import open_split
+
+    src = open_split(need(CIFAR_TAR), "train")
+    for c, name in enumerate(src.classes):
+        rows = np.flatnonzero(src.labels == c)
+        start = 0
+        for split, n in cifar:
+            (root / split / name).mkdir(parents=True, exist_ok=True)
+            for i in rows[start:start + n]:
+                (root / split / name / f"c{int(i):05d}.jpg").write_bytes(src.encoded(int(i)))
+            start += n
+    with tarfile.open(need(IMAGENET_TAR)) as tf:
+        members = sorted((m for m in tf.getmembers() if m.isfile()), key=lambda m: m.name)
+        for name, indices in IMAGENET_AS_CIFAR.items():
+            cuts = np.cumsum([round(f * len(indices)) for f in imagenet[:-1]])
+            for part, split in zip(np.split(np.array(indices), cuts), [s for s, _ in cifar]):
+                for i in part:
+                    m = members[int(i)]
+                    (root / split / name / Path(m.name).name).write_bytes(tf.extractfile(m).read())
+    return root

@@ -6,9 +6,10 @@ Units and what each may import (besides itself and the standard library / third 
 - ``config`` (pure data), ``timing``, ``rundir``, ``metrics`` (the metric table and the metrics'
   computations): nothing of vitflow;
 - ``runtime`` (allocator, device, precision, seeding): ``timing``;
-- ``models``: the foundation (``config``, ``runtime``, ``timing``); no other layer;
+- ``models``: the foundation (``config``, ``runtime``, ``timing``) and ``rundir`` (a run folder's
+  names: ``model.pretrained=RUN``); no other layer;
 - ``data``: ``config``, ``runtime``, ``timing``; no ``models`` / ``train`` / ``infer``;
-- ``checkpoint`` (files, ``model_from_checkpoint``): ``models``;
+- ``checkpoint`` (files, ``model_from_checkpoint``): ``models``, ``rundir``;
 - ``evaluation`` (a model over batches): ``data``, ``runtime``, ``metrics``;
 - ``train``: every layer to its left and the shared services;
 - ``infer``: the same but ``train``;
@@ -43,9 +44,9 @@ FOUNDATION = {"config", "runtime", "timing"}
 ALLOWED: dict[str, set[str]] = {
     "config": set(), "timing": set(), "rundir": set(), "metrics": set(),
     "runtime": {"timing"},
-    "models": FOUNDATION,
+    "models": FOUNDATION | {"rundir"},  # rundir: the names of a run folder (a run as pretrained weights)
     "data": {"config", "runtime", "timing"},
-    "checkpoint": {"models"},
+    "checkpoint": {"models", "rundir"},
     "evaluation": {"data", "runtime", "metrics"},
     "train": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics", "rundir"},
     "infer": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics"},

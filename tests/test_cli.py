@@ -65,7 +65,7 @@ def test_predict_folder_with_a_bad_image(digits_run, tmp_path, capsys):
     run, r, _ = digits_run
     folder = tmp_path / "imgs"
     folder.mkdir()
-    for p in Path(r["samples"]).glob("0[0-2]_*.png"):
+    for p in sorted(Path(r["samples"]).glob("*.png"))[:3]:
         (folder / p.name).write_bytes(p.read_bytes())
     (folder / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really")
     assert main(["predict", str(run), str(folder)]) == 0
@@ -89,7 +89,7 @@ def test_user_errors_exit_2_naming_the_problem(tmp_path, capsys):
     (tmp_path / "model.onnx").write_bytes(b"\x08\x09onnx-ish")
     assert main(["eval", str(tmp_path / "model.onnx")]) == 2
     err = capsys.readouterr().err
-    assert "model.onnx is an ONNX model" in err and len(err.strip().splitlines()) == 1
+    assert "model.onnx carries no data path: evaluate it with data.path=PATH" in err and len(err.strip().splitlines()) == 1
     (tmp_path / "junk.pt").write_bytes(b"not a zip")
     assert main(["eval", str(tmp_path / "junk.pt")]) == 2
     err = capsys.readouterr().err
@@ -104,7 +104,11 @@ def test_own_folder_train_with_slices(tmp_path, capsys):
     assert code == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["step"] == 20 and 0 <= r["test_top1"] <= 1
-    assert "samples" not in r and not (tmp_path / "run" / "samples").exists()  # its images are files already
+    samples = sorted((tmp_path / "run" / "samples").iterdir())  # held-out images, one per class first: the files
+    assert r["samples"] == str(tmp_path / "run" / "samples") and sorted(
+        p.name.split("_")[1] for p in samples) == ["cat.png"] * 3 + ["dog.png"] * 3  # the 6 held-out images
+    cat = next(p for p in samples if p.name.endswith("_cat.png"))
+    assert cat.read_bytes() in {p.read_bytes() for p in (data / "cat").iterdir()}
 
 
 def test_presets_and_models_listing(capsys):

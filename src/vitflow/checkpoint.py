@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -32,12 +31,12 @@ from vitflow.models import create_model, model_kwargs
 from vitflow.models.kernels.matmul import as_plain_linear
 from vitflow.models.lora import apply_lora, has_lora_weights, merge_lora, merge_lora_state_dict, split_lora_args
 from vitflow.models.pretrained.weights import load_adapted, load_error_reason
+from vitflow.rundir import STEP_FILE
 
 log = logging.getLogger(__name__)
 
 FORMAT = "vitflow-checkpoint"
 VERSION = 1
-_NAME = re.compile(r"^step-(\d{8})\.pt$")
 SPACE_MARGIN = 1 << 20  # bytes beyond the tensors' a checkpoint's free-space check asks for
 
 
@@ -214,7 +213,7 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     folder = Path(run_dir) / "checkpoints"
     if not folder.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_FILE.match(p.name))]
     return [p for _, p in sorted(found)]
 
 

@@ -14,7 +14,11 @@ import torch
 
 from vitflow.data import SkipReport, model_input
 from vitflow.data.transforms import Preprocess
-from vitflow.metrics import Accumulator, headline  # noqa: F401  headline: vitflow.evaluation.headline, as before
+from vitflow.metrics import (
+    Accumulator,
+    headline,  # noqa: F401  headline: vitflow.evaluation.headline, as before
+    meaningful,
+)
 from vitflow.metrics.classification import ECE_BINS, calibration, calibration_counts, confusion_metrics
 from vitflow.metrics.multilabel import choose_threshold, multilabel_metrics
 from vitflow.runtime import Precision
@@ -33,7 +37,8 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
             loader over its own shard), e.g. :meth:`vitflow.train.distributed.DistEnv.all_reduce_sum`.
         num_classes: the model's class count (default: the logits' width).
     Returns:
-        ``{"loss": mean cross-entropy (no smoothing), "top1": fraction, "top5": fraction,
+        ``{"loss": mean cross-entropy (no smoothing), "top1": fraction, "top5": fraction (only for 6
+        classes or more: :func:`vitflow.metrics.meaningful`),
         "images": images scored, "skipped": unreadable images in this pass (summed over the ranks),
         "confusion": C x C counts (row: true class, column: predicted class), "per_class_top1": C
         fractions (``None`` for a class without images)}``, and the keys of
@@ -90,7 +95,8 @@ def _figures(totals: torch.Tensor, confusion: torch.Tensor, bins: torch.Tensor, 
     result = {"loss": loss_sum / n, "top1": c1 / n, "top5": c5 / n, "images": int(n), "skipped": int(skipped),
               "confusion": confusion.tolist(), "per_class_top1": per_class, **confusion_metrics(confusion),
               **calibration(bins)}
-    return {**result, **extra.results({**result, "confusion": confusion.numpy(), "calibration": bins.cpu().numpy()})}
+    result = {**result, **extra.results({**result, "confusion": confusion.numpy(), "calibration": bins.cpu().numpy()})}
+    return meaningful(result, c)  # no top-5 of fewer than 6 classes
 
 
 @torch.no_grad()

@@ -144,10 +144,28 @@ def test_a_swin_timm_has_no_name_for_is_its_tiny_swin_with_explicit_sizes(tmp_pa
         assert (read_hub_folder(tmp_path / "hub").model(x) - want).abs().max() <= 1e-6
 
 
+@pytest.mark.parametrize("pool", ["avg", "token"])
+def test_sincos_positions_are_written_as_timms_learned_table(tmp_path, pool):
+    """Fixed 2-D sin-cos positions (the planned photo model's) with average pooling (no class token)
+    or a class token (its zero row): timm loads the table as its learned pos_embed, same logits."""
+    ckpt = fake_checkpoint(tmp_path, "vit_tiny_patch16_224", pos_embed="sincos2d", global_pool=pool)
+    r = save_hub_folder(ckpt, tmp_path / "hub")
+    assert r["max_abs_diff"] == 0.0
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        want = model_from_checkpoint(load_checkpoint(ckpt))(x)
+    assert (timm_logits(tmp_path / "hub", x) - want).abs().max() <= 1e-5
+    config = json.loads((tmp_path / "hub" / "config.json").read_text())
+    assert config["vitflow"]["model_args"]["pos_embed"] == "sincos2d" and "pos_embed" not in config["model_args"]
+    assert "sin-cos positions" in (tmp_path / "hub" / "README.md").read_text()
+
+
 def test_models_timm_cannot_rebuild_are_refused(tmp_path, capsys):
-    ckpt = fake_checkpoint(tmp_path, "vit_tiny_patch16_224", pos_embed="sincos2d")
+    ckpt = fake_checkpoint(tmp_path, "vit_tiny_patch16_224", pos_embed="relative")
     assert main(["export", str(ckpt), "--format", "hub", "-o", str(tmp_path / "hub")]) == 2
-    assert "model.pos_embed='sincos2d'" in capsys.readouterr().err and not (tmp_path / "hub").exists()
+    err = capsys.readouterr().err
+    assert "model.pos_embed='relative': timm's VisionTransformer has no relative position bias" in err
+    assert not (tmp_path / "hub").exists()
 
 
 def random_pngs(folder: Path, size: int, count: int = 3) -> list[str]:

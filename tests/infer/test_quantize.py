@@ -135,3 +135,15 @@ def test_output_name_and_split_without_data_are_user_errors(digits_run, tmp_path
     assert "writes a .onnx file" in capsys.readouterr().err and not (tmp_path / "q.pt").exists()
     assert main(["quantize", r["checkpoint"], "-o", str(tmp_path / "q.onnx"), "--split", "test[:10]"]) == 2
     assert "--data" in capsys.readouterr().err and not (tmp_path / "q.onnx").exists()
+
+
+def test_data_may_be_the_split_folder_itself(digits_run, digits_test_folder, tmp_path, capsys):
+    """``--data PHOTOS/test`` (class folders at its root) measures all its images: the same as the
+    test split of ``--data PHOTOS``."""
+    run, r, _ = digits_run
+    code, whole, _ = _quantize(capsys, r["checkpoint"], "-o", tmp_path / "a.pt", "--backend", "torch", "--data",
+                               digits_test_folder)
+    code2, split, _ = _quantize(capsys, r["checkpoint"], "-o", tmp_path / "b.pt", "--backend", "torch", "--data",
+                                digits_test_folder / "test")
+    assert code == code2 == 0 and split["images"] == whole["images"] == 359
+    assert split["top1_before"] == whole["top1_before"] and split["top1_after"] == whole["top1_after"]

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from vitflow.cli.deploy import cmd_export, cmd_prune, cmd_quantize
 from vitflow.cli.outputs import chosen, escaped, live_report_hook, train_epilogue
@@ -18,6 +19,7 @@ from vitflow.cli.serve import cmd_serve
 from vitflow.config import build_config, list_presets, preset_tree, to_yaml
 from vitflow.data.sources.readers import display_name
 from vitflow.models import config_class
+from vitflow.rundir import run_of_checkpoint, write_eval_record
 from vitflow.train.checks import CONFIG_CHECKS
 
 
@@ -121,6 +123,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
           f"{r['weights']} weights{tta}, {r['images_per_s']:.0f} images/s, {r['checkpoint']})")
     if "f1" in result:  # single-label: the per-class table
         print(per_class_text(r["classes"], result))
+    if (run := run_of_checkpoint(r["checkpoint"])) is not None:  # the run report shows it
+        kept = {k: r[k] for k in ("step", "split_expr", "weights", "classes", "checkpoint", "tta")}
+        path = write_eval_record(run, {**kept, **result, "split": role, "source": "vitflow eval", "time": time.time(),
+                                       "task": "multilabel" if "map" in result else "multiclass"})
+        print(f"recorded for the run's report: {path}")
     return _skipped_and_json(args, r, result["skipped"])
 
 

@@ -79,7 +79,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if not calibrated and (args.method or args.batch):
         raise ValueError("--method and --batch go with --calibrate (static INT8) or --backend openvino")
     try:
-        r = quantize_file(args.model, args.output, args.backend, args.dtype, args.data, args.split or "test",
+        r = quantize_file(args.model, args.output, args.backend, args.dtype, args.data, args.split,
                           args.max_drop, args.force, per_channel=not args.per_tensor, calibrate=calibrated,
                           calibration=args.calibrate or None, methods=tuple(args.method or METHODS),
                           images=args.calibration_images, batch=args.batch)

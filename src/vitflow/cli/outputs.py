@@ -66,9 +66,9 @@ def train_epilogue(r: dict, live_report: bool) -> None:
         print(f"best checkpoint: {r['run_dir']}/checkpoints/best.pt ({r['best_metric']} {r['best_value']:.6g} at step "
               f"{r['best_step']}; use it with --checkpoint best)")
     if live_report:
-        from vitflow.viz.report import write_live_report
+        from vitflow.viz.report import write_report
 
-        write_live_report(r["run_dir"])
+        write_report(r["run_dir"])  # now with the samples' predictions and the attention maps
         print(f"report: {r['run_dir']}/report.html")
     if "samples" in r:
         print(f"sample held-out images: {r['samples']}  (try: vitflow predict {r['run_dir']} {r['samples']})")

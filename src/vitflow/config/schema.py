@@ -81,6 +81,9 @@ class TrainConfig:
     accum_steps: int = 1  # micro-batches per step; each holds batch_size / accum_steps images
     total_steps: int = 1000  # optimizer steps of the run (the schedule's length)
     time_budget: str | None = None  # e.g. "15m": end cleanly (evaluate, checkpoint) by then
+    # a planned run (vitflow train data.path=PHOTOS) on a CPU given neither train.time_budget nor train.total_steps
+    # is fitted to this budget; none = train the planned epochs however long they take
+    default_budget: str | None = "15m"
     label_smoothing: float = 0.1  # Szegedy et al. 2016; applied once, also to Mixup/CutMix targets (multiclass)
     # auto: cross_entropy (multiclass) or bce (multilabel); asl: asymmetric loss (Ridnik et al. 2021, multilabel)
     loss: Literal["auto", "cross_entropy", "bce", "asl"] = "auto"
@@ -92,6 +95,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # torch intra-op threads; None = torch's default
     eval_every: int = 0  # steps between evaluations; 0 = only at the end
+    # e.g. "90s": also evaluate (then checkpoint) each time this much time has passed since the last evaluation or
+    # the start; evaluations spaced in time, whatever the speed (a planned run with a time budget uses it)
+    eval_interval: str | None = None
     log_every: int = 20  # steps between metric records
     checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end
     keep_checkpoints: int = 2  # newest N kept in run_dir/checkpoints
@@ -140,11 +146,12 @@ class TrainConfig:
                self.device, "auto, cpu, cuda, cuda:N or mps")
         _check(self.mlflow is None or self.mlflow.strip() != "", "train.mlflow", self.mlflow,
                "true, a folder or a tracking URI (or null: off)")
-        if self.time_budget is not None:
-            try:
-                parse_duration(self.time_budget)
-            except ValueError as e:
-                raise ConfigError(f"train.time_budget: {e}", "train.time_budget") from None
+        for key in ("time_budget", "default_budget", "eval_interval"):
+            if getattr(self, key) is not None:
+                try:
+                    parse_duration(getattr(self, key))
+                except ValueError as e:
+                    raise ConfigError(f"train.{key}: {e}", f"train.{key}") from None
 
 
 def _check_selection(t: "TrainConfig") -> None:

@@ -76,7 +76,7 @@ def cache_resolution(source: ImageSource, setting: int | str, image_size: int, c
 
     ``"full"``: ``None``. An int: that size. ``"auto"``: :func:`photo_cache_size` when ``resizable``
     (the split is evaluated, or trained with random-resized crops, which start from any size) and
-    the headers of its first 32 images show photos that differ in size or whose shorter side is
+    the headers of 32 of its images (spread over it) show photos that differ in size or whose shorter side is
     over that size — decoded as they are they would need the per-image path (or far more RAM) —
     else ``None`` (images already in RAM, or all of one size the model can take as it is).
     """
@@ -87,16 +87,11 @@ def cache_resolution(source: ImageSource, setting: int | str, image_size: int, c
     target = photo_cache_size(image_size, crop_pct)
     if not resizable or in_ram(source) or len(source) == 0:
         return None, "images kept as decoded"
-    sizes = set()
-    for i in range(min(32, len(source))):
-        try:
-            sizes.add(source.image_size(i))
-        except CorruptImageError:
-            continue
+    sizes = set(source.sample_sizes(32))  # spread over the split: a folder sorted by class may start uniform
     if not sizes:
-        return None, "no readable image among the first 32"
+        return None, "no readable image among 32 sampled"
     if len(sizes) > 1:
-        return target, (f"photos of {len(sizes)} sizes among the first 32: one size gives the batched in-RAM path "
+        return target, (f"photos of {len(sizes)} sizes among 32 sampled: one size gives the batched in-RAM path "
                         f"(the eval resize, {image_size} px / crop_pct {crop_pct:g})")
     w, h = next(iter(sizes))
     if min(w, h) > target:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from vitflow.data.augment import MixupCutmix, batch_generator, pad_crop_flip, random_resized_crop_flip
+from vitflow.data.policies import BatchPolicy
 from vitflow.data.transforms import model_input
 from vitflow.runtime import mix_seed
 
@@ -105,7 +106,9 @@ class DevicePipeline:
     pad-crop-flips it (:func:`~vitflow.data.augment.pad_crop_flip`). Both draw from one generator
     seeded with ``mix_seed(seed, epoch, index, 1)``.
     Setting ``resolution`` (pixels) resizes the batch to ``resolution x resolution``
-    (antialiased bilinear) for progressive resizing; ``None`` keeps the loader's size.
+    (antialiased bilinear) for progressive resizing; ``None`` keeps the loader's size. ``policy``
+    (:class:`~vitflow.data.policies.BatchPolicy`: RandAugment / TrivialAugment, random erasing)
+    follows the crop, each image seeded from the batch's key and its place in the batch.
     All randomness is seeded from ``(seed, batch["epoch"], batch["index"])``.
     ``host_threads``: on a CPU device, the intra-op threads the batched work may use (``None``:
     torch's setting). The loader sets 1 when worker processes are decoding: the work is
@@ -116,8 +119,9 @@ class DevicePipeline:
     def __init__(self, device: torch.device, mean, std, seed: int = 0, crop_padding: int | None = None,
                  hflip: bool = False, mix: MixupCutmix | None = None, host_threads: int | None = None,
                  resized_crop: tuple[int, tuple[float, float], tuple[float, float]] | None = None,
-                 interpolation: str = "bilinear"):
+                 interpolation: str = "bilinear", policy: BatchPolicy | None = None):
         self.device, self.mean, self.std, self.seed = device, tuple(mean), tuple(std), seed
+        self.policy = policy if policy is not None and policy.enabled else None
         self.crop_padding, self.hflip, self.mix = crop_padding, hflip, mix
         self.resized_crop, self.interpolation = resized_crop, interpolation
         self.host_threads = host_threads if device.type == "cpu" else None
@@ -148,6 +152,9 @@ class DevicePipeline:
         elif self.crop_padding is not None:
             images = pad_crop_flip(images, self.crop_padding, self.hflip,
                                    batch_generator(self.device, mix_seed(*key, 1)))
+        if self.policy is not None:
+            first = mix_seed(*key, 3)
+            images = self.policy(images, [(first + k) % 2**63 for k in range(len(images))])
         x = model_input(images, self.mean, self.std)
         if self.resolution is not None and self.resolution != x.shape[-1]:
             x = torch.nn.functional.interpolate(x, size=(self.resolution, self.resolution), mode="bilinear",

@@ -5,8 +5,8 @@ on the device.
 
 Two paths
 - **batched** (in-RAM or packed raw images already at the training size, pad-crop/flip or no
-  augmentation): a batch is one gather from a ``(N, 3, H, W)`` array; crop and flip run batched
-  on the device. No worker processes; a background thread keeps ``data.prefetch`` batches ready.
+  augmentation): a batch is one gather from a ``(N, 3, H, W)`` array; crop and flip, RandAugment /
+  TrivialAugment and random erasing run batched on the device. No worker processes; a background thread keeps ``data.prefetch`` batches ready.
 - **per-image** (everything else): worker processes decode and augment each image with
   torchvision.transforms.v2 on ``uint8`` tensors and return whole batches.
 Both are deterministic functions of ``(seed, epoch, batch index)`` and resume exactly.
@@ -28,6 +28,7 @@ from vitflow.data.cache import CenterCropSource, cache_in_memory, cache_resoluti
 from vitflow.data.decode import CorruptImageError
 from vitflow.data.device import DevicePipeline, Prefetcher
 from vitflow.data.loader import EpochSampler, epoch_sampler, make_loader
+from vitflow.data.policies import POLICIES, BatchPolicy
 from vitflow.data.remote.fs import RemoteError
 from vitflow.data.remote.fs import configure_from as configure_remote
 from vitflow.data.sources.base import DataError, FileSource, ImageSource
@@ -133,14 +134,15 @@ def is_batched(source: ImageSource, cfg: DataConfig, image_size: int) -> bool:
     """True when ``source`` can take the batched path (see the module docstring): random access,
     no per-image-only augmentation, and images of one fixed size that is the training size
     (``pad_crop``, ``none``) or any size (``random_resized_crop``: the device crops and resizes,
-    e.g. a RAM cache at :func:`~vitflow.data.cache.photo_cache_size`)."""
+    e.g. a RAM cache at :func:`~vitflow.data.cache.photo_cache_size`). RandAugment, TrivialAugment and
+    random erasing run batched too (:mod:`vitflow.data.policies`); AutoAugment and color jitter are
+    per-image."""
     augment = resolve_augment(cfg.train_augment, image_size)
     if augment == "random_resized_crop":
         sized = source.fixed_size is not None
     else:
         sized = augment in ("pad_crop", "none") and source.fixed_size == (image_size, image_size)
-    return (sized and cfg.access == "random" and cfg.auto_augment == "none" and cfg.color_jitter == 0
-            and cfg.random_erasing == 0)
+    return sized and cfg.access == "random" and cfg.auto_augment in ("none", *POLICIES) and cfg.color_jitter == 0
 
 
 def choose_workers(cfg: DataConfig, source: ImageSource, transform, batched: bool) -> int:
@@ -217,6 +219,10 @@ class TrainLoader:
         path = "per-image decode/augment" if not self.batched else (
             "batched in-RAM gather + device random-resized-crop/flip" if self.pipeline.resized_crop is not None
             else "batched in-RAM gather + device crop/flip")
+        policy = self.pipeline.policy
+        if policy is not None:
+            path += "".join([f" + {policy.policy}" if policy.policy != "none" else "",
+                             f" + random erasing {policy.erasing:g}" if policy.erasing else ""])
         return f"{path}, {self.num_workers} worker(s), prefetch {self.prefetch}{' (thread)' if self.threaded else ''}"
 
 
@@ -267,7 +273,8 @@ def train_loader(source: ImageSource, cfg: DataConfig, image_size: int, batch_si
     pipeline = DevicePipeline(device, cfg.mean, cfg.std, aug_seed, (cfg.padding if augment == "pad_crop" else 0)
                               if batched and not resized else None, cfg.hflip, mix, host_threads=1 if workers else None,
                               resized_crop=(image_size, tuple(cfg.scale), (3 / 4, 4 / 3)) if resized else None,
-                              interpolation=cfg.interpolation)
+                              interpolation=cfg.interpolation,
+                              policy=BatchPolicy(cfg.auto_augment, cfg.random_erasing) if batched else None)
     threaded = workers > 0 or batched  # never with 0 workers per-image: it seeds the global RNG per batch
     return TrainLoader(loader, pipeline, device, cfg.prefetch, threaded, workers, batched, per_epoch)
 

@@ -4,32 +4,39 @@ allowed (``vitflow quantize --data ... --max-drop``)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from vitflow.config import DataConfig
+from vitflow.config.messages import MESSAGES
 from vitflow.data import DataError, ImageSource, open_split
+from vitflow.data.sources.dispatch import split_names
+from vitflow.data.sources.labels import TEST_NAMES, VAL_NAMES
 from vitflow.infer.calibration import accuracy, checkpoint_split
 from vitflow.infer.onnx_model import ModelInfo
 from vitflow.metrics import primary_metric
+
+log = logging.getLogger(__name__)
 
 
 class AccuracyDropError(RuntimeError):
     """The quantised model lost more top-1 than allowed; nothing was written."""
 
 
-def guard_source(info: ModelInfo, data: str | None, split: str = "test", state: dict | None = None
+def guard_source(info: ModelInfo, data: str | None, split: str | None = None, state: dict | None = None
                  ) -> tuple[ImageSource | None, str]:
     """The images the guard measures on and how to name them: ``data [split]`` when ``data`` is
-    given, else (``state`` given) the checkpoint's own test split (its validation split when it
+    given (``split`` ``None``: :func:`measured_split`), else (``state`` given) the checkpoint's own test split (its validation split when it
     has none), else ``(None, "")``: no guard.
 
     Raises:
         vitflow.data.DataError: ``data`` cannot be opened or has other classes.
     """
     if data is not None:
+        split = measured_split(data, split)
         return open_split(data, split, "auto", classes=info.classes, cfg=DataConfig(task=info.task)), f"{data} [{split}]"
     if state is None:
         return None, ""
@@ -37,6 +44,26 @@ def guard_source(info: ModelInfo, data: str | None, split: str = "test", state: 
         return checkpoint_split(state), "the checkpoint's test data"
     except DataError:
         return None, ""
+
+
+def measured_split(data: str, split: str | None) -> str:
+    """The split of ``data`` the guard measures: ``split`` when given; else its test split, else its
+    validation split; else, for a folder of class folders (a split folder itself, e.g.
+    ``PHOTOS/test``), all its images (the folder kind's root split).
+
+    Raises:
+        DataError: no such split to choose (one line naming the folder to give instead).
+    """
+    if split:
+        return split
+    names = split_names(data)
+    found = next((n for n in (*TEST_NAMES, *VAL_NAMES) if n in names), None)
+    if found:
+        return found
+    if names == ["train"] and Path(data).is_dir() and not (Path(data) / "train").is_dir():
+        log.info("--data %s: class folders at its root; measuring all its images", data)
+        return "train"
+    raise DataError(MESSAGES["quantize_no_split"].format(path=str(data).rstrip("/"), splits=", ".join(names)))
 
 
 class Guard:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
+from vitflow.config.messages import MESSAGES
 from vitflow.data.transforms import Preprocess
 from vitflow.infer.model_card import model_card
 from vitflow.models import create_model, family_of, model_kwargs
@@ -61,10 +62,15 @@ def timm_model_args(model_args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     (:func:`vitflow.models.pretrained.timm_args.timm_overrides`); a Swin variant timm has no name for
     (``swin_cifar_patch2_window4_32``) is :data:`SWIN_BASE` with the sizes that differ from it.
 
+    A ViT with fixed 2-D sin-cos positions (``pos_embed=sincos2d``) is described as timm's plain
+    ViT with a learned ``pos_embed``: :func:`hub_tensors` writes the fixed table there, which gives
+    the same logits at the trained input size (timm resamples it for another size, as it would a
+    learned table; vitflow recomputes the sin-cos table).
+
     Raises:
         ValueError: a model timm cannot build with these weights (naming the key): pruned blocks,
-            a position embedding other than ``learned`` (ViT) or the family's own, an approximate
-            attention kernel, an option timm's model has no argument for.
+            relative position bias (ViT) or a position encoding other than the family's own, an
+            approximate attention kernel, an option timm's model has no argument for.
     """
     args, _ = split_lora_args(model_args)
     name = args.pop("name")
@@ -77,12 +83,13 @@ def timm_model_args(model_args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         out = {"img_size": kw["img_size"], "num_classes": kw.get("num_classes", 1000)}
         return arch, {**out, **timm_overrides(arch, family.variants[arch], kw)}
     refusals = {"block_heads": kw.get("block_heads") is not None, "block_mlp_hidden": kw.get("block_mlp_hidden") is not None,
-                "pos_embed": kw.get("pos_embed", "learned") != "learned",
                 "attention": kw.get("attention", "sdpa") not in (*EXACT_BACKENDS, "auto")}
     for key, bad in refusals.items():
         if bad:
             raise ValueError(f"model.{key}={kw.get(key)!r}: timm cannot rebuild this model (a hub folder holds "
-                             "plain ViT weights: no pruned blocks, learned position embedding, exact attention)")
+                             "plain ViT weights: no pruned blocks, exact attention)")
+    if kw.get("pos_embed") == "relative":  # the one position encoding a table cannot stand for
+        raise ValueError(MESSAGES["hub_relative_positions"].format())
     pool = kw.get("global_pool") or "token"
     out = {"img_size": kw["img_size"], "patch_size": kw["patch_size"], "embed_dim": kw["embed_dim"],
            "depth": kw["depth"], "num_heads": kw["num_heads"], "mlp_ratio": kw.get("mlp_ratio") or 4.0,
@@ -152,8 +159,7 @@ def save_hub_folder(checkpoint: str | Path, out: str | Path, weights: str = "aut
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        tensors = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_file(hub_tensors(model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / CARD_NAME).write_text(model_card(state, config, out.name, _run_eval(state)))
         os.replace(tmp, out)
@@ -167,6 +173,16 @@ def save_hub_folder(checkpoint: str | Path, out: str | Path, weights: str = "aut
     return {"path": str(out), "architecture": config["architecture"], "files": files, "max_abs_diff": diff,
             "bytes": sum((out / f).stat().st_size for f in files), "classes": len(config["label_names"]),
             "checkpoint": state["path"], "step": state.get("step")}
+
+
+def hub_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights a hub folder holds: the model's state_dict (contiguous copies) plus, for fixed
+    sin-cos positions (a buffer no state_dict keeps), the table itself as ``pos_embed``
+    ``float32 (1, prefix + h*w, dim)``, which timm loads as its learned position embedding."""
+    tensors = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    if getattr(model, "pos_embed_type", None) == "sincos2d" and "pos_embed" not in tensors:
+        tensors["pos_embed"] = model.pos_embed.detach().float().contiguous().clone()
+    return tensors
 
 
 def _run_eval(state: dict[str, Any]) -> dict[str, Any] | None:
@@ -249,8 +265,11 @@ def read_hub_folder(folder: str | Path) -> HubModel:
     args = dict(own["model_args"])
     name = args.pop("name")
     model = create_model(name, **args)
+    sd = load_file(str(weights))
+    if "pos_embed" in sd and "pos_embed" not in model.state_dict():  # the sin-cos table written for timm
+        sd.pop("pos_embed")
     try:
-        model.load_state_dict(load_file(str(weights)))
+        model.load_state_dict(sd)
     except RuntimeError as e:
         raise ValueError(f"{weights} does not fit {CONFIG_NAME}'s model: {str(e).splitlines()[0]}") from None
     return HubModel(model.eval(), pp, labels, name, own.get("task", "multiclass"), own.get("threshold"))

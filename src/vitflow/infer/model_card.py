@@ -25,10 +25,12 @@ def _results(state: dict[str, Any], run_eval: dict[str, Any] | None) -> list[str
         head = "| data | images | mAP | micro-F1 | macro-F1 | loss |\n|---|---|---|---|---|---|"
         row = f"| {where} | {r.get('images', '-')} | {_pct(r['map'])} | {_pct(r.get('micro_f1'))} | " \
               f"{_pct(r.get('macro_f1'))} | {r.get('loss', float('nan')):.4f} |"
-    else:
-        head = "| data | images | top-1 | top-5 | loss |\n|---|---|---|---|---|"
-        row = f"| {where} | {r.get('images', '-')} | {_pct(r.get('top1'))} | {_pct(r.get('top5'))} | " \
-              f"{r.get('loss', float('nan')):.4f} |"
+    else:  # no top-5 column for fewer than 6 classes (the evaluation leaves it out: it is always 100%)
+        top5 = "top5" in r
+        head = "| data | images | top-1 |" + (" top-5 |" if top5 else "") + " loss |\n|---|---|---|" + \
+            ("---|" if top5 else "") + "---|"
+        row = f"| {where} | {r.get('images', '-')} | {_pct(r.get('top1'))} | " + \
+            (f"{_pct(r.get('top5'))} | " if top5 else "") + f"{r.get('loss', float('nan')):.4f} |"
     return [f"Measured by vitflow ({note}, step {state.get('step')}):", "", head, row]
 
 
@@ -74,4 +76,8 @@ def model_card(state: dict[str, Any], config: dict[str, Any], name: str, run_eva
         "`vitflow` holds vitflow's own model arguments",
         "- `model.safetensors`: the weights, with timm's parameter names", "- `README.md`: this card", "",
     ]
+    if state["model_args"].get("pos_embed") == "sincos2d":
+        lines += ["## Position embedding", "", f"Trained with fixed 2-D sin-cos positions; `model.safetensors` holds that "
+                  f"table as timm's learned `pos_embed` (the same logits at {size} px; timm resamples it for another "
+                  "size, vitflow recomputes the sin-cos table).", ""]
     return "\n".join(lines)

@@ -25,7 +25,7 @@ import torch
 
 from vitflow.checkpoint import apply_quantization, load_checkpoint, model_from_checkpoint, save_checkpoint
 from vitflow.infer.calibration import CALIBRATION_IMAGES
-from vitflow.infer.guard import Guard, guard_source
+from vitflow.infer.guard import Guard, guard_source, measured_split
 from vitflow.infer.onnx_model import ModelInfo, OnnxModel, copy_metadata, is_onnx, quiet_toolchain, require
 from vitflow.infer.static_quant import METHODS, float_onnx, model_info, quantize_calibrated
 
@@ -111,7 +111,7 @@ class CastModel(torch.nn.Module):
 
 
 def quantize_file(model_path: str | Path, out: str | Path, backend: str = "onnxruntime", dtype: str = "int8",
-                  data: str | None = None, split: str = "test", max_drop: float = 1.0, force: bool = False,
+                  data: str | None = None, split: str | None = None, max_drop: float = 1.0, force: bool = False,
                   per_channel: bool = True, log=print, calibrate: bool = False, calibration: str | None = None,
                   methods: tuple[str, ...] = METHODS, images: int = CALIBRATION_IMAGES, batch: int | None = None
                   ) -> dict:
@@ -127,7 +127,8 @@ def quantize_file(model_path: str | Path, out: str | Path, backend: str = "onnxr
         dtype: ``int8``; ``fp16`` / ``bf16`` (torch backend: weight casting).
         data: an image folder or tar to measure top-1 on before and after; the output is written
             only if top-1 dropped by at most ``max_drop`` percentage points, or with ``force``.
-        split: the split of ``data`` (``test``, ``test[:2000]``, ...).
+        split: the split of ``data`` (``test``, ``test[:2000]``, ...); ``None``:
+            :func:`~vitflow.infer.guard.measured_split`.
         calibrate: static INT8 with activation ranges calibrated on ``images`` real images of
             ``calibration`` (default: the checkpoint's training data); the guard (on ``data``, by
             default the checkpoint's test split) picks the best of ``methods``. See
@@ -141,6 +142,7 @@ def quantize_file(model_path: str | Path, out: str | Path, backend: str = "onnxr
         FileNotFoundError / ValueError: unreadable model, unsupported combination, bad data.
     """
     _check_request(model_path, out, backend, dtype, calibrate)
+    split = measured_split(data, split) if data is not None else split  # bad data fails before any work
     if calibrate or backend == "openvino":
         return quantize_calibrated(model_path, out, backend, calibration, data, split, methods, max_drop, force,
                                    per_channel, images, batch, log)
@@ -155,8 +157,7 @@ def quantize_file(model_path: str | Path, out: str | Path, backend: str = "onnxr
             reference, candidate, info = _quantize_checkpoint(model_path, tmp, dtype)
         try:
             if data is not None:
-                guard = Guard(reference, info, guard_source(info, data, split)[0], f"{data} [{split}]", max_drop,
-                              force, log)
+                guard = Guard(reference, info, *guard_source(info, data, split), max_drop, force, log)
                 result.update(guard.check(guard.measure(candidate)[0], out))
             os.replace(tmp, out)
         finally:

@@ -152,7 +152,7 @@ def _candidate(backend: str, method: str, src: Path, images: torch.Tensor, dst: 
 
 
 def quantize_calibrated(model_path: str | Path, out: str | Path, backend: str = "onnxruntime",
-                        calibration: str | None = None, data: str | None = None, split: str = "test",
+                        calibration: str | None = None, data: str | None = None, split: str | None = None,
                         methods: tuple[str, ...] = METHODS, max_drop: float = 1.0, force: bool = False,
                         per_channel: bool = True, images: int = CALIBRATION_IMAGES, batch: int | None = None,
                         log: Callable[[str], None] = print) -> dict:

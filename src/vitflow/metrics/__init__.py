@@ -15,6 +15,7 @@ from vitflow.metrics.table import (
     headline,
     headline_metrics,
     lookup,
+    meaningful,
     primary_metric,
     register_metric,
     selectable_names,
@@ -24,4 +25,4 @@ from vitflow.metrics.table import (
 )
 
 __all__ = ["METRICS", "TASKS", "Accumulator", "Metric", "canonical_key", "headline", "headline_metrics", "lookup",
-           "primary_metric", "register_metric", "selectable_names", "split_metric", "summary_names", "task_of"]
+           "meaningful", "primary_metric", "register_metric", "selectable_names", "split_metric", "summary_names", "task_of"]

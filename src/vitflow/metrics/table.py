@@ -63,6 +63,9 @@ class Metric:
             a task it is not listed for does not show it there.
         line: how it reads in that line, ``{}`` standing for the value (default ``"LABEL {}"``);
             text in parentheses qualifies the figure before it and follows it after one space.
+        min_classes: the fewest classes for which the figure means something (top-5 needs 6: with
+            5 classes or fewer every image's label is among the top 5); an evaluation of fewer
+            classes leaves it out (:func:`meaningful`), so no summary, line or report shows it.
     """
 
     name: str
@@ -77,6 +80,7 @@ class Metric:
     summary: bool = True
     summary_line: Mapping[str, int] = field(default_factory=dict)
     line: str = ""
+    min_classes: int = 0
 
     def text(self, value: float | None) -> str:
         """``value`` in the metric's format: ``97.77%`` or ``0.1528`` (``n/a`` for ``None``)."""
@@ -142,6 +146,12 @@ def selectable_names() -> list[str]:
 def summary_names() -> tuple[str, ...]:
     """The names of the metrics kept in run summaries (:attr:`Metric.summary`)."""
     return tuple(m.name for m in METRICS.values() if m.summary)
+
+
+def meaningful(result: dict[str, Any], classes: int) -> dict[str, Any]:
+    """``result`` (an evaluation's figures, by metric name) without the metrics that mean nothing
+    for ``classes`` classes (:attr:`Metric.min_classes`: top-5 of a 2-class model is always 100%)."""
+    return {k: v for k, v in result.items() if k not in METRICS or METRICS[k].min_classes <= classes}
 
 
 def headline_metrics(task: str) -> list[Metric]:
@@ -213,7 +223,7 @@ class Accumulator:
 _MC, _ML, _BOTH = ("multiclass",), ("multilabel",), ("multiclass", "multilabel")
 for _m in (
     Metric("top1", "top-1", summary_line={"multiclass": 0}),
-    Metric("top5", "top-5", summary_line={"multiclass": 1}),
+    Metric("top5", "top-5", summary_line={"multiclass": 1}, min_classes=6),
     Metric("loss", "loss", "min", "number", 4, _BOTH, summary_line={"multiclass": 2, "multilabel": 4}),
     Metric("map", "mAP", tasks=_ML, summary_line={"multilabel": 0}),
     Metric("micro_f1", "micro-F1", tasks=_ML, summary_line={"multilabel": 1}),

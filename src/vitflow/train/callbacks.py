@@ -138,16 +138,25 @@ class CallbackList:
 
 
 class LiveReport(Callback):
-    """Calls ``hook(run_dir)`` on rank 0 after each evaluation (the CLI's live HTML report,
+    """Calls ``hook(run_dir)`` on rank 0 at the run's first ``train`` record (a page that says when
+    the first evaluation comes) and after each evaluation (the CLI's live HTML report,
     ``train.live_report``); a failure of the hook is a warning, never the run's end."""
 
     def __init__(self, hook: Callable[[Path], Any]):
-        self.hook = hook
+        self.hook, self.written = hook, False
+
+    def on_record(self, trainer, record: dict[str, Any]) -> None:
+        if record.get("kind") == "train" and not self.written and trainer.dist.is_main:
+            self._write(trainer, "at the first records")
 
     def on_evaluation(self, trainer, split: str, metrics: dict[str, Any]) -> None:
         if not trainer.dist.is_main or split in trainer.evaluator.named:  # once per evaluation round
             return
+        self._write(trainer, "after the evaluation")
+
+    def _write(self, trainer, when: str) -> None:
+        self.written = True
         try:
             self.hook(trainer.run_dir)
         except Exception as e:  # noqa: BLE001 - a report must never stop a run
-            log.warning("after the evaluation at step %d: %s: %s", trainer.step, type(e).__name__, e)
+            log.warning("%s at step %d: %s: %s", when, trainer.step, type(e).__name__, e)

@@ -1,6 +1,7 @@
 """The configuration a training run starts from, chosen as ``vitflow train`` chooses it and shared
 with the Python API (``vitflow.train``): a resumed run's saved config (``train.resume``), the photo
-plan for a ``data.path`` given without a recipe (:mod:`vitflow.train.plan`), the ``finetune`` preset
+plan for a ``data.path`` given without a recipe (:mod:`vitflow.train.plan`; with ``model.pretrained``
+a planned fine-tune), the ``finetune`` preset
 for pretrained weights given without one, else the preset / file / overrides as given."""
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def training_config(preset: str | None, config_file: str | None, overrides: Sequ
             log.warning("--preset / --config ignored: a resumed run keeps its saved config (change keys with "
                         "key=value)")
         return cfg
+    if is_planned(preset, config_file, list(overrides)):  # a photo folder (or a fine-tune on one): planned
+        return planned_config(list(overrides), checks, preset)
     preset = default_preset(preset, config_file, overrides)
-    if is_planned(preset, config_file, list(overrides)):
-        return planned_config(list(overrides), checks)  # a photo folder: the recipe from the data
     return build_config(preset, config_file, overrides, checks=checks, model_config=config_class)

@@ -171,8 +171,8 @@ def run_summary(trainer, results: dict[str, dict[str, Any]], checkpoint: Path | 
     evaluations ``results``): ``step``, ``run_dir``, ``checkpoint``, the best checkpoint's figure,
     ``train_images_per_s`` (all ranks, from the end of the first step), ``skipped_images``, ``skipped_steps``, ``elapsed_s``, fine-tuning's
     summary, each split's figures (:func:`summary_figures`), ``stopped`` (a callback's reason
-    other than early stopping's, which says ``early_stopped``) and, on rank 0, ``samples`` (held-out
-    images written for ``vitflow predict``, for data without image files)."""
+    other than early stopping's, which says ``early_stopped``) and, on rank 0, ``samples`` (the
+    held-out images for ``vitflow predict`` and the report)."""
     summary = {"step": trainer.step, "run_dir": str(trainer.run_dir), "checkpoint": str(checkpoint),
                **trainer.selection.summary(), "train_images_per_s": trainer.callbacks.find(ProgressLog).images_per_s(),
                "skipped_images": trainer.epochs.skips.total, "skipped_steps": trainer.guard.skipped,
@@ -180,6 +180,8 @@ def run_summary(trainer, results: dict[str, dict[str, Any]], checkpoint: Path | 
                **summary_figures(results)}
     if trainer.stop_reason and not trainer.selection.stopped:
         summary["stopped"] = trainer.stop_reason
+    # written at the start, but for a user's Dataset (read first by the loader workers: a fork shares the files
+    # it opens lazily), written now
     shown = trainer.evaluator.splits[trainer.evaluator.monitored][1]
     if trainer.dist.is_main and (samples := write_samples(shown, trainer.run_dir)):
         summary["samples"] = samples

@@ -24,8 +24,10 @@ from vitflow.config import Config, to_yaml
 from vitflow.data import train_loader
 from vitflow.data.remote.fs import RemoteError
 from vitflow.data.sources.evals import open_evals
+from vitflow.data.sources.pyobjects import DatasetSource
 from vitflow.models import model_kwargs
 from vitflow.models.pretrained.config import apply_pretrained
+from vitflow.rundir import BEST
 from vitflow.runtime import settled_heap
 from vitflow.train.budget import ProgressiveResizing
 from vitflow.train.callbacks import Callback, CallbackList, LiveReport, StepOutput
@@ -37,9 +39,9 @@ from vitflow.train.logging import EpochTracker, MetricsLog, start_record
 from vitflow.train.normalize import open_run_datasets
 from vitflow.train.preempt import interrupted_end
 from vitflow.train.resume import locate_run, restore_training, seed_ranks, training_state
-from vitflow.train.run_dir import open_run_dir
+from vitflow.train.run_dir import open_run_dir, write_samples
 from vitflow.train.schedules import schedule_of
-from vitflow.train.selection import BEST, Selection
+from vitflow.train.selection import Selection
 from vitflow.train.setup import build_model, build_optimization, builtin_callbacks, start_process
 from vitflow.train.store_stop import stop_on_store_error
 
@@ -89,6 +91,9 @@ class Trainer:
         if self.dist.is_main:  # created now that the data and the model are known to be good
             open_run_dir(self.run_dir, to_yaml(cfg), cfg.preset)
             write_distribution(self.run_dir, self.data)  # each split's class counts, for the report
+            held_out = self.data.val or self.data.test
+            if not isinstance(getattr(held_out, "base", held_out), DatasetSource):  # a user's Dataset: at the end
+                write_samples(held_out, self.run_dir)  # held-out images: predict, the report (RUN_DIR/samples)
         saved = self.state or {}
         self.metrics = MetricsLog(self.run_dir, t.tensorboard, self.dist.is_main,
                                   saved.get("records", {} if start_over else None), self.step if self.state else None,
@@ -103,6 +108,7 @@ class Trainer:
         # the last monitored evaluation's figures, request_stop's reason, the signal that interrupted the run:
         self.last_eval, self.stop_reason, self.interrupted = None, None, None
         self.eval_due = self.finishing = False  # a periodic evaluation runs; the final ones run
+        self.eval_requested = False  # a callback asked for an evaluation (and a checkpoint) after this step
         if self.state:
             restore_training(self.state, self)
         seed_ranks(self.state, self.dist, t.seed, self.step)  # last: set-up leaves the model's random stream alone
@@ -117,6 +123,11 @@ class Trainer:
         self.stop_reason = self.stop_reason or reason
         if interrupt:
             self.interrupted = self.interrupted or reason
+
+    def request_evaluation(self) -> None:
+        """Evaluate, then checkpoint, after the current step (``train.eval_interval``'s clock asks
+        so); the ranks agree at the step boundary."""
+        self.eval_requested = True
 
     def train_step(self, batches: list[dict]) -> tuple[float, float, bool]:
         """Forward, loss and backward over the micro-batches (at this step's resolution), clip, then
@@ -191,14 +202,22 @@ class Trainer:
             self.callbacks.call("on_step_end", self, StepOutput(self.step, loss, grad_norm, n, wait, cost, taken))
             if self._stopping():
                 break
-            if taken and t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
+            asked = self._evaluation_asked()  # by a callback (train.eval_interval): an evaluation, then a checkpoint
+            if taken and (asked or t.eval_every and self.step % t.eval_every == 0) and self.step < self.total_steps:
                 self._evaluate_periodic()
                 if self._stopping():  # early stopping, a callback
                     break
-            if taken and t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < self.total_steps:
+            if taken and (asked or t.checkpoint_every and self.step % t.checkpoint_every == 0) and \
+                    self.step < self.total_steps:
                 self.save()
         if self.stop_reason and not self.interrupted and self.stop_reason != self.selection.stopped:
             log.info("%s", self.stop_reason)  # (early stopping said so when it fired)
+
+    def _evaluation_asked(self) -> bool:
+        """Whether a callback asked for an evaluation at this step (on any rank: one all-reduce, only
+        when ``train.eval_interval`` is set); the request is then consumed."""
+        asked, self.eval_requested = self.eval_requested, False
+        return bool(self.cfg.train.eval_interval) and self.dist.any(asked, self.device)
 
     def _stopping(self) -> bool:
         """Whether any rank asked to stop (one all-reduce: every rank then stops after the same step)."""

@@ -220,11 +220,14 @@ def warn_config_changes(saved: dict[str, Any], config: dict[str, Any], path: Pat
     """Log the keys of ``config`` (a config as a mapping) that differ from the checkpoint's: a resume
     with another batch size, lr, data or model does not reproduce the uninterrupted run (and may not
     load). The keys of an older flat ``model`` section that the family lacks count as unchanged while
-    they hold their defaults (:func:`vitflow.config.holds_old_default`)."""
+    they hold their defaults (:func:`vitflow.config.holds_old_default`), and so do the keys added since
+    the checkpoint was written while they hold theirs (e.g. ``train.default_budget``)."""
     keys = config.get("model", {})
     old = {k: v for k, v in flatten(saved).items()
            if not (k.startswith("model.") and k[6:] not in keys and holds_old_default(k[6:], v))}
     new = flatten(config)
+    defaults = flatten(Config().to_dict())
+    old.update({k: v for k, v in new.items() if saved and k not in old and k in defaults and v == defaults[k]})
     changed = [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
                if k not in _RUN_KEYS and old.get(k) != new.get(k)]
     if changed:

@@ -40,8 +40,9 @@ from typing import Iterator, Sequence
 
 from vitflow import checkpoint as ckpt
 from vitflow.config import TrainConfig
-from vitflow.data.sources.base import FileSource, ImageSource, export_samples
-from vitflow.rundir import CONFIG, RUN, is_run_dir
+from vitflow.config.messages import MESSAGES
+from vitflow.data.sources.base import ImageSource, export_samples
+from vitflow.rundir import CONFIG, RUN, SAMPLES, is_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -312,11 +313,8 @@ def check_new_run(path: Path, resume_mode: str) -> bool:
         log.warning("%s holds a run that never wrote a checkpoint: starting it over", path)
         return True
     shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
-    if is_run_dir(path):
-        raise RunDirError(f"train.run_dir={path} holds another run ({shown}): continue it with `vitflow resume "
-                          f"{path}`, or choose a new folder for this run")
-    raise RunDirError(f"train.run_dir={path} is not empty ({shown}) and is not a vitflow run: vitflow writes a "
-                      "run only into a new or empty folder; choose another train.run_dir")
+    raise RunDirError(MESSAGES["run_dir_taken" if is_run_dir(path) else "run_dir_not_empty"].format(path=path,
+                                                                                                   shown=shown))
 
 
 def open_run_dir(path: Path, config_yaml: str, preset: str) -> Path:
@@ -350,10 +348,12 @@ def _write_files(path: Path, config_yaml: str, preset: str) -> None:
 
 
 def write_samples(source: ImageSource, run_dir: Path) -> str | None:
-    """For data without image files (the embedded digits, CIFAR batches, packed datasets): a few of
-    ``source``'s images written to ``RUN_DIR/samples``, so that ``vitflow predict`` can be tried at
-    once; returns the folder, or ``None`` when the images are files already."""
-    files = getattr(source, "base", None) or source  # the files behind a RAM cache
-    if isinstance(files, FileSource):
-        return None
-    return str(export_samples(source, run_dir / "samples")[0].parent)
+    """A few held-out images of ``source`` (one per class first; the files themselves for image
+    folders and tars, PNGs for data without files: the embedded digits, CIFAR batches, packed
+    datasets) in ``RUN_DIR/samples``, written once, at the start of a run: for trying ``vitflow
+    predict`` at once, and for the report's sample and attention panels. Returns the folder, or
+    ``None`` when no image could be written."""
+    folder = run_dir / SAMPLES
+    if folder.is_dir() and any(folder.iterdir()):
+        return str(folder)
+    return str(folder) if export_samples(source, folder) else None

@@ -26,7 +26,6 @@ from vitflow.config.schema import TrainConfig
 from vitflow.metrics import Metric, selectable_names, split_metric
 from vitflow.train.callbacks import Callback
 
-BEST = "best.pt"
 log = logging.getLogger(__name__)
 
 

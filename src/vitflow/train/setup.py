@@ -20,6 +20,7 @@ from vitflow.runtime import Precision, configure_allocator, resolve_device
 from vitflow.train.budget import BudgetStop
 from vitflow.train.callbacks import Callback
 from vitflow.train.class_weights import setup_imbalance
+from vitflow.train.clock import eval_clock
 from vitflow.train.distill import build_criterion
 from vitflow.train.distributed import DistEnv, Parallel, init_distributed, rank_device
 from vitflow.train.ema import ModelEMA
@@ -126,12 +127,14 @@ def build_optimization(parts: ModelParts, o: OptimConfig, t: TrainConfig, dist: 
 def builtin_callbacks(t: TrainConfig, config: dict[str, Any], preset: str, run_dir: Path, resumed: bool,
                       is_main: bool, pipeline: str, selection: Selection) -> list[Callback]:
     """The run's own callbacks, in calling order: progress and records (``pipeline``: the input
-    pipeline's description, for the input-bound hint), the time budget, pre-emption signals, the
+    pipeline's description, for the input-bound hint), the time budget, the evaluation clock
+    (``train.eval_interval``), pre-emption signals, the
     best checkpoint and early stopping (``selection``), and on rank 0 (``is_main``) the trackers
     (MLflow / W&B runs named after ``preset``, opened, or continued when ``resumed``, with
     ``config`` (the whole config as a mapping) as parameters)."""
     out: list[Callback] = [ProgressLog(t.log_every, pipeline)]
     if t.time_budget:
         out.append(BudgetStop(parse_duration(t.time_budget), t.time_budget, t.log_every, t.total_steps))
+    out += eval_clock(t.eval_interval)
     trackers = open_trackers(t, flatten(config), preset, run_dir, resumed) if is_main else None
     return out + [Preemption(), selection] + ([trackers] if trackers else [])

@@ -1,5 +1,6 @@
-"""Small report panels: the run's status line (running / finished / interrupted) and the
-attention maps of one of the run's sample images, labelled with what they show."""
+"""Small report panels: the run's status line (running / finished / interrupted), the attention
+maps of one of the run's held-out sample images, labelled with what they show, and the samples
+themselves with what the newest checkpoint predicts for them."""
 
 from __future__ import annotations
 
@@ -30,8 +31,7 @@ def attention_panel(run: Path, out: Path, checkpoint: str | Path | None = None) 
     whether they are class-token attention or the mean attention over patch tokens
     (:func:`vitflow.viz.attention.attention_kind`); empty when the run has no samples or
     checkpoint yet, or the maps cannot be drawn (logged)."""
-    samples = sorted(p for p in (run / "samples").rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES) \
-        if (run / "samples").is_dir() else []
+    samples = sample_files(run)
     if not samples or not any((run / "checkpoints").glob("step-*.pt")):
         return ""
     from vitflow.viz.attention import attention_figure
@@ -48,3 +48,50 @@ def attention_panel(run: Path, out: Path, checkpoint: str | Path | None = None) 
             f"({r['prob']:.1%}); each head of block {r['layer']} and the rollout over all blocks, showing the "
             f"{html.escape(r['maps'])} to each patch.</p>"
             f'<img alt="attention maps" style="max-width:100%" src="data:image/png;base64,{data}">')
+
+
+def sample_files(run: Path) -> list[Path]:
+    """The run's held-out sample images (``RUN_DIR/samples``, ``NN_<class>.EXT``), sorted."""
+    folder = run / "samples"
+    return sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES) if folder.is_dir() else []
+
+
+def samples_panel(run: Path, checkpoint: str | Path | None = None, predict: bool = True) -> str:
+    """The held-out samples as thumbnails, each with its class (from its name) and, with
+    ``predict`` once the run has a checkpoint, the class ``checkpoint`` (default: the newest)
+    predicts and its probability; empty without samples. A checkpoint that cannot be read leaves
+    the predictions out (logged)."""
+    samples = sample_files(run)
+    if not samples:
+        return ""
+    has_checkpoint = any((run / "checkpoints").glob("*.pt"))
+    predicted = _predictions(checkpoint or run, samples) if predict and has_checkpoint else {}
+    cells = []
+    for p in samples:
+        truth = p.stem.split("_", 1)[-1]
+        data = base64.b64encode(p.read_bytes()).decode("ascii")
+        mime = "png" if p.suffix.lower() == ".png" else "jpeg" if p.suffix.lower() in (".jpg", ".jpeg") else "webp"
+        guess = predicted.get(p.name)
+        mark = "" if guess is None else (f"<br>predicted <b>{html.escape(guess[0])}</b> ({guess[1]:.0%})"
+                                        f"{' &#10003;' if guess[0] == truth else ' &#10007;'}")
+        cells.append(f'<figure><img alt="{html.escape(p.name)}" src="data:image/{mime};base64,{data}">'
+                     f"<figcaption>{html.escape(truth)}{mark}</figcaption></figure>")
+    return (f"<h2>Held-out samples ({len(samples)} images of RUN_DIR/samples)</h2><div class=samples>{''.join(cells)}"
+            "</div><p class=note>True class from the file name; "
+            + ("predictions of the newest checkpoint" if predicted else "the newest checkpoint's predictions and "
+               "attention maps are drawn by the report written at the end, or by <code>vitflow report RUN_DIR</code>")
+            + "; try <code>vitflow predict RUN_DIR RUN_DIR/samples</code>.</p>")
+
+
+def _predictions(checkpoint: str | Path, samples: list[Path]) -> dict[str, tuple[str, float]]:
+    """``{sample file name: (class, probability)}`` of ``checkpoint``'s top prediction, or ``{}`` (logged)."""
+    from vitflow.infer import Predictor
+    from vitflow.infer.predict import collect_images
+
+    try:
+        predictor = Predictor.from_checkpoint(checkpoint, device="cpu", precision="fp32")
+        rows = predictor.predict_refs(collect_images([str(p) for p in samples]), topk=1)
+    except (ValueError, RuntimeError, FileNotFoundError, KeyError) as e:
+        log.info("report: no sample predictions (%s)", e)
+        return {}
+    return {Path(r["path"]).name: (r["top"][0]["class"], r["top"][0]["prob"]) for r in rows if r.get("top")}

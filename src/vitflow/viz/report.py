@@ -1,19 +1,25 @@
 """``vitflow report RUN_DIR``: a run's curves as PNG files and one self-contained HTML page.
 
-Reads what a run writes (``metrics.jsonl``, ``config.yaml``, ``eval.json``) and writes::
+Reads what a run writes (``metrics.jsonl``, ``config.yaml``, ``eval.json``, ``samples/``) and what
+``vitflow eval`` recorded of its checkpoints (``evals/``), and writes::
 
-    RUN_DIR/report/loss.png         train loss (and test loss at each evaluation), grad norm
-    RUN_DIR/report/accuracy.png     top-1 / top-5 (multi-label: mAP / micro-F1; and the EMA's) at each
-                                    evaluation of the split evaluated during training (val, else test)
+    RUN_DIR/report/loss.png         the training batches' loss (and the evaluated split's loss at each
+                                    evaluation, labelled val or test), grad norm
+    RUN_DIR/report/accuracy.png     top-1 / top-5 (top-5 only with 6 classes or more; multi-label: mAP /
+                                    micro-F1; and the EMA's) at each evaluation of the split evaluated
+                                    during training (val, else test); before the first evaluation the
+                                    page says instead when it comes (step, minutes)
     RUN_DIR/report/lr.png           learning rate per logged step
-    RUN_DIR/report/throughput.png   images/s and the data-stall fraction
+    RUN_DIR/report/throughput.png   training images/s and the data-stall fraction
     RUN_DIR/report/reliability.png  the reliability diagram of the last evaluation (single-label)
     RUN_DIR/report.html             the PNGs embedded as base64, the final metrics (or, during a
-                                    run, the metrics so far), the last evaluation's per-class
-                                    precision / recall / F1, calibration, per-class top-1 and
-                                    confusion matrix, the attention maps of a sample image (once
-                                    the run has samples), and the config: one file, no external
-                                    resources, replaced atomically (training rewrites it after
+                                    run, the metrics so far), the last evaluation's (the run's, or
+                                    a later ``vitflow eval``'s) per-class precision / recall / F1,
+                                    calibration, per-class top-1 and confusion matrix, the
+                                    ``vitflow eval`` results, the held-out samples with the newest
+                                    checkpoint's predictions and the attention maps of one, and
+                                    the config: one file, no external resources, replaced
+                                    atomically (training rewrites it at its first records and after
                                     every evaluation: ``train.live_report``)
 
 A resumed run's records are merged by step (the latest record of a step wins).
@@ -30,12 +36,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-from vitflow.metrics import headline_metrics, split_metric, summary_names, task_of
-from vitflow.rundir import read_metrics
+from vitflow.metrics import headline, headline_metrics, split_metric, summary_names, task_of
+from vitflow.rundir import read_eval_records, read_metrics
 from vitflow.viz.classmetrics import calibration_html, prf_table
 from vitflow.viz.curves import line_plot
 from vitflow.viz.distribution import distribution_panel
-from vitflow.viz.panels import attention_panel, status_line
+from vitflow.viz.panels import attention_panel, samples_panel, status_line
+from vitflow.viz.progress import later_evaluations, newest_evaluation, pending_evaluation
 
 MAX_MATRIX_CLASSES = 40  # larger confusion matrices are summarised as the most frequent confusions
 
@@ -52,40 +59,53 @@ def _xy(records: list[dict], key: str) -> tuple[list[float], list[float]]:
 
 def monitored_evals(records: list[dict]) -> tuple[str, list[dict]]:
     """``(split, eval records by step)`` of the split evaluated during training: ``val`` when the
-    run has a validation split, else ``test``."""
+    run has a validation split (its evaluations say so, or before the first one its ``start``
+    record counts validation images), else ``test``."""
     evals = [r for r in records if r.get("kind") == "eval"]
-    split = "val" if any(r.get("split") == "val" for r in evals) else "test"
+    start = next((r for r in reversed(records) if r.get("kind") == "start"), {})
+    has_val = any(r.get("split") == "val" for r in evals) or (not evals and bool(start.get("val_images")))
+    split = "val" if has_val else "test"
     return split, _by_step([r for r in evals if r.get("split", "test") == split], "eval")
 
 
 def write_curves(records: list[dict], out: Path) -> dict[str, Path]:
-    """The four PNGs of the module docstring into folder ``out``; returns ``{name: path}``."""
+    """The PNGs of the module docstring into folder ``out``; returns ``{name: path}``. Every curve
+    is labelled with its split; the accuracy PNG is not drawn before the first evaluation (the
+    report says when it comes instead), nor a curve without a point."""
     out.mkdir(parents=True, exist_ok=True)
     train, (split, evals) = _by_step(records, "train"), monitored_evals(records)
     marker = {"marker": "o", "markersize": 4}
-    loss = [("train loss", *_xy(train, "loss"), {}), (f"{split} loss", *_xy(evals, "loss"), marker)]
+    loss = [("train loss (training batches)", *_xy(train, "loss"), {}), (f"{split} loss", *_xy(evals, "loss"), marker)]
     if any("ema_loss" in e for e in evals):
         loss.append((f"EMA {split} loss", *_xy(evals, "ema_loss"), marker))
-    first, second = headline_metrics(_task(evals))[:2]  # top-1 / top-5, or mAP / micro-F1
-    acc = [(first.label, *_xy(evals, first.name), marker),
-           (second.label, *_xy(evals, second.name), {**marker, "alpha": 0.6})]
-    if any(f"ema_{first.name}" in e for e in evals):
-        acc.append((f"EMA {first.label}", *_xy(evals, f"ema_{first.name}"), {**marker, "linestyle": "--"}))
+    shown = [m for m in headline_metrics(_task(evals)) if m.format == "percent"][:2]  # top-1 / top-5, mAP / micro-F1
+    shown = [m for m in shown if any(e.get(m.name) is not None for e in evals)]  # no top-5 under 6 classes
+    acc = [(f"{split} {m.label}", *_xy(evals, m.name), {**marker, "alpha": 1.0 if i == 0 else 0.6})
+           for i, m in enumerate(shown)]
+    if shown and any(f"ema_{shown[0].name}" in e for e in evals):
+        acc.append((f"EMA {split} {shown[0].label}", *_xy(evals, f"ema_{shown[0].name}"),
+                    {**marker, "linestyle": "--"}))
     acc = [(label, xs, [100 * y for y in ys], kw) for label, xs, ys, kw in acc]
     stall_x, stall_y = _xy(train, "data_stall")
-    return {
-        "loss": line_plot(out / "loss.png", "loss", loss, "cross-entropy",
+    pngs = {
+        "loss": line_plot(out / "loss.png", f"loss: training batches and the {split} split",
+                          [c for c in loss if c[1]], "cross-entropy",
                           right=[("grad norm", *_xy(train, "grad_norm"), {"color": "gray", "alpha": 0.4,
                                                                           "linewidth": 0.8})],
                           right_label="gradient L2 norm"),
-        "accuracy": line_plot(out / "accuracy.png", f"{split} {first.label} / {second.label} at each evaluation", acc, "%",
-                              note=_count_note(len(evals))),
         "lr": line_plot(out / "lr.png", "learning rate", [("lr", *_xy(train, "lr"), {})], "learning rate"),
-        "throughput": line_plot(out / "throughput.png", "throughput",
-                                [("images/s", *_xy(train, "images_per_s"), {})], "images/s",
+        "throughput": line_plot(out / "throughput.png", "training throughput",
+                                [("training images/s", *_xy(train, "images_per_s"), {})], "images/s",
                                 right=[("data stall", stall_x, [100 * y for y in stall_y],
                                         {"color": "tab:red", "alpha": 0.6})], right_label="data stall, % of time"),
     }
+    if evals:
+        labels = " / ".join(m.label for m in shown)
+        pngs["accuracy"] = line_plot(out / "accuracy.png", f"{split} {labels} at each evaluation", acc, "%",
+                                     note=_count_note(len(evals)))
+    else:
+        (out / "accuracy.png").unlink(missing_ok=True)  # an earlier report's, of a run that starts over
+    return pngs
 
 
 def _task(evals: list[dict]) -> str:
@@ -209,12 +229,18 @@ td,th{border:1px solid #ddd;padding:3px 7px;text-align:left} .num{text-align:rig
 .cm td{min-width:34px} .rot div{writing-mode:vertical-rl;transform:rotate(180deg);max-height:110px}
 .note{color:#666;font-size:12px} .kpi{display:flex;gap:16px;flex-wrap:wrap}
 .kpi div{border:1px solid #ddd;border-radius:6px;padding:8px 14px} .kpi b{font-size:20px;display:block}
+.pending{border:1px dashed #bbb;border-radius:6px;padding:24px;color:#555;font-size:15px;display:flex;align-items:center}
+.samples{display:flex;flex-wrap:wrap;gap:10px} .samples figure{margin:0;font-size:12px;text-align:center;width:120px}
+.samples img{width:112px;height:112px;object-fit:cover;image-rendering:auto}
 """
 
 
-def write_report(run_dir: str | Path, output: str | Path | None = None, checkpoint: str | Path | None = None) -> Path:
+def write_report(run_dir: str | Path, output: str | Path | None = None, checkpoint: str | Path | None = None,
+                 model_panels: bool = True) -> Path:
     """Write the PNGs and the HTML page of the module docstring; returns the HTML path.
-    ``checkpoint``: the one whose attention maps are drawn (default: the run's newest).
+    ``checkpoint``: the one whose attention maps and sample predictions are drawn (default: the
+    run's newest); ``model_panels=False`` leaves those two out (they load the model: the live
+    report during training skips them).
 
     Raises:
         FileNotFoundError: ``run_dir`` has no ``metrics.jsonl``.
@@ -230,29 +256,18 @@ def write_report(run_dir: str | Path, output: str | Path | None = None, checkpoi
     config = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else "(no config.yaml)"
     ev = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else None
 
+    split, evals = monitored_evals(records)
     kpi_keys = [(f"{role}_{m.name}", f"{role} {m.label}") for role in ("val", "test")
-                for m in headline_metrics(_task(monitored_evals(records)[1])) if m.better]  # the summary line's scores
+                for m in headline_metrics(_task(evals)) if m.better]  # the summary line's scores
     kpi_keys += [("step", "steps"), ("epochs", "epochs"), ("train_images_per_s", "train images/s")]
     kpis = "".join(f"<div>{label}<b>{_fmt(k, final[k])}</b></div>" for k, label in kpi_keys
                    if final.get(k) is not None)
     table = "".join(f"<tr><td>{html.escape(k)}</td><td class=num>{_fmt(k, v)}</td></tr>" for k, v in final.items()
                     if v is not None)
-    images = "".join(_img(pngs[k]) for k in ("loss", "accuracy", "lr", "throughput"))
-    if ev:
-        title = (f"<h2>Last evaluation: step {ev['step']}, {html.escape(str(ev['split']))} split "
-                 f"({html.escape(str(ev.get('split_expr') or ev['split']))}), {ev['images']} images, "
-                 f"{ev['weights']} weights</h2>")
-        if "map" in ev:
-            last = (f"{title}<p>mAP {ev['map']:.2%}, micro-F1 {ev['micro_f1']:.2%}, macro-F1 {ev['macro_f1']:.2%} at "
-                    f"threshold {ev['threshold']:.2f} (chosen on the validation split), loss {ev['loss']:.4f}</p>"
-                    f"<h3>Per-class average precision</h3>{_per_class_ap_table(ev)}")
-        else:
-            last = (f"{title}<p>top-1 {ev['top1']:.2%}, top-5 {ev['top5']:.2%}, loss {ev['loss']:.4f}</p>"
-                    + (f"<h3>Per-class precision, recall, F1</h3>{prf_table(ev)}" if "f1" in ev else "")
-                    + calibration_html(ev, pngs["loss"].parent) +
-                    f"<h3>Per-class top-1</h3>{_per_class_table(ev)}<h3>Confusion matrix</h3>{_confusion_html(ev)}")
-    else:
-        last = "<h2>Last evaluation</h2><p>No eval.json in the run directory.</p>"
+    images = "".join(_img(pngs[k]) if k in pngs else pending_evaluation(records, config, split)
+                     for k in ("loss", "accuracy", "lr", "throughput"))
+    later = read_eval_records(run)
+    last = _last_evaluation(newest_evaluation(ev, later), pngs["loss"].parent)
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>vitflow report: {html.escape(run.name)}</title><style>{_CSS}</style></head>
 <body><h1>vitflow run {html.escape(run.name)}</h1>
@@ -261,8 +276,10 @@ def write_report(run_dir: str | Path, output: str | Path | None = None, checkpoi
 <h2>{"Final metrics" if "status" not in final else "Metrics so far"}</h2><div class=kpi>{kpis}</div><p></p><table>{table}</table>
 <h2>Curves</h2><div class=grid>{images}</div>
 {last}
+{later_evaluations(later)}
+{samples_panel(run, checkpoint, model_panels)}
+{attention_panel(run, html_path.parent / "report", checkpoint) if model_panels else ""}
 {distribution_panel(run)}
-{attention_panel(run, html_path.parent / "report", checkpoint)}
 <h2>Config</h2><pre>{html.escape(config)}</pre>
 </body></html>
 """
@@ -272,7 +289,28 @@ def write_report(run_dir: str | Path, output: str | Path | None = None, checkpoi
     return html_path
 
 
+def _last_evaluation(ev: dict | None, folder: Path) -> str:
+    """The section of the evaluation the report details (``eval.json``, or a later ``vitflow eval``
+    result): its figures, per-class tables, calibration and confusion matrix."""
+    if not ev:
+        return ("<h2>Last evaluation</h2><p>None yet: the run writes eval.json at each evaluation, and <code>vitflow "
+                "eval</code> of one of its checkpoints records its figures here too.</p>")
+    by = " by <code>vitflow eval</code>" if ev.get("source") == "vitflow eval" else ""
+    title = (f"<h2>Last evaluation{by}: step {ev['step']}, {html.escape(str(ev['split']))} split "
+             f"({html.escape(str(ev.get('split_expr') or ev['split']))}), {ev['images']} images, "
+             f"{ev['weights']} weights</h2><p>{html.escape(headline(ev))}</p>")
+    if "map" in ev:
+        return (f"{title}<p class=note>threshold {ev['threshold']:.2f} (chosen on the validation split)</p>"
+                f"<h3>Per-class average precision</h3>{_per_class_ap_table(ev)}")
+    ev = {**ev, "per_class_top1": ev.get("per_class_top1") or ev.get("recall")}  # vitflow eval keeps it as recall
+    return (title + (f"<h3>Per-class precision, recall, F1</h3>{prf_table(ev)}" if "f1" in ev else "")
+            + calibration_html(ev, folder)
+            + f"<h3>Per-class top-1</h3>{_per_class_table(ev)}<h3>Confusion matrix</h3>{_confusion_html(ev)}")
+
+
 def write_live_report(run_dir: str | Path) -> Path:
-    """:func:`write_report` into ``RUN_DIR/report.html``: what training calls after each evaluation
-    (``train.live_report``), so that a browser refresh shows the run so far."""
-    return write_report(run_dir)
+    """:func:`write_report` into ``RUN_DIR/report.html`` without the panels that load the model:
+    what training calls at its first records and after each evaluation (``train.live_report``), so
+    that a browser refresh shows the run so far (the report written at the end, or ``vitflow report
+    RUN_DIR`` meanwhile, adds the attention maps and the samples' predictions)."""
+    return write_report(run_dir, model_panels=False)

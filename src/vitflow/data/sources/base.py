@@ -170,23 +170,42 @@ class TensorSource(ImageSource):
                             self.base, self.errors)
 
 
+def sample_indices(labels: np.ndarray, n: int = 10) -> list[int]:
+    """Up to ``n`` indices of ``labels`` (``int64 (N,)`` class indices, or multi-hot rows): the first
+    image of each class (in the order the classes first appear), then the next images in order."""
+    keys = labels.argmax(1) if labels.ndim == 2 else labels
+    firsts = sorted(np.unique(keys, return_index=True)[1].tolist())[:n]
+    taken = set(firsts)
+    return firsts + [i for i in range(min(len(keys), 2 * n)) if i not in taken][:n - len(firsts)]
+
+
 def export_samples(source: ImageSource, folder: str | Path, n: int = 10) -> list[Path]:
-    """Write the first ``n`` readable images of ``source`` as PNG files ``NN_<class>.png`` in
-    ``folder`` (for trying ``vitflow predict`` on data that has no files of its own; ``NN`` is the
-    index in ``source``). Returns the paths."""
+    """Write up to ``n`` readable images of ``source`` (one per class first: :func:`sample_indices`)
+    into ``folder`` as ``NN_<class>.EXT`` (``NN`` is the index in ``source``, zero-padded): a file's own bytes
+    when the images are files (a :class:`FileSource`, also behind a RAM cache's ``base``), else a
+    PNG of the decoded image. For ``vitflow predict``, the report's attention maps and sample panel.
+    Returns the paths."""
     from PIL import Image
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    files = getattr(source, "base", None)
+    files = files if isinstance(files, FileSource) and len(files) == len(source) else source
     paths: list[Path] = []
-    for i in range(len(source)):
+    width = max(2, len(str(len(source) - 1)))  # the names sort in index order
+    for i in sample_indices(np.asarray(source.labels), 4 * n):
         if len(paths) == n:
             break
+        label = source.labels[i]
+        name = f"{i:0{width}d}_{source.classes[int(label.argmax() if np.ndim(label) else label)]}"
         try:
-            image = source.load(i)
+            if isinstance(files, FileSource):
+                suffix = Path(os.fsdecode(files.keys[i])).suffix.lower() or ".jpg"
+                (path := folder / f"{name}{suffix}").write_bytes(files.read(i))
+            else:
+                path = folder / f"{name}.png"
+                Image.fromarray(source.load(i).permute(1, 2, 0).numpy()).save(path)
         except CorruptImageError:
             continue  # reported by the passes over the split
-        path = folder / f"{i:02d}_{source.classes[int(source.labels[i])]}.png"
-        Image.fromarray(image.permute(1, 2, 0).numpy()).save(path)
         paths.append(path)
     return paths

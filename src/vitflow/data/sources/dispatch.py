@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from vitflow.config import DataConfig
+from vitflow.config.messages import MESSAGES
 from vitflow.data.remote.fs import is_remote
 from vitflow.data.sources import table
 from vitflow.data.sources.base import DataError, ImageSource
@@ -178,9 +179,8 @@ def resolve_eval_splits(cfg: DataConfig) -> tuple[str | None, str | None]:
 
     val, test = resolve(cfg.val_split, VAL_NAMES), resolve(cfg.test_split, TEST_NAMES)
     if val is None and test is None:
-        raise DataError(f"{cfg.path} has no validation or test split (splits: {', '.join(found or [])}): hold out "
-                        f"part of the training images with data.train_split='{cfg.train_split}[:90%]' "
-                        f"data.val_split='{cfg.train_split}[90%:]'")
+        raise DataError(MESSAGES["no_eval_split"].format(path=cfg.path, splits=", ".join(found or []),
+                                                         train=cfg.train_split))
     return val, test
 
 

@@ -17,12 +17,14 @@ explicit.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import torch.nn as nn
 
 from vitflow.config import ConfigError, DataConfig, ModelConfig, retype_model
+from vitflow.config.messages import MESSAGES
 from vitflow.models.convert.hf_swin import swin_model_config_keys
 from vitflow.models.pretrained.hub import Pretrained, resolve_pretrained
 from vitflow.models.registry import MODELS, config_class, create_model
@@ -33,6 +35,9 @@ PREPROCESS_KEYS = ("data.mean", "data.std", "data.crop_pct", "data.interpolation
 SIZE_KEYS = ("embed_dim", "depth", "num_heads", "mlp_ratio", "patch_size")
 # a preset's architecture keys describe the preset's model: reset to their defaults under model.name=auto
 ARCH_KEYS = (*SIZE_KEYS, "img_size", "global_pool", "pos_embed", "layer_scale_init", "distilled")
+# what vitflow's own weights (a run, checkpoint or hub folder) set: every model key of their family's
+# section but these (the input size is their preprocessing's, the class count the data's)
+NOT_OWN_KEYS = ("name", "pretrained", "num_classes", "img_size")
 
 
 def explicit_keys(m: ModelConfig, d: DataConfig, origins: dict[str, str] | None) -> set[str]:
@@ -84,20 +89,20 @@ def apply_pretrained(m: ModelConfig, d: DataConfig, origins: dict[str, str] | No
     auto = m.name == "auto"
     if auto:
         if not pre.model_name:
-            raise ConfigError(f"model.name=auto: {m.pretrained} has no config naming an architecture (a snapshot "
-                              "folder with config.json or open_clip_config.json); set model.name", "model.name")
+            raise ConfigError(MESSAGES["auto_without_architecture"].format(spec=m.pretrained), "model.name")
         if pre.model_name not in MODELS:
             raise ConfigError(f"model.name=auto: the config of {m.pretrained} names {pre.model_name!r}, which vitflow "
                               "does not build (see vitflow models)", "model.name")
         m.name = pre.model_name
         _reset_preset_arch_keys(m, origins or {})
         m = retype_model(m, config_class(m.name))
-        taken = {k: v for k, v in pre.model_kwargs.items() if k in SIZE_KEYS and f"model.{k}" not in explicit}
-        if m.name.startswith("swin"):  # stage depths / heads, window: convert_hf_swin
+        keys = ({f.name for f in dataclasses.fields(m)} - set(NOT_OWN_KEYS)) if pre.vitflow else SIZE_KEYS
+        taken = {k: v for k, v in pre.model_kwargs.items() if k in keys and f"model.{k}" not in explicit}
+        if m.name.startswith("swin") and not pre.vitflow:  # stage depths / heads, window: convert_hf_swin
             taken = swin_model_config_keys(pre.model_kwargs, m, explicit)
         for k, v in taken.items():
             setattr(m, k, v)
-        log.info("architecture from the weights' config: %s%s", m.name,
+        log.info("architecture from %s: %s%s", pre.origin or "the weights' config", m.name,
                  "".join(f", {k}={v}" for k, v in taken.items()))
     pp = dict(pre.preprocess or {})
     if "img_size" in pre.model_kwargs and "input_size" not in pp and auto:  # the size the config names

@@ -30,8 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vitflow.config.messages import MESSAGES
 from vitflow.models.convert.hf_swin import HF_SWIN_TYPES, hf_swin_label_names, hf_swin_model_args
+from vitflow.models.pretrained import vitflow_source
 from vitflow.models.pretrained.timm_args import vitflow_kwargs
+from vitflow.rundir import CHECKPOINTS, RUN
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +67,21 @@ class Pretrained:
     preprocess: dict[str, Any] | None = None
     label_names: list[str] | None = None
     source: str = ""
+    origin: str = ""  # what the source is, for messages: "vitflow run RUN (best.pt, step 1200)" ...
+
+    @property
+    def vitflow(self) -> bool:
+        """Weights vitflow trained (a run, checkpoint or hub folder of its own): the architecture is exact."""
+        return self.origin.startswith("vitflow ")
 
 
 def resolve_pretrained(spec: str | Path, local_only: bool = False) -> Pretrained:
     """Resolve ``spec``: a weights file, a snapshot folder, or ``hf-hub:ORG/NAME[@revision]``
-    (through ``huggingface_hub`` and its cache; ``HF_HUB_OFFLINE=1`` honoured; with
-    ``local_only`` the cache alone is read).
+    (through ``huggingface_hub`` and its cache; ``HF_HUB_OFFLINE=1`` honoured; with ``local_only``
+    the cache alone is read); or vitflow's own (:mod:`vitflow.models.pretrained.vitflow_source`): a
+    run folder (its ``best.pt``, else its newest checkpoint), a vitflow checkpoint, a hub folder
+    ``vitflow export --format hub`` wrote. This is the one answer to "what architecture does this
+    source name": ``model_name`` and ``model_kwargs``.
 
     Raises:
         FileNotFoundError: no such file or folder. ValueError: a folder without weights, an
@@ -81,9 +93,13 @@ def resolve_pretrained(spec: str | Path, local_only: bool = False) -> Pretrained
         return _resolve_folder(hub_snapshot(text[len(HUB_PREFIX):], local_only), text)
     path = Path(text).expanduser()
     if path.is_dir():
-        return _resolve_folder(path, text)
+        run = vitflow_source.from_run(path)
+        if run is None and ((path / RUN).is_file() or (path / CHECKPOINTS).is_dir()):
+            raise FileNotFoundError(MESSAGES["run_without_checkpoint"].format(spec=text, folder=path / CHECKPOINTS))
+        return Pretrained(**run, source=text) if run else _resolve_folder(path, text)
     if path.is_file():
-        return Pretrained(weights=path, source=text)
+        own = vitflow_source.from_checkpoint(path) if path.suffix in (".pt", ".pth") else None
+        return Pretrained(**own, source=text) if own else Pretrained(weights=path, source=text)
     raise FileNotFoundError(f"model.pretrained: no such file or folder: {path}")
 
 
@@ -129,8 +145,7 @@ def hub_snapshot(name: str, local_only: bool = False) -> Path:
                                    allow_patterns=_HUB_PATTERNS)
     except Exception as e:  # huggingface_hub's errors: not cached, offline, no network, no such repo
         why = "the hub is offline (HF_HUB_OFFLINE=1)" if offline else f"the hub could not be read ({type(e).__name__})"
-        raise ValueError(f"model.pretrained=hf-hub:{name}: {repo} is not in the Hugging Face cache {cache} "
-                         f"and {why}") from None
+        raise ValueError(MESSAGES["hub_offline"].format(name=name, repo=repo, cache=cache, why=why)) from None
     return Path(folder)
 
 
@@ -158,6 +173,9 @@ def _resolve_folder(folder: Path, source: str) -> Pretrained:
                          f"found {found}){sharded}")
     out = Pretrained(weights=weights, source=source)
     config = _read_json(folder / "config.json")
+    own = vitflow_source.from_hub_config(config, weights, folder) if config else None
+    if own:
+        return Pretrained(**own, source=source)
     oc = _read_json(folder / "open_clip_config.json")
     if config and "architecture" in config:
         _from_timm(config, out, folder / "config.json")

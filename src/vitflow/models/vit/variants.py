@@ -40,6 +40,10 @@ def _variants() -> dict[str, dict[str, Any]]:
     out["vit_small_patch4_32"] = dict(img_size=32, patch_size=4, embed_dim=384, depth=12, num_heads=6)
     # The compact CIFAR ViT of the project's CPU baselines: ViT-Tiny width, 9 blocks, MLP ratio 2.
     out["vit_cifar_patch4_32"] = dict(img_size=32, patch_size=4, embed_dim=192, depth=9, num_heads=3, mlp_ratio=2.0)
+    # The same compact ViT for photos on a CPU: 64 px in 8-px patches (the same 8x8 grid), average pooling of the
+    # patch tokens and fixed 2-D sin-cos positions (what vitflow's plan trains a photo folder with from scratch)
+    out["vit_compact_patch8_64"] = dict(img_size=64, patch_size=8, embed_dim=192, depth=9, num_heads=3, mlp_ratio=2.0,
+                                        global_pool="avg", pos_embed="sincos2d")
     # For 8x8 images (scikit-learn's handwritten digits, the embedded default): 4x4 grid of 2x2 patches.
     out["vit_digits_patch2_8"] = dict(img_size=8, patch_size=2, embed_dim=64, depth=4, num_heads=2, mlp_ratio=2.0,
                                       global_pool="avg")
