@@ -176,15 +176,15 @@ class _PoolingMathFn(torch.autograd.Function):
         g = grad.reshape(bh, nq, d).to(vf.dtype)
         dv = torch.bmm(p.transpose(1, 2), g)
         ds = torch._softmax_backward_data(torch.bmm(g, vf.transpose(1, 2)), p, -1, p.dtype)
-        dq = _residual_grad(g, pctx)
+        dq = _residual_grad(g, pctx)  # g itself for "all": baddbmm's input is not written
         dq = torch.baddbmm(dq, ds, kf, alpha=d ** -0.5) if dq is not None else _scaled_bmm(ds, kf, d ** -0.5)
         dk = _scaled_bmm(ds.transpose(1, 2), qf, d ** -0.5)
         drel_h = drel_w = None
         if ctx.rel_dtype is not None:
             pr, (qh, qw), (kh, kw) = pctx.num_prefix_tokens, pctx.q_grid, pctx.k_grid
             dgrid = ds[:, pr:, pr:].reshape(b, h, qh, qw, kh, kw)
-            drel_h = dgrid.sum(-1, dtype=torch.float32).to(ctx.rel_dtype)
-            drel_w = dgrid.sum(-2, dtype=torch.float32).to(ctx.rel_dtype)
+            drel_h = dgrid.sum(-1).to(ctx.rel_dtype)  # (bf16 sums accumulate in float32)
+            drel_w = dgrid.sum(-2).to(ctx.rel_dtype)
         shape = (b, h, nq, d)
         return dq.view(shape), dk.view(b, h, -1, d), dv.view(b, h, -1, d), drel_h, drel_w, None
 
@@ -200,9 +200,9 @@ def _pv(p: torch.Tensor, vf: torch.Tensor, qf: torch.Tensor, ctx: PoolingContext
 
 
 def _residual_grad(g: torch.Tensor, ctx: PoolingContext) -> torch.Tensor | None:
-    """The residual connection's share of q's gradient (a new tensor), or ``None``."""
+    """The residual connection's share of q's gradient (``g`` itself for ``all``), or ``None``."""
     if ctx.residual == "all":
-        return g.clone()
+        return g
     if ctx.residual == "grid":
         out = g.clone()
         out[:, :ctx.num_prefix_tokens] = 0

@@ -28,6 +28,7 @@ from vitflow.models.attention.pooling import (
     rel_pos_terms,
 )
 from vitflow.models.kernels.matmul import Linear
+from vitflow.models.kernels.pool import fits, pool_qkv
 from vitflow.models.layers import LN_EPS, LayerNorm
 
 log = logging.getLogger(__name__)
@@ -122,16 +123,20 @@ class MultiScaleAttention(nn.Module):
         self.backend = backend
 
     def pool(self, qkv: torch.Tensor, grid: tuple[int, int]) -> tuple[torch.Tensor, ...]:
-        """Pooled, normalised head-major q, k, v ``(B, H, prefix + n, d)`` and their grids."""
-        c = self.dim_out
-        out, grids = [], []
-        for i, name in enumerate("qkv"):
-            t, g = pool_tokens(qkv[..., i * c:(i + 1) * c], grid, self.num_heads, getattr(self, f"pool_{name}"),
-                               self.prefix)
-            norm = getattr(self, f"norm_{name}")
-            out.append(t if norm is None else norm(t))
-            grids.append(g)
-        return out[0], out[1], out[2], grids[0], grids[1]
+        """Pooled, normalised head-major q, k, v ``(B, H, prefix + n, d)`` and their grids: vitflow's
+        C++ kernel where it fits (:func:`vitflow.models.kernels.pool.pool_qkv`), else
+        :func:`pool_tokens` per third."""
+        convs = (self.pool_q, self.pool_k, self.pool_v)
+        if fits(qkv, convs):
+            pooled = pool_qkv(qkv, convs, grid, self.prefix, self.num_heads)
+            grids = [tuple(pooled_size(s, c.kernel_size[0], c.stride[0]) for s in grid) for c in convs]
+        else:
+            c = self.dim_out
+            pooled, grids = zip(*(pool_tokens(qkv[..., i * c:(i + 1) * c], grid, self.num_heads, conv, self.prefix)
+                                  for i, conv in enumerate(convs)))
+        norms = (self.norm_q, self.norm_k, self.norm_v)
+        q, k, v = (t if norm is None else norm(t) for t, norm in zip(pooled, norms))
+        return q, k, v, grids[0], grids[1]
 
     def context(self, q: torch.Tensor, q_grid: tuple[int, int], k_grid: tuple[int, int]) -> PoolingContext:
         """The kernel context: the relative terms from ``q`` (tables resampled for grids other
