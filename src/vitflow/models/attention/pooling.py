@@ -13,17 +13,16 @@ The decomposed relative position term (eq. 3; timm's ``cal_rel_pos_type``) is ad
 tokens only; ``R_h`` ``(qh, kh, d)`` and ``R_w`` ``(qw, kw, d)`` are the tables gathered at each
 pair's offset (:func:`gather_rel_pos`), offsets scaled when the two grids differ in size. The
 two per-query terms ``rel_h`` ``(B, H, qh, qw, kh)`` and ``rel_w`` ``(B, H, qh, qw, kw)``
-(:func:`rel_pos_terms`) are computed once, outside the kernels, with autograd; the kernels add
-them to the logits by broadcasting (no ``Nq x Nk`` bias tensor is gathered).
+(:func:`rel_pos_terms`) are computed once, outside the kernels, with autograd.
 
 Backends (``model.attention``):
 
 - ``sdpa``: ``F.scaled_dot_product_attention`` with the relative term as its float mask
   (``(B, H, Nq, Nk)``, materialised; with gradients PyTorch runs its math path there);
-- ``math``: explicit attention (:func:`pooling_math_attention`): one scaled batched GEMM, the
-  relative term added in place by broadcasting, softmax, and the residual added inside the
-  ``P V`` GEMM (``baddbmm``); training saves q, k, v and the probabilities and runs a
-  hand-written backward (the relative terms' gradients are two sums over the logits' gradient);
+- ``math``: explicit attention (:func:`pooling_math_attention`): the logits by one batched GEMM,
+  the relative term added by broadcasting or, in bf16, inside that GEMM of operands widened by
+  ``kh + kw`` columns (:func:`_logits`), softmax, and the residual added inside the ``P V`` GEMM
+  (``baddbmm``); training runs a hand-written backward;
 - ``auto``: times both on the first call of each shape (:class:`PoolingAutoKernel`) and keeps
   the faster.
 
@@ -148,9 +147,61 @@ def _residual(out: torch.Tensor, q: torch.Tensor, ctx: PoolingContext) -> torch.
 
 def pooling_probs(q: torch.Tensor, k: torch.Tensor, ctx: PoolingContext) -> torch.Tensor:
     """Attention probabilities ``(B, H, Nq, Nk)`` in float32, computed explicitly."""
+    b, h, nq, _ = q.shape
+    f32 = dataclasses.replace(ctx, rel_h=None if ctx.rel_h is None else ctx.rel_h.float(),
+                              rel_w=None if ctx.rel_w is None else ctx.rel_w.float())
+    return _logits(q.float(), k.float(), f32)[0].softmax(-1).view(b, h, nq, -1)
+
+
+_ONE_HOT: dict[tuple, torch.Tensor] = {}
+
+
+def _one_hot(k_grid: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``(kh*kw, kh + kw)``: key ``(a, b)``'s row is ``[e_a | e_b]`` (cached per grid, dtype, device)."""
+    key = (k_grid, dtype, str(device))
+    if key not in _ONE_HOT:
+        kh, kw = k_grid
+        rows, cols = torch.arange(kh, device=device).repeat_interleave(kw), torch.arange(kw, device=device).repeat(kh)
+        onehot = torch.zeros(kh * kw, kh + kw, dtype=dtype, device=device)
+        onehot[torch.arange(kh * kw, device=device), rows] = 1
+        onehot[torch.arange(kh * kw, device=device), kh + cols] = 1
+        _ONE_HOT[key] = onehot
+    return _ONE_HOT[key]
+
+
+def _widen(q: torch.Tensor, ctx: PoolingContext) -> bool:
+    """Whether :func:`_logits` puts the relative terms into the GEMM: for bf16 / fp16 logits, whose
+    broadcast adds and sums run slowly on the CPU (measured on MViTv2-T's shapes, forward and
+    backward: 1.3-1.7x faster widened in bf16, 0.8-1.0x in float32)."""
+    return ctx.rel_h is not None and q.dtype in (torch.bfloat16, torch.float16)
+
+
+def _logits(q: torch.Tensor, k: torch.Tensor, ctx: PoolingContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``S = q k^T / sqrt(d) + B_rel`` ``(B*H, Nq, Nk)`` and the operands of its batched GEMM.
+
+    The relative term is added to the product by broadcasting (:func:`_add_rel`; operands q and k
+    as ``(B*H, N, d)``), or, where :func:`_widen`, joins the product: ``q' = [q | rel_h sqrt(d) |
+    rel_w sqrt(d)]`` and ``k' = [k | e_row | e_col]`` (one-hot key coordinates; zeros in
+    class-token rows), so that ``q' k'^T / sqrt(d) = q k^T / sqrt(d) + rel_h[.., row] +
+    rel_w[.., col]`` with no ``Nq x Nk`` broadcast adds (and, in the backward, no sums over the
+    logits' gradient)."""
     b, h, nq, d = q.shape
-    s = _scaled_bmm(q.float().reshape(b * h, nq, d), k.float().reshape(b * h, -1, d).transpose(1, 2), d ** -0.5)
-    return _add_rel(s, ctx).softmax(-1).view(b, h, nq, -1)
+    qf, kf = q.reshape(b * h, nq, d), k.reshape(b * h, -1, d)
+    scale = d ** -0.5
+    if not _widen(q, ctx):
+        return _add_rel(_scaled_bmm(qf, kf.transpose(1, 2), scale), ctx), qf, kf
+    p, (kh, kw) = ctx.num_prefix_tokens, ctx.k_grid
+    qa = qf.new_empty(b * h, nq, d + kh + kw)
+    ka = kf.new_empty(b * h, kf.shape[1], d + kh + kw)
+    qa[..., :d] = qf
+    ka[..., :d] = kf
+    torch.mul(ctx.rel_h.reshape(b * h, -1, kh), 1.0 / scale, out=qa[:, p:, d:d + kh])
+    torch.mul(ctx.rel_w.reshape(b * h, -1, kw), 1.0 / scale, out=qa[:, p:, d + kh:])
+    ka[:, p:, d:] = _one_hot(ctx.k_grid, ka.dtype, ka.device)
+    if p:
+        qa[:, :p, d:] = 0
+        ka[:, :p, d:] = 0
+    return _scaled_bmm(qa, ka.transpose(1, 2), scale), qa, ka
 
 
 class _PoolingMathFn(torch.autograd.Function):
@@ -159,34 +210,40 @@ class _PoolingMathFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rel_h, rel_w, pctx: PoolingContext):
         b, h, nq, d = q.shape
-        qf, kf, vf = q.reshape(b * h, nq, d), k.reshape(b * h, -1, d), v.reshape(b * h, -1, d)
-        s = _scaled_bmm(qf, kf.transpose(1, 2), d ** -0.5)
-        p = torch.softmax(_add_rel(s, pctx), dim=-1)
-        out = _pv(p, vf, qf, pctx)
-        ctx.save_for_backward(qf, kf, vf, p)
+        s, qa, ka = _logits(q, k, pctx)
+        p = torch.softmax(s, dim=-1)
+        vf = v.reshape(b * h, -1, d)
+        out = _pv(p, vf, qa[..., :d], pctx)
+        ctx.save_for_backward(qa, ka, vf, p)
         ctx.pctx = dataclasses.replace(pctx, rel_h=None, rel_w=None)  # the grids and modes, no tensors
         ctx.shape, ctx.rel_dtype = (b, h), None if rel_h is None else rel_h.dtype
         return out.view(b, h, nq, d)
 
     @staticmethod
     def backward(ctx, grad):
-        qf, kf, vf, p = ctx.saved_tensors
+        qa, ka, vf, p = ctx.saved_tensors
         pctx, (b, h) = ctx.pctx, ctx.shape
-        bh, nq, d = qf.shape
+        bh, nq, d = vf.shape[0], qa.shape[1], vf.shape[2]
         g = grad.reshape(bh, nq, d).to(vf.dtype)
         dv = torch.bmm(p.transpose(1, 2), g)
         ds = torch._softmax_backward_data(torch.bmm(g, vf.transpose(1, 2)), p, -1, p.dtype)
-        dq = _residual_grad(g, pctx)  # g itself for "all": baddbmm's input is not written
-        dq = torch.baddbmm(dq, ds, kf, alpha=d ** -0.5) if dq is not None else _scaled_bmm(ds, kf, d ** -0.5)
-        dk = _scaled_bmm(ds.transpose(1, 2), qf, d ** -0.5)
+        res, scale = _residual_grad(g, pctx), d ** -0.5
+        dk = _scaled_bmm(ds.transpose(1, 2), qa[..., :d], scale)
         drel_h = drel_w = None
-        if ctx.rel_dtype is not None:
-            pr, (qh, qw), (kh, kw) = pctx.num_prefix_tokens, pctx.q_grid, pctx.k_grid
-            dgrid = ds[:, pr:, pr:].reshape(b, h, qh, qw, kh, kw)
-            drel_h = dgrid.sum(-1).to(ctx.rel_dtype)  # (bf16 sums accumulate in float32)
-            drel_w = dgrid.sum(-2).to(ctx.rel_dtype)
-        shape = (b, h, nq, d)
-        return dq.view(shape), dk.view(b, h, -1, d), dv.view(b, h, -1, d), drel_h, drel_w, None
+        pr, (qh, qw), (kh, kw) = pctx.num_prefix_tokens, pctx.q_grid, pctx.k_grid
+        if qa.shape[-1] > d:  # widened operands: q's gradient / scale, then the relative terms'
+            dqa = torch.bmm(ds, ka)
+            dq = dqa[..., :d] * scale if res is None else torch.add(res, dqa[..., :d], alpha=scale)
+            drel_h, drel_w = dqa[:, pr:, d:d + kh], dqa[:, pr:, d + kh:]
+        else:
+            dq = _scaled_bmm(ds, ka, scale) if res is None else torch.baddbmm(res, ds, ka, alpha=scale)
+            if ctx.rel_dtype is not None:
+                dgrid = ds[:, pr:, pr:].reshape(bh, qh, qw, kh, kw)
+                drel_h, drel_w = dgrid.sum(-1), dgrid.sum(-2)  # (bf16 sums accumulate in float32)
+        if drel_h is not None:
+            drel_h = drel_h.reshape(b, h, qh, qw, kh).to(ctx.rel_dtype)
+            drel_w = drel_w.reshape(b, h, qh, qw, kw).to(ctx.rel_dtype)
+        return dq.reshape(b, h, nq, d), dk.view(b, h, -1, d), dv.view(b, h, -1, d), drel_h, drel_w, None
 
 
 def _pv(p: torch.Tensor, vf: torch.Tensor, qf: torch.Tensor, ctx: PoolingContext) -> torch.Tensor:
@@ -213,16 +270,15 @@ def _residual_grad(g: torch.Tensor, ctx: PoolingContext) -> torch.Tensor | None:
 def pooling_math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PoolingContext) -> torch.Tensor:
     """Explicit pooling attention: q ``(B, H, Nq, d)``, k, v ``(B, H, Nk, d)`` -> ``(B, H, Nq, d)``
     (see the module docstring; softmax in the logits' dtype). With gradients a custom backward
-    keeps only q, k, v and the probabilities: ``dV = P^T g``, ``dS = P * (g V^T - rowsum)``,
-    ``dQ = dS K / sqrt(d) (+ g)``, ``dK = dS^T Q / sqrt(d)``, and the relative terms' gradients
-    the sums of ``dS`` over the key columns / rows."""
+    keeps only the logits' operands (:func:`_logits`), v and the probabilities: ``dV = P^T g``,
+    ``dS = P * (g V^T - rowsum)``, ``dQ' = dS K'`` (``dQ = dQ'[:d] / sqrt(d) (+ g)``, the relative
+    terms' gradients its other columns), ``dK = dS^T Q / sqrt(d)``."""
     tensors = (q, k, v, ctx.rel_h, ctx.rel_w)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return _PoolingMathFn.apply(q, k, v, ctx.rel_h, ctx.rel_w, ctx)
     b, h, nq, d = q.shape
-    qf, kf = q.reshape(b * h, nq, d), k.reshape(b * h, -1, d)
-    s = _add_rel(_scaled_bmm(qf, kf.transpose(1, 2), d ** -0.5), ctx)
-    return _pv(torch.softmax(s, dim=-1), v.reshape(b * h, -1, d), qf, ctx).view(b, h, nq, d)
+    s, qa, _ = _logits(q, k, ctx)
+    return _pv(torch.softmax(s, dim=-1), v.reshape(b * h, -1, d), qa[..., :d], ctx).view(b, h, nq, d)
 
 
 class PoolingMathKernel(AttentionKernel):
