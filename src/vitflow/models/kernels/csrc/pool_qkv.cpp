@@ -51,11 +51,30 @@ std::vector<float> expand_weight(const at::Tensor& w, const Grid& g) {
   return wt;
 }
 
+// the taps of a k x k window at (y0, x0) (the window's top-left, padding included) inside an h x w grid:
+// their tap indices and source token offsets; returns how many
+inline int window_taps(const Grid& g, int64_t y0, int64_t x0, int64_t* taps, int64_t* tokens) {
+  int n = 0;
+  for (int64_t ky = 0; ky < g.k; ++ky) {
+    const int64_t iy = y0 + ky;
+    if (iy < 0 || iy >= g.h) continue;
+    for (int64_t kx = 0; kx < g.k; ++kx) {
+      const int64_t ix = x0 + kx;
+      if (ix < 0 || ix >= g.w) continue;
+      taps[n] = ky * g.k + kx;
+      tokens[n++] = iy * g.w + ix;
+    }
+  }
+  return n;
+}
+
 template <typename T>
 void pool_forward(const T* x, const float* wt, const Grid& g, T* out) {
   const int64_t pad = g.k / 2, nin = g.tokens_in(), nout = g.tokens_out();
+  const bool fast = g.d % kLanes == 0;  // 16-channel vectors never straddle two heads
   at::parallel_for(0, g.b * (g.ho + g.p), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(g.c);
+    std::vector<int64_t> taps(g.k * g.k), tokens(g.k * g.k);
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / (g.ho + g.p), r = job % (g.ho + g.p);
       if (r >= g.ho) {  // a class token: copied
@@ -64,18 +83,20 @@ void pool_forward(const T* x, const float* wt, const Grid& g, T* out) {
           copy_row(x + (b * nin + t) * g.ld + hd * g.d, out + ((b * g.heads + hd) * nout + t) * g.d, g.d, 1.0f);
         continue;
       }
+      const T* xb = x + (b * nin + g.p) * g.ld;
       for (int64_t ox = 0; ox < g.wo; ++ox) {
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t ky = 0; ky < g.k; ++ky) {
-          const int64_t iy = r * g.s - pad + ky;
-          if (iy < 0 || iy >= g.h) continue;
-          for (int64_t kx = 0; kx < g.k; ++kx) {
-            const int64_t ix = ox * g.s - pad + kx;
-            if (ix < 0 || ix >= g.w) continue;
-            fma_row(acc.data(), x + (b * nin + g.p + iy * g.w + ix) * g.ld, wt + (ky * g.k + kx) * g.c, g.c);
-          }
-        }
+        const int n = window_taps(g, r * g.s - pad, ox * g.s - pad, taps.data(), tokens.data());
         const int64_t o = g.p + r * g.wo + ox;
+        if (fast) {  // one 16-channel accumulator in a register over all taps
+          for (int64_t c = 0; c < g.c; c += kLanes) {
+            vf a = {};
+            for (int i = 0; i < n; ++i) a += load16(xb + tokens[i] * g.ld + c) * load(wt + taps[i] * g.c + c);
+            store16(out + ((b * g.heads + c / g.d) * nout + o) * g.d + c % g.d, a);
+          }
+          continue;
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int i = 0; i < n; ++i) fma_row(acc.data(), xb + tokens[i] * g.ld, wt + taps[i] * g.c, g.c);
         for (int64_t hd = 0; hd < g.heads; ++hd)
           copy_row(acc.data() + hd * g.d, out + ((b * g.heads + hd) * nout + o) * g.d, g.d, 1.0f);
       }
@@ -83,13 +104,32 @@ void pool_forward(const T* x, const float* wt, const Grid& g, T* out) {
   });
 }
 
+// the outputs that read input pixel (r, ix) and with which taps; returns how many
+inline int reading_outputs(const Grid& g, int64_t r, int64_t ix, int64_t* taps, int64_t* outs) {
+  const int64_t pad = g.k / 2;
+  int n = 0;
+  for (int64_t ky = 0; ky < g.k; ++ky) {
+    const int64_t ny = r + pad - ky;  // = oy * s for the output that reads this pixel with tap ky
+    if (ny < 0 || ny % g.s || ny / g.s >= g.ho) continue;
+    for (int64_t kx = 0; kx < g.k; ++kx) {
+      const int64_t nx = ix + pad - kx;
+      if (nx < 0 || nx % g.s || nx / g.s >= g.wo) continue;
+      taps[n] = ky * g.k + kx;
+      outs[n++] = (ny / g.s) * g.wo + nx / g.s;
+    }
+  }
+  return n;
+}
+
 // dx (into the qkv gradient, row length g.ld) and the per-thread kernel gradients parts (threads, k*k, C)
 template <typename T>
 void pool_backward(const T* grad, const T* x, const float* wt, const Grid& g, T* dx, float* parts) {
-  const int64_t pad = g.k / 2, nin = g.tokens_in(), nout = g.tokens_out(), kk = g.k * g.k;
+  const int64_t nin = g.tokens_in(), nout = g.tokens_out(), kk = g.k * g.k;
+  const bool fast = g.d % kLanes == 0;
   at::parallel_for(0, g.b * (g.h + g.p), 1, [&](int64_t begin, int64_t end) {
     float* dw = parts + at::get_thread_num() * kk * g.c;
     std::vector<float> acc(g.c);
+    std::vector<int64_t> taps(kk), outs(kk);
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / (g.h + g.p), r = job % (g.h + g.p);
       if (r >= g.h) {  // a class token's gradient: copied back
@@ -99,23 +139,33 @@ void pool_backward(const T* grad, const T* x, const float* wt, const Grid& g, T*
         continue;
       }
       for (int64_t ix = 0; ix < g.w; ++ix) {
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        const T* xp = x + (b * nin + g.p + r * g.w + ix) * g.ld;
-        for (int64_t ky = 0; ky < g.k; ++ky) {
-          const int64_t ny = r + pad - ky;  // = oy * s for the output that reads this pixel with tap ky
-          if (ny < 0 || ny % g.s || ny / g.s >= g.ho) continue;
-          for (int64_t kx = 0; kx < g.k; ++kx) {
-            const int64_t nx = ix + pad - kx;
-            if (nx < 0 || nx % g.s || nx / g.s >= g.wo) continue;
-            const int64_t o = g.p + (ny / g.s) * g.wo + nx / g.s, t = ky * g.k + kx;
-            for (int64_t hd = 0; hd < g.heads; ++hd) {
-              const T* gp = grad + ((b * g.heads + hd) * nout + o) * g.d;
-              fma_row(acc.data() + hd * g.d, gp, wt + t * g.c + hd * g.d, g.d);
-              fma_row(dw + t * g.c + hd * g.d, gp, xp + hd * g.d, g.d);
+        const int n = reading_outputs(g, r, ix, taps.data(), outs.data());
+        const int64_t token = b * nin + g.p + r * g.w + ix;
+        const T* xp = x + token * g.ld;
+        if (fast) {  // per 16 channels: the input's gradient in a register, x loaded once
+          for (int64_t c = 0; c < g.c; c += kLanes) {
+            const T* gb = grad + ((b * g.heads + c / g.d) * nout + g.p) * g.d + c % g.d;
+            const vf xv = load16(xp + c);
+            vf a = {};
+            for (int i = 0; i < n; ++i) {
+              const vf gv = load16(gb + outs[i] * g.d);
+              a += gv * load(wt + taps[i] * g.c + c);
+              float* dwp = dw + taps[i] * g.c + c;
+              store(dwp, load(dwp) + gv * xv);
             }
+            store16(dx + token * g.ld + c, a);
+          }
+          continue;
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int i = 0; i < n; ++i) {
+          for (int64_t hd = 0; hd < g.heads; ++hd) {
+            const T* gp = grad + ((b * g.heads + hd) * nout + g.p + outs[i]) * g.d;
+            fma_row(acc.data() + hd * g.d, gp, wt + taps[i] * g.c + hd * g.d, g.d);
+            fma_row(dw + taps[i] * g.c + hd * g.d, gp, xp + hd * g.d, g.d);
           }
         }
-        copy_row(acc.data(), dx + (b * nin + g.p + r * g.w + ix) * g.ld, g.c, 1.0f);
+        copy_row(acc.data(), dx + token * g.ld, g.c, 1.0f);
       }
     }
   });
