@@ -1,6 +1,7 @@
 """``vitflow bench infer``: inference speed of one checkpoint along every deployment path, side
 by side with timm's model of the same configuration and weights (:func:`timm_model`: the
-same-name model for the pretrained families, ``VisionTransformer`` for the ViT family), in one process.
+same-name model for the pretrained families, ``VisionTransformer`` for the ViT family,
+``MultiScaleVit`` of the same configuration for MViTv2), in one process.
 
 Paths (the keys of the JSON result):
 
@@ -86,6 +87,8 @@ def timm_model(model_args: dict) -> torch.nn.Module:
     except ImportError:
         raise ValueError("vitflow bench infer compares against timm: pip install timm") from None
 
+    if family_of(model_args["name"]).name == "mvit":
+        return _timm_mvit(model_args)
     if family_of(model_args["name"]).name != "vit":
         name, targs = timm_model_args(model_args)
         if not timm.is_model(name):
@@ -98,6 +101,19 @@ def timm_model(model_args: dict) -> torch.nn.Module:
                    embed_dim=kw["embed_dim"], depth=kw["depth"], num_heads=kw["num_heads"],
                    mlp_ratio=kw.get("mlp_ratio", 4.0), global_pool="avg" if avg else "token",
                    class_token=not avg).eval()
+
+
+def _timm_mvit(model_args: dict) -> torch.nn.Module:
+    """timm's ``MultiScaleVit`` of an MViTv2 ``model_args``, built from its configuration
+    (:func:`vitflow.models.mvit.variants.timm_config`): for a variant timm names (``mvitv2_tiny``)
+    the model ``timm.create_model`` builds, for vitflow's own (``mvitv2_cifar_32``) the same class."""
+    from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
+
+    from vitflow.models.mvit.variants import timm_config
+
+    args = {k: v for k, v in model_args.items() if k != "lora"}
+    cfg, kw = timm_config(model_kwargs(args.pop("name"), **args))
+    return MultiScaleVit(MultiScaleVitCfg(**cfg), **kw).eval()
 
 
 def _bf16(model: torch.nn.Module) -> Runner:

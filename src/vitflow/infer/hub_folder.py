@@ -55,11 +55,12 @@ def timm_model_args(model_args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     ``num_heads``, ``mlp_ratio``, ``qkv_bias``, ``class_token``, ``global_pool``, ``init_values``),
     so that variants timm has no name for (``vit_digits_patch2_8``) build too; the architecture is
     the vitflow name when timm knows it (checked when timm is installed). The other families
-    (DeiT III, DINOv2, CLIP, SigLIP, BEiT, EVA-02, DINOv3, Swin) are registered under timm's names
+    (DeiT III, DINOv2, CLIP, SigLIP, BEiT, EVA-02, DINOv3, Swin, MViTv2) are registered under timm's names
     with timm's configurations: the name, ``img_size``, ``num_classes`` and every size that differs
     from the variant (e.g. ``depth``), in timm's argument names
     (:func:`vitflow.models.pretrained.timm_args.timm_overrides`); a Swin variant timm has no name for
-    (``swin_cifar_patch2_window4_32``) is :data:`SWIN_BASE` with the sizes that differ from it.
+    (``swin_cifar_patch2_window4_32``) is :data:`SWIN_BASE` with the sizes that differ from it; an
+    MViTv2 only by timm's own name and structure (timm's ``MultiScaleVit`` takes no sizes).
 
     Raises:
         ValueError: a model timm cannot build with these weights (naming the key): pruned blocks,
@@ -75,7 +76,13 @@ def timm_model_args(model_args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         if family.name == "swin" and not _timm_knows(name):  # vitflow's own Swin: its structure, explicitly
             arch = SWIN_V2_BASE if name.startswith("swinv2") else SWIN_BASE
         out = {"img_size": kw["img_size"], "num_classes": kw.get("num_classes", 1000)}
-        return arch, {**out, **timm_overrides(arch, family.variants[arch], kw)}
+        extra = timm_overrides(arch, family.variants[arch], kw)
+        if family.name == "mvit":  # timm's MultiScaleVit takes its structure from the name alone
+            bad = sorted(set(extra) - {"in_chans", "global_pool"}) or ([] if _timm_knows(name) else ["name"])
+            if bad:
+                raise ValueError(f"model.{bad[0]}={kw.get(bad[0], name)!r}: timm builds MViTv2 from its own "
+                                 "variant names only (mvitv2_*) with their structure, so it cannot rebuild this model")
+        return arch, {**out, **extra}
     refusals = {"block_heads": kw.get("block_heads") is not None, "block_mlp_hidden": kw.get("block_mlp_hidden") is not None,
                 "pos_embed": kw.get("pos_embed", "learned") != "learned",
                 "attention": kw.get("attention", "sdpa") not in (*EXACT_BACKENDS, "auto")}

@@ -130,15 +130,15 @@ class MultiScaleVit(nn.Module):
         self.set_cpu_bf16_matmul(cpu_bf16_matmul)
 
     def init_weights(self) -> None:
-        """timm's: truncated normal (std 0.02, cut at 2 std) linears and class token, zero biases;
+        """timm's: truncated normal (std 0.02) linears and class token, zero biases;
         relative tables as built; convolutions and norms PyTorch's defaults."""
         for m in self.modules():
             if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02, a=-0.04, b=0.04)
+                nn.init.trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
         if self.cls_token is not None:
-            nn.init.trunc_normal_(self.cls_token, std=0.02, a=-0.04, b=0.04)
+            nn.init.trunc_normal_(self.cls_token, std=0.02)
 
     @property
     def blocks(self) -> list[MultiScaleBlock]:
@@ -233,10 +233,14 @@ class MultiScaleVit(nn.Module):
         self.head.fc = classifier_head(self.num_features, num_classes, self.cpu_bf16_matmul)
 
     def attention_maps(self, x: torch.Tensor, layers: int | Sequence[int] | None = None) -> list[torch.Tensor]:
-        """Per-block attention probabilities, float32 ``(B, heads, prefix + h*w, prefix + kh*kw)``
-        per requested block (indices over all stages, negative from the end, ``None`` = all):
-        queries on the block's output grid, keys on its pooled key grid
-        (:meth:`attention_grid`, :meth:`key_grid`). Explicit softmax whatever the backend.
+        """Per-block attention placed on each block's own (query) grid: one float32
+        ``(B, heads, P + h*w, P + h*w)`` per requested block (indices over all stages, negative
+        from the end, ``None`` = all), ``h x w`` the block's output grid (:meth:`attention_grid`),
+        ``P`` the class tokens, grid tokens row-major. A block's keys sit on its pooled key grid
+        (:meth:`key_grid`); each key's probability is spread over the query-grid cells its region
+        overlaps (in proportion to the overlap: :func:`grid_transfer`), so rows still sum to 1
+        and blocks of one stage share a grid (attention rollout within a stage). Explicit
+        softmax whatever the backend.
 
         Raises:
             IndexError: a layer index out of range.
@@ -244,9 +248,14 @@ class MultiScaleVit(nn.Module):
         wanted = wanted_layers(layers, len(self.blocks))
         maps = {}
         x, grid = self.embed(x)
+        p = self.num_prefix_tokens
         for k, blk in enumerate(self.blocks[:max(wanted) + 1]):
             if k in wanted:
-                maps[k] = blk.probs(x, grid)
+                probs = blk.probs(x, grid)
+                q_grid, k_grid = blk.attn.grids(grid)
+                t = grid_transfer(k_grid, q_grid, probs.device)
+                spread = probs[..., p:] @ t
+                maps[k] = torch.cat((probs[..., :p], spread), dim=-1) if p else spread
             x, grid = blk(x, grid)
         return [maps[i] for i in wanted]
 
@@ -254,14 +263,11 @@ class MultiScaleVit(nn.Module):
         """Per block, its query (output) grid and key grid for an input of ``img_size`` pixels."""
         h, w = img_size or (self.img_size, self.img_size)
         conv = self.patch_embed.proj
-        h, w = (pooled_size(s, conv.kernel_size[0], conv.stride[0]) for s in (h, w))
+        grid = tuple(pooled_size(s, conv.kernel_size[0], conv.stride[0]) for s in (h, w))
         out = []
         for blk in self.blocks:
-            attn = blk.attn
-            qh, qw = (pooled_size(s, *_pool(attn.pool_q)) for s in (h, w))
-            kh, kw = (pooled_size(s, *_pool(attn.pool_k)) for s in (h, w))
-            out.append(((qh, qw), (kh, kw)))
-            h, w = qh, qw
+            out.append(blk.attn.grids(grid))
+            grid = out[-1][0]
         return out
 
     def attention_grid(self, layer: int, img_size: tuple[int, int] | None = None) -> tuple[int, int]:
@@ -274,8 +280,22 @@ class MultiScaleVit(nn.Module):
         return self._grids(img_size)[layer][1]
 
 
-def _pool(conv: nn.Conv2d | None) -> tuple[int, int]:
-    return (1, 1) if conv is None else (conv.kernel_size[0], conv.stride[0])
+def _overlap(src: int, dst: int) -> torch.Tensor:
+    """``(src, dst)``: the fraction of source cell ``a`` (of ``src`` equal cells on [0, 1)) that lies in
+    destination cell ``i`` (of ``dst``); rows sum to 1."""
+    edges_s = torch.arange(src + 1, dtype=torch.float64) / src
+    edges_d = torch.arange(dst + 1, dtype=torch.float64) / dst
+    lo = torch.maximum(edges_s[:-1, None], edges_d[None, :-1])
+    hi = torch.minimum(edges_s[1:, None], edges_d[None, 1:])
+    return (hi - lo).clamp_min(0) * src
+
+
+def grid_transfer(src: tuple[int, int], dst: tuple[int, int], device: torch.device | None = None) -> torch.Tensor:
+    """float32 ``(sh*sw, dh*dw)``: how much of each cell of grid ``src`` falls in each cell of grid
+    ``dst`` (both covering the image; row-major); rows sum to 1. ``probs @ T`` moves attention over
+    keys on ``src`` onto ``dst``."""
+    t = torch.einsum("ai,bj->abij", _overlap(src[0], dst[0]), _overlap(src[1], dst[1]))
+    return t.reshape(src[0] * src[1], dst[0] * dst[1]).float().to(device)
 
 
 def _check_args(img_size: int, patch_size: int, class_token: bool, global_pool: str | None,

@@ -113,7 +113,7 @@ class MultiScaleAttention(nn.Module):
             self.rel_pos_h = nn.Parameter(torch.zeros(rows, d))
             self.rel_pos_w = nn.Parameter(torch.zeros(rows, d))
             for t in (self.rel_pos_h, self.rel_pos_w):
-                nn.init.trunc_normal_(t, std=0.02, a=-0.04, b=0.04)
+                nn.init.trunc_normal_(t, std=0.02)
         self.set_backend(backend)
 
     def set_backend(self, backend: str, **_options) -> None:
@@ -138,16 +138,25 @@ class MultiScaleAttention(nn.Module):
         q, k, v = (t if norm is None else norm(t) for t, norm in zip(pooled, norms))
         return q, k, v, grids[0], grids[1]
 
+    def grids(self, grid: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The pooled query and key grids of an input ``grid``."""
+        def side(conv: nn.Conv2d | None, s: int) -> int:
+            return s if conv is None else pooled_size(s, conv.kernel_size[0], conv.stride[0])
+
+        return (side(self.pool_q, grid[0]), side(self.pool_q, grid[1])), (side(self.pool_k, grid[0]),
+                                                                          side(self.pool_k, grid[1]))
+
     def context(self, q: torch.Tensor, q_grid: tuple[int, int], k_grid: tuple[int, int]) -> PoolingContext:
         """The kernel context: the relative terms from ``q`` (tables resampled for grids other
         than the model's own, logged once per grid pair)."""
         if self.rel_pos_h is None:
             return PoolingContext(q_grid, k_grid, self.prefix, residual=self.residual)
-        want = 2 * max(q_grid[0], k_grid[0]) - 1
-        if self.rel_pos_h.shape[0] != want and (key := (id(self), q_grid, k_grid)) not in _LOGGED:
+        want = (2 * max(q_grid[0], k_grid[0]) - 1, 2 * max(q_grid[1], k_grid[1]) - 1)
+        have = (self.rel_pos_h.shape[0], self.rel_pos_w.shape[0])
+        if have != want and (key := (id(self), q_grid, k_grid)) not in _LOGGED:
             _LOGGED.add(key)
-            log.info("MViT relative position tables resampled %d -> %d rows for a %dx%d query / %dx%d key grid",
-                     self.rel_pos_h.shape[0], want, *q_grid, *k_grid)
+            log.info("MViT relative position tables resampled for a %dx%d query / %dx%d key grid: rel_pos_h %d -> %d "
+                     "rows, rel_pos_w %d -> %d rows", *q_grid, *k_grid, have[0], want[0], have[1], want[1])
         rh = gather_rel_pos(self.rel_pos_h, q_grid[0], k_grid[0])
         rw = gather_rel_pos(self.rel_pos_w, q_grid[1], k_grid[1])
         rel_h, rel_w = rel_pos_terms(q, q_grid, self.prefix, rh, rw)
