@@ -77,19 +77,27 @@ class MultiScaleBlock(nn.Module):
         s = x if self.shortcut_proj_attn is None else self.shortcut_proj_attn(x_norm)
         return max_pool_tokens(s, grid, self.stride_q, self.prefix) if self.pooled else s
 
+    def residual_in_gemm(self) -> bool:
+        """Both residual adds can run inside the branches' last GEMMs: stochastic depth inactive and
+        ``attn.proj`` / ``mlp.fc2`` vitflow's own :class:`~vitflow.models.kernels.matmul.Linear`
+        without forward hooks (quantization and LoRA swap in others)."""
+        return (not (active(self.drop_path1) or active(self.drop_path2)) and type(self.mlp) is Mlp
+                and all(type(m) is Linear and not m._forward_hooks for m in (self.attn.proj, self.mlp.fc2)))
+
     def forward(self, x: torch.Tensor, grid: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, int]]:
+        fused = self.residual_in_gemm()
         x_norm = self.norm1(x)
         skip = self.shortcut(x, x_norm, grid)
-        if active(self.drop_path1):
+        if fused:
+            x, grid = self.attn(x_norm, grid, residual=skip)  # the add inside proj's GEMM
+        else:
             out, grid = self.attn(x_norm, grid)
             x = skip + self.drop_path1(out)
-        else:
-            x, grid = self.attn(x_norm, grid, residual=skip)  # the add inside proj's GEMM
         x_norm = self.norm2(x)
         skip = x if self.shortcut_proj_mlp is None else self.shortcut_proj_mlp(x_norm)
-        if active(self.drop_path2):
-            return skip + self.drop_path2(self.mlp(x_norm)), grid
-        return self.mlp(x_norm, residual=skip), grid
+        if fused:
+            return self.mlp(x_norm, residual=skip), grid
+        return skip + self.drop_path2(self.mlp(x_norm)), grid
 
     def probs(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         """This block's attention probabilities on its input (see :meth:`MultiScaleAttention.probs`)."""

@@ -169,7 +169,7 @@ class MultiScaleAttention(nn.Module):
         inside the output projection's GEMM."""
         q, k, v, q_grid, k_grid = self.pool(self.qkv(x), grid)
         out = self.kernel(q, k, v, self.context(q, q_grid, k_grid))
-        return self.proj(out, residual=residual), q_grid
+        return (self.proj(out) if residual is None else self.proj(out, residual=residual)), q_grid
 
     def probs(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         """Attention probabilities ``(B, H, prefix + h*w, prefix + kh*kw)`` float32, explicit."""
