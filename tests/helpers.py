@@ -167,3 +167,40 @@ class RecordedOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func.overloadpacket).split(".")[-1])
         return func(*args, **(kwargs or {}))
+
+
+def output_and_grads(model, x):
+    """``model(x)`` weighted by class index, backpropagated: ``(output, input gradient, {name:
+    parameter gradient})``, the gradients cleared from the model afterwards."""
+    import torch
+
+    x = x.clone().requires_grad_()
+    out = model(x)
+    (out * torch.arange(out.shape[-1])).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return out.detach(), x.grad, grads
+
+
+def check_checkpoint_plans(model, x, spec):
+    """A hierarchical model's checkpointing plans give bit-identical gradients: ``all`` and the
+    block list ``spec`` against none; an index past the blocks is refused; ``auto`` with a 1 KiB
+    budget checkpoints every block, with 1 GiB none. Returns the per-block flags ``spec`` set."""
+    import pytest
+    import torch
+
+    plain = output_and_grads(model, x)
+    flags = []
+    for s in ("all", spec):
+        model.set_grad_checkpointing(s)
+        got = output_and_grads(model, x)
+        assert torch.equal(got[1], plain[1])
+        assert all(torch.equal(g, plain[2][n]) for n, g in got[2].items())
+        flags = [b.grad_checkpointing for b in model.blocks]
+    with pytest.raises(ValueError, match="out of range"):
+        model.set_grad_checkpointing(str(len(model.blocks)))
+    for budget, every in (("1KiB", True), ("1GiB", False)):
+        model.set_grad_checkpointing("auto", budget)
+        output_and_grads(model, x)
+        assert all(b.grad_checkpointing == every for b in model.blocks), budget
+    return flags

@@ -8,6 +8,7 @@ from unittest import mock
 import pytest
 import torch
 
+from helpers import check_checkpoint_plans, output_and_grads
 from vitflow.models import create_model, list_models
 from vitflow.models.kernels import cpp
 from vitflow.models.kernels.pool import pool_qkv
@@ -50,10 +51,8 @@ def test_other_input_size_resamples_tables_like_timm_loading(caplog):
     """A 224-px model run on 256 px resamples its relative tables at run time (logged); timm's
     256-px model given the same weights through its own checkpoint filter (the same linear
     resampling) computes the same logits."""
-    from timm.models.mvitv2 import checkpoint_filter_fn
-
     from timm.models.mvitv2 import MultiScaleVit as TimmMViT
-    from timm.models.mvitv2 import MultiScaleVitCfg
+    from timm.models.mvitv2 import MultiScaleVitCfg, checkpoint_filter_fn
 
     torch.manual_seed(1)
     ours = _randomise(create_model("mvitv2_tiny", depths=(1, 1, 1, 1))).eval()
@@ -105,15 +104,6 @@ def _small(cls=False, residual="all"):
     return _randomise(model)
 
 
-def _grads(model, x):
-    x = x.clone().requires_grad_()
-    out = model(x)
-    (out * torch.arange(out.shape[-1])).sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    return out.detach(), x.grad, grads
-
-
 @pytest.mark.parametrize("cls,residual", [(False, "all"), (True, "grid")])
 def test_backends_agree_in_value_and_gradients(cls, residual):
     """sdpa, math and auto: forward, input and parameter gradients (relative tables, pooling
@@ -124,7 +114,7 @@ def test_backends_agree_in_value_and_gradients(cls, residual):
     results = {}
     for backend in ("sdpa", "math", "auto"):
         model.set_attention_backend(backend)
-        results[backend] = _grads(model, x)
+        results[backend] = output_and_grads(model, x)
     assert model.attention_backend == "auto"
     for backend in ("math", "auto"):
         out, gx, grads = results[backend]
@@ -134,7 +124,7 @@ def test_backends_agree_in_value_and_gradients(cls, residual):
             torch.testing.assert_close(g, results["sdpa"][2][n], atol=1e-5, rtol=1e-4, msg=n)
     model.set_attention_backend("math")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, gx, grads = _grads(model, x)
+        out, gx, grads = output_and_grads(model, x)
     torch.testing.assert_close(out.float(), results["sdpa"][0], atol=0.1, rtol=0.05)
     # relative norms of the gradients' bf16 error: the relative tables' gradients are sums with much
     # cancellation (timm's own bf16 autocast: 8-16% on this model, measured; vitflow's 12-22%)
@@ -145,23 +135,7 @@ def test_backends_agree_in_value_and_gradients(cls, residual):
 
 
 def test_checkpointed_gradients_identical_and_plans():
-    model = _small()
-    x = torch.randn(2, 3, 32, 32)
-    plain = _grads(model, x)
-    for spec in ("all", "1,3"):
-        model.set_grad_checkpointing(spec)
-        got = _grads(model, x)
-        assert torch.equal(got[1], plain[1])
-        assert all(torch.equal(g, plain[2][n]) for n, g in got[2].items())
-    assert [b.grad_checkpointing for b in model.blocks] == [False, True, False, True, False]
-    with pytest.raises(ValueError, match="out of range"):
-        model.set_grad_checkpointing("9")
-    model.set_grad_checkpointing("auto", "1KiB")  # below everything: all blocks
-    _grads(model, x)
-    assert all(b.grad_checkpointing for b in model.blocks)
-    model.set_grad_checkpointing("auto", "1GiB")  # everything fits: none
-    _grads(model, x)
-    assert not any(b.grad_checkpointing for b in model.blocks)
+    assert check_checkpoint_plans(_small(), torch.randn(2, 3, 32, 32), "1,3") == [False, True, False, True, False]
 
 
 @pytest.mark.skipif(not cpp.available(), reason="no C++ toolchain")
