@@ -64,11 +64,12 @@ def test_size_warnings_name_the_tokens_and_the_upsampling():
     assert any("model.img_size=224 is over twice the images' median short side (64 px)" in w for w in warnings)
     assert size_warnings(build_config(overrides=["model.img_size=32", "model.patch_size=4"]),
                          DataProfile(100, 2, 32, 32)) == []
-    # a Swin's window attention grows linearly with the tokens: no patch-size advice, only the upsampling
-    swin = build_config(overrides=["model.name=swin_tiny_patch4_window7_224", "model.pos_embed=learned",
-                                   "train.device=cpu"])
-    assert [w.split(":")[0] for w in size_warnings(swin, DataProfile(100, 2, 64, 64))] == [
-        "model.img_size=224 is over twice the images' median short side (64 px)"]
+    # a Swin's window attention and an MViT's pooled keys grow about linearly with the tokens: no
+    # patch-size advice, only the upsampling
+    for name in ("swin_tiny_patch4_window7_224", "mvitv2_tiny"):
+        cfg = build_config(overrides=[f"model.name={name}", "model.pos_embed=learned", "train.device=cpu"])
+        assert [w.split(":")[0] for w in size_warnings(cfg, DataProfile(100, 2, 64, 64))] == [
+            "model.img_size=224 is over twice the images' median short side (64 px)"], name
 
 
 def test_hymenoptera_photos_train_planned_on_the_batched_path(tmp_path: Path, caplog):

@@ -87,7 +87,7 @@ def plan_overrides(profile: DataProfile, device: str, set_by_user: set[str],
     256 scaled with the square root of the batch (AdamW). Steps: 100 epochs below 20,000 images,
     else 30, between 300 and 20,000 steps, warmup 5%.
 
-    A model the user named from another ``family`` than the plain ViT (a Swin) keeps its own
+    A model the user named from another ``family`` than the plain ViT (a Swin, an MViT) keeps its own
     input size, patch size and position encoding: its windows are sized for them.
     """
     gpu = device.startswith("cuda")
@@ -140,8 +140,8 @@ def resolve_plan(plan: list[tuple[str, object, str]], cfg_batch: int, images: in
 
 def size_warnings(cfg: Config, profile: DataProfile) -> list[str]:
     """Warnings when the input is far above what the images hold: over 256 tokens per image on a
-    CPU for a model with global attention (a Swin attends within fixed windows: its cost grows
-    linearly with the tokens), or an input size over twice the images' median short side
+    CPU for a model with global attention (a Swin attends within fixed windows, an MViT to keys
+    pooled over the grid: their cost grows about linearly with the tokens), or an input size over twice the images' median short side
     (upsampled pixels carry no detail, and cost ``(size / patch)^2`` tokens). None for
     ``model.name=auto`` (the weights' architecture is known only once they are read)."""
     if cfg.model.name == "auto":
@@ -149,7 +149,7 @@ def size_warnings(cfg: Config, profile: DataProfile) -> list[str]:
     out, defaults = [], model_kwargs(cfg.model.name)
     image, patch_size = cfg.model.img_size or defaults["img_size"], cfg.model.patch_size or defaults["patch_size"]
     tokens = (image // patch_size) ** 2
-    windowed = family_of(cfg.model.name).name == "swin"
+    windowed = family_of(cfg.model.name).name in ("swin", "mvit")
     if tokens > 256 and not windowed and not cfg.train.device.startswith("cuda"):
         better = max(patch_size, image // 8)
         out.append(f"{tokens} tokens per image ({image} px in {patch_size}-px patches) on a CPU: attention cost grows "
