@@ -46,6 +46,26 @@ def test_timm_parity_strict_load_same_logits(name, size):
     assert feats.shape == (1, ours.num_prefix_tokens + (size // 32) ** 2, 768) and want.std() > 0.1
 
 
+@pytest.mark.parametrize("name", ["mvitv2_large", "mvitv2_huge_cls"])
+@pytest.mark.usefixtures("torch_fp32_gemm")
+def test_timm_configurations_at_reduced_depth(name):
+    """The other configurations at depths 1-2-1-1 and 96 px: mvitv2_large widens in the MLP
+    (timm's expand_attn=False: a stage's last block widens to the next stage's width, through
+    shortcut_proj_mlp), mvitv2_huge_cls has 3 heads of 64 and a class token."""
+    import dataclasses
+
+    from timm.models.mvitv2 import MultiScaleVit as TimmMViT
+    from timm.models.mvitv2 import model_cfgs
+
+    torch.manual_seed(4)
+    ref = _randomise(TimmMViT(dataclasses.replace(model_cfgs[name], depths=(1, 2, 1, 1)), img_size=96)).eval()
+    ours = create_model(name, depths=(1, 2, 1, 1), img_size=96).eval()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(1, 3, 96, 96)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=0)
+
+
 @pytest.mark.usefixtures("torch_fp32_gemm")
 def test_other_input_size_resamples_tables_like_timm_loading(caplog):
     """A 224-px model run on 256 px resamples its relative tables at run time (logged); timm's

@@ -107,7 +107,8 @@ class MultiScaleVit(StageControls, nn.Module):
         dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
         size, dim, stages, first = pooled_size(img_size, kernel, patch_size), layout.dims[0], [], 0
         for i, depth in enumerate(depths):
-            dim_out, blocks = layout.dims[i], []
+            # timm: without expand_attn a stage's last block widens to the next stage's width
+            dim_out, blocks = layout.dims[i if expand_attn else min(i + 1, len(depths) - 1)], []
             out_dims = (dim_out,) * depth if expand_attn else (dim,) * (depth - 1) + (dim_out,)
             for j in range(depth):
                 sq = layout.stride_q[i] if j == 0 else 1
