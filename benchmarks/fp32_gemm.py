@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import vitflow  # noqa: E402
 from vitflow.models import MODELS as MODEL_CONFIGS  # noqa: E402
-from vitflow.models import onednn
+from vitflow.models.kernels import onednn
 
 MODELS = {"cifar": ("vit_cifar_patch4_32", 64), "tiny": ("vit_tiny_patch16_224", 32),
           "swin": ("swin_tiny_patch4_window7_224", 32), "siglip": ("vit_base_patch16_siglip_224", 16)}

@@ -54,8 +54,57 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _source_kinds() -> tuple[str, str]:
+    """``data.source``'s type cell and the list of its kinds, from the table of source kinds (in
+    detection order), so that a new kind appears without an edit here."""
+    from vitflow.data.sources.table import KINDS
+
+    kinds = "; ".join(f"`{k.name}`: {k.about}" + (" (by name only)" if k.detect is None else "") for k in KINDS)
+    choices = " \\| ".join(f"`{n}`" for n in ("auto", *(k.name for k in KINDS)))
+    return choices, f". The kinds, in the order auto tries them: {kinds}"
+
+
+GENERATED = {"data.source": _source_kinds}  # keys whose choices are a table of the code, not a Literal
+
+
 def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _key_rows(section: str, cls: type, own: bool = False) -> list[str]:
+    """The table of a section class's keys (``own``: only those declared in its own body)."""
+    hints, comments, value = typing.get_type_hints(cls), _field_comments(cls), cls()
+    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for f in dataclasses.fields(cls):
+        if own and f.name not in comments:
+            continue
+        default = getattr(value, f.name)
+        default = "null" if default is None else f"`{list(default) if isinstance(default, tuple) else default}`"
+        key = f"{section}.{f.name}"
+        kind, more = GENERATED[key]() if key in GENERATED else (_cell(_type_name(hints[f.name])), "")
+        rows.append(f"| `{key}` | {kind} | {_cell(default)} | {_cell(comments.get(f.name, '') + more)} |")
+    return rows + [""]
+
+
+def _model_sections() -> list[str]:
+    """The ``model`` section: the keys every family takes, then one part per family's class with
+    the keys it adds (or narrows), naming the families and the class it extends."""
+    from vitflow.config import ModelConfig, model_config_classes
+    from vitflow.models import FAMILIES
+
+    lines = ["## `model`", "", inspect.cleandoc(ModelConfig.__doc__ or ""), "",
+             "A run's `model` section is its family's (the one `model.name` belongs to): the keys below, which "
+             "every family takes, plus the family's own. `vitflow train --print-config` shows the chosen family's "
+             "keys; a key of another family is refused with one line that lists the family's keys.", "",
+             *_key_rows("model", ModelConfig)]
+    for cls in model_config_classes()[1:]:
+        families = ", ".join(f"`{f.name}`" for f in FAMILIES if f.config is cls) or "none registered"
+        parent = cls.__mro__[1]
+        base = "the keys every family takes" if parent is ModelConfig else f"the keys of {parent.label} models"
+        lines += [f"### {cls.label} models (`{cls.__name__}`)", "", inspect.cleandoc(cls.__doc__ or ""), "",
+                  f"Families: {families}. Their keys: {base}, and (added or with narrower values):", "",
+                  *_key_rows("model", cls, own=True)]
+    return lines
 
 
 def config_reference() -> str:
@@ -64,7 +113,8 @@ def config_reference() -> str:
 
     lines = ["# Configuration reference", "",
              "Every key of a run's configuration, generated from the dataclasses in "
-             "`vitflow/config/schema.py` (the `data` section: `data_schema.py`) when the documentation is built. Set a key on the command line "
+             "`vitflow/config/schema.py` (the `model` section: `model_schema.py`, one class per kind of model; the "
+             "`data` section: `data_schema.py`) when the documentation is built. Set a key on the command line "
              "(`vitflow train train.batch_size=64`), in a `--config` YAML file (the same sections) or in a "
              "preset. `null` means unset; the type column is what the value is coerced to.", ""]
     root = Config()
@@ -73,16 +123,12 @@ def config_reference() -> str:
         if not dataclasses.is_dataclass(value):
             lines += [f"- `{section.name}`: default `{value!r}`", ""]
             continue
+        if section.name == "model":
+            lines += _model_sections()
+            continue
         cls = type(value)
-        hints, comments = typing.get_type_hints(cls), _field_comments(cls)
         doc = inspect.cleandoc(cls.__doc__ or "")
-        lines += [f"## `{section.name}`", "", doc, "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-        for f in dataclasses.fields(cls):
-            default = getattr(value, f.name)
-            default = "null" if default is None else f"`{list(default) if isinstance(default, tuple) else default}`"
-            lines.append(f"| `{section.name}.{f.name}` | {_cell(_type_name(hints[f.name]))} | {_cell(default)} | "
-                         f"{_cell(comments.get(f.name, ''))} |")
-        lines.append("")
+        lines += [f"## `{section.name}`", "", doc, "", *_key_rows(section.name, cls)]
     return "\n".join(lines)
 
 

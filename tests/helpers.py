@@ -62,10 +62,11 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "src")}  
 
 def digits_config(run_dir, *extra):
     """The default preset (a small ViT on the embedded digits) writing to ``run_dir``, logging every
-    5 steps, with ``extra`` ``key=value`` overrides."""
+    5 steps, with ``extra`` ``key=value`` overrides (the model section of the named family's class)."""
     from vitflow.config import build_config
+    from vitflow.models import config_class
 
-    return build_config(overrides=[f"train.run_dir={run_dir}", "train.log_every=5", *extra])
+    return build_config(overrides=[f"train.run_dir={run_dir}", "train.log_every=5", *extra], model_config=config_class)
 
 
 MEASURED = {"time", "images_per_s", "data_stall", "memory_mb", "elapsed_s", "train_images_per_s", "run_dir",
@@ -204,3 +205,12 @@ def check_checkpoint_plans(model, x, spec):
         output_and_grads(model, x)
         assert all(b.grad_checkpointing == every for b in model.blocks), budget
     return flags
+
+
+def take_pretrained(cfg):
+    """``cfg`` filled from ``model.pretrained`` as the trainer fills it (architecture for
+    ``model.name=auto``, the weights' preprocessing); returns the resolved weights."""
+    from vitflow.models.pretrained.config import apply_pretrained
+
+    cfg.model, pre = apply_pretrained(cfg.model, cfg.data, getattr(cfg, "key_origins", None))
+    return pre

@@ -3,16 +3,23 @@ and short functions. Every import counts, also those inside functions.
 
 Units and what each may import (besides itself and the standard library / third parties):
 
-- ``config`` (pure data), ``timing``, ``rundir``: nothing of vitflow;
+- ``config`` (pure data), ``timing``, ``rundir``, ``metrics`` (the metric table and the metrics'
+  computations): nothing of vitflow;
 - ``runtime`` (allocator, device, precision, seeding): ``timing``;
 - ``models``: the foundation (``config``, ``runtime``, ``timing``); no other layer;
 - ``data``: ``config``, ``runtime``, ``timing``; no ``models`` / ``train`` / ``infer``;
 - ``checkpoint`` (files, ``model_from_checkpoint``): ``models``;
-- ``evaluation`` (a model over batches): ``data``, ``runtime``;
+- ``evaluation`` (a model over batches): ``data``, ``runtime``, ``metrics``;
 - ``train``: every layer to its left and the shared services;
 - ``infer``: the same but ``train``;
 - ``viz``: ``infer`` and what it may import, ``rundir``; no ``train``;
+- ``api`` (the Python face, ``vitflow.train`` / ``load`` / ``Config`` / ``Run``): every layer but ``cli``;
+- the package (``vitflow/__init__.py``): ``models``, and ``train`` / ``api`` for the API's names;
 - ``cli``: everything.
+
+Inside ``models``: the family packages (``vit``, ``eva``, ``swin``, ...: every sub-package but the
+shared ones, :data:`MODEL_SHARED`) never import each other, and the attention math (softmax,
+``scaled_dot_product_attention``) lives only in ``models/attention`` and ``models/kernels``.
 """
 
 from __future__ import annotations
@@ -27,20 +34,25 @@ import vitflow
 SRC = Path(vitflow.__file__).parent
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
+MAX_CLASS_LINES = 300
+MODEL_SHARED = {"attention", "kernels", "convert", "pretrained"}  # sub-packages of models every family may use
+ATTENTION_HOMES = ("attention", "kernels")  # where the attention math may live, inside models
+ATTENTION_MATH = ("softmax", "scaled_dot_product_attention")  # calls that are attention math
 
 FOUNDATION = {"config", "runtime", "timing"}
 ALLOWED: dict[str, set[str]] = {
-    "config": set(), "timing": set(), "rundir": set(), "metrics": set(), "metrics_cls": set(),
+    "config": set(), "timing": set(), "rundir": set(), "metrics": set(),
     "runtime": {"timing"},
     "models": FOUNDATION,
     "data": {"config", "runtime", "timing"},
     "checkpoint": {"models"},
-    "evaluation": {"data", "runtime", "metrics", "metrics_cls"},
-    "train": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics", "metrics_cls", "rundir"},
-    "infer": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics", "metrics_cls"},
-    "viz": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics", "metrics_cls", "infer", "rundir"},
-    "package": {"models"},  # vitflow/__init__.py: create_model and friends
+    "evaluation": {"data", "runtime", "metrics"},
+    "train": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics", "rundir"},
+    "infer": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics"},
+    "viz": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics", "infer", "rundir"},
+    "package": {"models", "train", "api"},  # vitflow/__init__.py: create_model and friends, the API's names
 }
+ALLOWED["api"] = {u for u in ALLOWED if u not in ("api", "package")} | {"viz"}  # the Python face: all but the CLI
 # functions allowed over MAX_FUNCTION_LINES, each with its reason
 LONG_FUNCTIONS: dict[str, str] = {}
 
@@ -153,6 +165,45 @@ def long_functions(root: Path, limit: int = MAX_FUNCTION_LINES, allowed: dict[st
     return out
 
 
+def long_classes(root: Path, limit: int = MAX_CLASS_LINES) -> list[str]:
+    """``module.Class: N lines`` for every class longer than ``limit``."""
+    return [f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines" for name, path in modules(root).items()
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > limit]
+
+
+def model_family(module: str) -> str | None:
+    """The family package a module of ``models`` belongs to (``vitflow.models.swin.block`` -> ``swin``),
+    or ``None`` for the shared modules and packages."""
+    parts = module.split(".")
+    if len(parts) < 4 or parts[1] != "models" or parts[2] in MODEL_SHARED:
+        return None
+    return parts[2]
+
+
+def family_crossings(graph: dict[str, set[str]]) -> list[str]:
+    """``"a -> b"`` for every import from one model family's package into another's."""
+    return [f"{src} -> {dst}" for src, targets in sorted(graph.items()) for dst in sorted(targets)
+            if model_family(src) and model_family(dst) and model_family(src) != model_family(dst)]
+
+
+def stray_attention_math(root: Path) -> list[str]:
+    """``module: call`` for every attention-math call (:data:`ATTENTION_MATH`) in ``models`` outside
+    :data:`ATTENTION_HOMES`."""
+    out = []
+    for name, path in modules(root).items():
+        parts = name.split(".")
+        if len(parts) < 3 or parts[1] != "models" or parts[2] in ATTENTION_HOMES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                func = node.func
+                called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                if called in ATTENTION_MATH:
+                    out.append(f"{name}: {called} (line {node.lineno})")
+    return out
+
+
 def test_no_import_cycles():
     assert cycles(import_graph(SRC)) == []
 
@@ -174,6 +225,20 @@ def test_no_function_over_60_lines():
     assert long_functions(SRC) == []
 
 
+def test_no_class_over_300_lines():
+    assert long_classes(SRC) == []
+
+
+def test_model_families_do_not_import_each_other():
+    graph = import_graph(SRC)
+    assert {model_family(m) for m in graph} >= {"vit", "eva", "swin"}  # the check sees the families
+    assert family_crossings(graph) == []
+
+
+def test_attention_math_lives_in_attention_and_kernels():
+    assert stray_attention_math(SRC) == []
+
+
 def _write(root: Path, rel: str, text: str) -> None:
     path = root / rel
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -188,10 +253,15 @@ def bad_package(tmp_path: Path) -> Path:
         _write(root, f"{pkg}__init__.py", "")
     _write(root, "data/a.py", "from vitflow.data import b\n")  # a cycle: a -> b -> a
     _write(root, "data/b.py", "def f():\n    from vitflow.data.a import x\n")  # (a lazy import counts too)
-    _write(root, "models/vit/model.py", "def g():\n    from vitflow.train import loop\n")  # models -> train
     _write(root, "train/loop.py", "import vitflow.models\n")  # allowed
     _write(root, "data/big.py", "x = 1\n" * 401)
     _write(root, "data/long.py", "def h():\n" + "    y = 1\n" * 60)
+    for pkg in ("models/vit/", "models/swin/", "models/attention/"):
+        _write(root, f"{pkg}__init__.py", "")
+    _write(root, "models/swin/block.py", "from vitflow.models.vit import model\n")  # a family importing another
+    _write(root, "models/vit/model.py", "def g():\n    from vitflow.train import loop\n    return x.softmax(-1)\n")  # models -> train
+    _write(root, "models/attention/core.py", "def a(s):\n    return s.softmax(-1)\n")  # its home: allowed
+    _write(root, "data/big_class.py", "class C:\n" + "    y = 1\n" * 300)
     return root
 
 
@@ -202,3 +272,6 @@ def test_the_checks_catch_each_kind_of_violation(bad_package):
     assert long_files(bad_package) == ["vitflow/data/big.py: 401 lines"]
     assert long_functions(bad_package, allowed={}) == ["vitflow.data.long.h: 61 lines"]
     assert long_functions(bad_package, allowed={"vitflow.data.long.h": "a reason"}) == []
+    assert long_classes(bad_package) == ["vitflow.data.big_class.C: 301 lines"]
+    assert family_crossings(graph) == ["vitflow.models.swin.block -> vitflow.models.vit.model"]
+    assert stray_attention_math(bad_package) == ["vitflow.models.vit.model: softmax (line 3)"]

@@ -1,7 +1,8 @@
 """Evaluation of a model over a loader of ``uint8`` batches: for single-label classification loss,
 top-1, top-5, the confusion matrix and per-class top-1 (:func:`evaluate`); for multi-label
-classification loss, mAP, per-class AP and F1 at a threshold (:func:`evaluate_multilabel`).
-Used by training (evaluations during a run), ``vitflow eval`` and the accuracy checks of
+classification loss, mAP, per-class AP and F1 at a threshold (:func:`evaluate_multilabel`); each
+pass also computes the metrics of :data:`vitflow.metrics.METRICS` declared with a ``compute`` of
+their own. Used by training (evaluations during a run), ``vitflow eval`` and the accuracy checks of
 quantisation and pruning."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch
 
 from vitflow.data import SkipReport, model_input
 from vitflow.data.transforms import Preprocess
-from vitflow.metrics.classification import ECE_BINS, PER_CLASS_KEYS, calibration, calibration_counts, confusion_metrics
+from vitflow.metrics import Accumulator, headline  # noqa: F401  headline: vitflow.evaluation.headline, as before
+from vitflow.metrics.classification import ECE_BINS, calibration, calibration_counts, confusion_metrics
 from vitflow.metrics.multilabel import choose_threshold, multilabel_metrics
 from vitflow.runtime import Precision
 
@@ -37,7 +39,8 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
         fractions (``None`` for a class without images)}``, and the keys of
         :func:`vitflow.metrics.classification.confusion_metrics` (precision / recall / F1 / support per class,
         macro and weighted averages, balanced accuracy) and :func:`vitflow.metrics.classification.calibration`
-        (``ece``, ``reliability``), computed from integer sums: exact in a distributed evaluation.
+        (``ece``, ``reliability``), computed from integer sums: exact in a distributed evaluation;
+        then the declared metrics with a ``compute`` (:class:`vitflow.metrics.Accumulator`).
     Raises:
         ValueError: no readable image (on every rank together).
     """
@@ -46,7 +49,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
     totals = torch.zeros(5, dtype=torch.float64)  # loss sum, top-1, top-5, images, skipped
     confusion = torch.zeros((num_classes or 0) ** 2, dtype=torch.int64, device=device)
     bins = torch.zeros(3, ECE_BINS, dtype=torch.int64, device=device)  # calibration: count, correct, confidence sums
-    skips = SkipReport() if skips is None else skips
+    skips, extra = SkipReport() if skips is None else skips, Accumulator("multiclass")
     for batch in loader:
         totals[4] += len(batch["bad"])
         skips.add(-1, batch["bad"])  # -1: not a training epoch
@@ -61,6 +64,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
             confusion = torch.zeros(c * c, dtype=torch.int64, device=device)
         confusion += torch.bincount(y * c + logits.argmax(dim=1), minlength=c * c)
         bins += calibration_counts(logits, y, bins.shape[1])
+        extra.add(logits, y)
         totals[0] += float(torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum"))
         c1, c5 = topk_correct(logits, y)
         totals[1:4] += torch.tensor([c1, c5, len(y)], dtype=torch.float64)
@@ -69,6 +73,13 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
         totals = reduce(totals.to(device)).cpu()
         confusion = reduce(confusion)
         bins = reduce(bins)
+        extra.reduce(reduce)
+    return _figures(totals, confusion, bins, extra)
+
+
+def _figures(totals: torch.Tensor, confusion: torch.Tensor, bins: torch.Tensor, extra: Accumulator) -> dict[str, Any]:
+    """:func:`evaluate`'s result from its sums (over the ranks): ``totals`` float64 (loss sum,
+    top-1 and top-5 hits, images, skipped), ``confusion`` int64 ``(C * C,)``, ``bins`` int64 ``(3, M)``."""
     loss_sum, c1, c5, n, skipped = totals.tolist()
     if n == 0:
         raise ValueError("evaluation found no readable images")
@@ -76,9 +87,10 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
     confusion = confusion.view(c, c).cpu()
     counts = confusion.sum(dim=1).tolist()
     per_class = [hits / count if count else None for hits, count in zip(confusion.diag().tolist(), counts)]
-    return {"loss": loss_sum / n, "top1": c1 / n, "top5": c5 / n, "images": int(n), "skipped": int(skipped),
-            "confusion": confusion.tolist(), "per_class_top1": per_class, **confusion_metrics(confusion),
-            **calibration(bins)}
+    result = {"loss": loss_sum / n, "top1": c1 / n, "top5": c5 / n, "images": int(n), "skipped": int(skipped),
+              "confusion": confusion.tolist(), "per_class_top1": per_class, **confusion_metrics(confusion),
+              **calibration(bins)}
+    return {**result, **extra.results({**result, "confusion": confusion.numpy(), "calibration": bins.cpu().numpy()})}
 
 
 @torch.no_grad()
@@ -95,14 +107,14 @@ def evaluate_multilabel(model: torch.nn.Module, loader, device: torch.device, pr
         ``{"loss": mean binary cross-entropy per label, "map": macro mean average precision over
         the classes with a positive, "micro_f1", "macro_f1", "micro_precision", "micro_recall"
         (at ``threshold``), "threshold", "images", "skipped", "per_class_ap": C values (``None``
-        for a class without a positive)}``.
+        for a class without a positive)}``, then the declared metrics with a ``compute``.
     Raises:
         ValueError: no readable image, or no positive label at all.
     """
     was_training = model.training
     model.eval()
     probs, targets, skipped = [], [], 0
-    skips = SkipReport() if skips is None else skips
+    skips, extra = SkipReport() if skips is None else skips, Accumulator("multilabel")
     for batch in loader:
         skipped += len(batch["bad"])
         skips.add(-1, batch["bad"])
@@ -111,6 +123,7 @@ def evaluate_multilabel(model: torch.nn.Module, loader, device: torch.device, pr
         with precision.autocast():
             logits = model(model_input(batch["images"], pp.mean, pp.std, device))
         probs.append(torch.sigmoid(logits.float()).cpu())
+        extra.add(logits, batch["labels"])
         targets.append(batch["labels"].float())
     model.train(was_training)
     if not probs:
@@ -120,28 +133,16 @@ def evaluate_multilabel(model: torch.nn.Module, loader, device: torch.device, pr
     p, t = p.numpy(), t.numpy()
     if threshold is None:
         threshold = choose_threshold(p, t)
-    return {"loss": loss, **multilabel_metrics(p, t, threshold), "images": len(t), "skipped": skipped}
+    result = {"loss": loss, **multilabel_metrics(p, t, threshold), "images": len(t), "skipped": skipped}
+    return {**result, **extra.results({**result, "probs": p, "targets": t})}
 
 
 def scalar_metrics(result: dict[str, Any]) -> dict[str, Any]:
     """``result`` of :func:`evaluate` / :func:`evaluate_multilabel` without its per-class entries
-    (``confusion``, ``per_class_top1``, ``per_class_ap``, per-class ``precision`` / ``recall`` /
-    ``f1`` / ``support``, ``reliability``): what metric logs and checkpoints keep."""
-    return {k: v for k, v in result.items() if k not in PER_CLASS_KEYS}
-
-
-def headline(result: dict[str, Any]) -> str:
-    """The figures of an evaluation for one line: ``top-1 91.20%  top-5 99.10%  loss 0.4321  macro-F1
-    90.80%  balanced 90.95%  ECE 0.0312`` (the last three when computed) or, for
-    multi-label, ``mAP 81.20%  micro-F1 75.00%  macro-F1 70.00% (threshold 0.35)  loss 0.1234``."""
-    if "map" in result:
-        return (f"mAP {result['map']:.2%}  micro-F1 {result['micro_f1']:.2%}  macro-F1 {result['macro_f1']:.2%} "
-                f"(threshold {result['threshold']:.2f})  loss {result['loss']:.4f}")
-    line = f"top-1 {result['top1']:.2%}  top-5 {result['top5']:.2%}  loss {result['loss']:.4f}"
-    if "balanced_accuracy" in result:
-        line += (f"  macro-F1 {result['macro_f1']:.2%}  balanced {result['balanced_accuracy']:.2%}  "
-                 f"ECE {result['ece']:.4f}")
-    return line
+    (the lists and mappings: ``confusion``, ``per_class_top1``, ``per_class_ap``, per-class
+    ``precision`` / ``recall`` / ``f1`` / ``support``, ``reliability``): what metric logs and
+    checkpoints keep."""
+    return {k: v for k, v in result.items() if not isinstance(v, (list, tuple, dict))}
 
 
 def split_results(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -140,3 +140,20 @@ def test_layer_norm_backward_kernel_matches_float64(dtype, cols):
     torch.testing.assert_close(xi.grad.double(), dx_ref, atol=tol, rtol=tol)
     torch.testing.assert_close(norm.weight.grad.double(), dw_ref, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(norm.bias.grad.double(), db_ref, atol=1e-4, rtol=1e-5)
+
+
+def test_kernels_are_built_at_construction_never_in_a_forward(monkeypatch):
+    """A fresh process state: building a Swin loads the kernels; its first training forward and backward
+    (fused attention, vitflow's LayerNorm backward) find them ready and never build."""
+    monkeypatch.setattr(cpp, "_STATE", {})
+    model = create_model("swin_cifar_patch2_window4_32", attention="fused", num_classes=3, embed_dim=24,
+                         depths=(1, 1), num_heads=(1, 2))
+    assert cpp._STATE == {"ok": True}
+
+    def no_build():
+        raise AssertionError("the kernels were built inside a forward")
+
+    monkeypatch.setattr(cpp, "_build", no_build)
+    monkeypatch.setattr(cpp, "_STATE", {})  # would make a forward build again, were it to ask
+    cpp._STATE["ok"] = True  # what construction left
+    model(torch.rand(2, 3, 32, 32)).sum().backward()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import vitflow
-from vitflow.config import ModelConfig
+from vitflow.config import EvaConfig
 from vitflow.models.registry import family_of, model_args
 
 pytestmark = pytest.mark.usefixtures("torch_fp32_gemm")  # compared with timm / HF at fp32 rounding
@@ -158,7 +158,7 @@ def test_attention_maps_shapes_and_rows():
 
 @pytest.mark.parametrize("name", ["beit_base_patch16_224", "eva02_tiny_patch14_224", "vit_small_patch16_dinov3"])
 def test_every_model_config_key_reaches_build(name):
-    args = model_args(ModelConfig(name=name, depth=1, grad_checkpointing="all", drop_path_rate=0.1), NUM_CLASSES)
+    args = model_args(EvaConfig(name=name, depth=1, grad_checkpointing="all", drop_path_rate=0.1), NUM_CLASSES)
     model = vitflow.create_model(**args)
     assert model.num_classes == NUM_CLASSES and model.grad_checkpointing and len(model.blocks) == 1
     assert family_of(name).load_pretrained is not None
@@ -239,7 +239,7 @@ def test_pruning_refused():
     state = {"path": "run/best.pt", "model_args": {"name": "eva02_tiny_patch14_224"}}
     with pytest.raises(ValueError, match="run/best.pt: eva02_tiny_patch14_224 cannot be pruned"):
         _calibrate_and_prune(model, state, None, None, None, 8, 0.25, 0.0, print)
-    with pytest.raises(ValueError, match="block_heads: eva02 models cannot be head- or MLP-pruned"):
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) for eva02 models: block_heads=\[1\]"):
         vitflow.create_model("eva02_tiny_patch14_224", depth=1, block_heads=[1])
     with pytest.raises(ValueError, match="unknown argument.*foo"):
         vitflow.create_model("beit_base_patch16_224", depth=1, foo=1)

@@ -26,8 +26,8 @@ from vitflow.models.convert.hf_swin import (
     swin_model_config_keys,
 )
 from vitflow.models.pretrained.hub import resolve_pretrained
+from vitflow.models.pretrained.swin_fit import adapt_swin_state_dict, is_swin_model, resample_swin_table
 from vitflow.models.pretrained.weights import detect_layout, load_pretrained, read_state_dict
-from vitflow.models.swin.resample import adapt_swin_state_dict, is_swin_model, resample_swin_table
 
 pytestmark = pytest.mark.usefixtures("torch_fp32_gemm")  # compared with timm / HF at fp32 rounding
 

@@ -99,7 +99,7 @@ def test_accumulation_equals_one_large_batch(tmp_path):
                    "train.label_smoothing=0.1", "data.train_augment=none")  # augmentation draws are per batch
         tr = Trainer(cfg)
         it = iter(tr.loader)
-        batches = [tr.fetch(it) for _ in range(accum)]
+        batches = [tr.epochs.fetch(it) for _ in range(accum)]
         if accum == 1:
             ref_images = batches[0]["images"]
         else:

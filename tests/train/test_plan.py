@@ -14,7 +14,7 @@ import pytest
 from helpers import CIFAR_TAR, HYMENOPTERA_TAR, IMAGENET_TAR, need, write_csv
 from vitflow.cli.commands import CONFIG_CHECKS
 from vitflow.config import build_config
-from vitflow.models import create_model, model_args
+from vitflow.models import config_class, create_model, model_args
 from vitflow.train import train
 from vitflow.train.plan import DataProfile, is_planned, plan_overrides, planned_config, resolve_plan, size_warnings
 
@@ -40,11 +40,11 @@ def test_plan_on_a_cpu_keeps_64_tokens_and_scales_the_batch_and_lr_with_the_data
 def test_a_named_swin_keeps_its_own_sizes_and_position_encoding(tmp_path: Path):
     plan = {k: v for k, v, _ in plan_overrides(DataProfile(245, 2, 375, 500), "cpu", {"model.name"}, "swin")}
     assert "model.img_size" not in plan and "model.patch_size" not in plan and plan["model.pos_embed"] == "learned"
-    # end to end on the CIFAR JPEG tar: the preset's ViT-only sin-cos positions are not handed to the Swin,
-    # and the model is built with the variant's patch 2 (a 16 x 16 grid), not the plan's 4
+    # end to end on the CIFAR JPEG tar: the preset's ViT-only sin-cos positions are not handed to the Swin (its
+    # section has no pos_embed), and the model is built with the variant's patch 2 (a 16 x 16 grid), not the plan's 4
     cfg = planned_config(["model.name=swin_cifar_patch2_window4_32", f"data.path={need(CIFAR_TAR)}",
                           f"train.run_dir={tmp_path / 'run'}"], CONFIG_CHECKS)
-    assert (cfg.model.img_size, cfg.model.patch_size, cfg.model.pos_embed) == (None, None, "learned")
+    assert (cfg.model.img_size, cfg.model.patch_size, hasattr(cfg.model, "pos_embed")) == (None, None, False)
     model = create_model(**model_args(cfg.model, 10))
     assert tuple(model.patch_embed.proj.weight.shape) == (96, 3, 2, 2)
 
@@ -58,17 +58,17 @@ def test_is_planned_only_without_a_preset_or_config_and_with_a_path():
 
 def test_size_warnings_name_the_tokens_and_the_upsampling():
     cfg = build_config(overrides=["model.img_size=224", "model.patch_size=4", "train.device=cpu"])
-    warnings = size_warnings(cfg, DataProfile(100, 2, 64, 64))
+    warnings = size_warnings(cfg.model, cfg.train.device, DataProfile(100, 2, 64, 64))
     assert any("3136 tokens per image (224 px in 4-px patches) on a CPU" in w and "model.patch_size=28" in w
                for w in warnings)
     assert any("model.img_size=224 is over twice the images' median short side (64 px)" in w for w in warnings)
-    assert size_warnings(build_config(overrides=["model.img_size=32", "model.patch_size=4"]),
+    assert size_warnings(build_config(overrides=["model.img_size=32", "model.patch_size=4"]).model, "auto",
                          DataProfile(100, 2, 32, 32)) == []
     # a Swin's window attention and an MViT's pooled keys grow about linearly with the tokens: no
     # patch-size advice, only the upsampling
     for name in ("swin_tiny_patch4_window7_224", "mvitv2_tiny"):
-        cfg = build_config(overrides=[f"model.name={name}", "model.pos_embed=learned", "train.device=cpu"])
-        assert [w.split(":")[0] for w in size_warnings(cfg, DataProfile(100, 2, 64, 64))] == [
+        cfg = build_config(overrides=[f"model.name={name}", "train.device=cpu"], model_config=config_class)
+        assert [w.split(":")[0] for w in size_warnings(cfg.model, "cpu", DataProfile(100, 2, 64, 64))] == [
             "model.img_size=224 is over twice the images' median short side (64 px)"], name
 
 

@@ -9,11 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import digits_config
+from helpers import digits_config, take_pretrained
 from vitflow.checkpoint import load_checkpoint
 from vitflow.config import ConfigError, build_config
 from vitflow.models import check_config, create_model
-from vitflow.models.pretrained.config import apply_pretrained
 from vitflow.train import Trainer
 
 MEAN, STD = [0.3, 0.35, 0.4], [0.2, 0.21, 0.22]
@@ -56,7 +55,7 @@ def test_user_keys_win_presets_do_not(snapshot):
     """Command-line keys stay; the preset's data.mean/std (0.5) give way to the weights'."""
     folder, _ = snapshot
     cfg = build_config(overrides=[f"model.pretrained={folder}", "data.std=[0.1,0.1,0.1]", "data.crop_pct=1.0"])
-    apply_pretrained(cfg)
+    take_pretrained(cfg)
     assert (list(cfg.data.mean), list(cfg.data.std), cfg.data.crop_pct, cfg.data.interpolation,
             cfg.model.img_size) == (MEAN, [0.1] * 3, 1.0, "bilinear", 8)
 
@@ -67,7 +66,7 @@ def test_auto_needs_a_config(tmp_path, snapshot):
     cfg = build_config(overrides=["model.name=auto", f"model.pretrained={snapshot[0] / 'model.safetensors'}"],
                        checks={"model": check_config})
     with pytest.raises(ConfigError, match="has no config naming an architecture"):
-        apply_pretrained(cfg)
+        take_pretrained(cfg)
 
 
 def test_create_pretrained_model(snapshot):
@@ -88,7 +87,7 @@ def test_auto_leaves_a_presets_architecture_keys_to_the_weights(snapshot):
     """cifar10-vit-tiny sets global_pool=avg and pos_embed=sincos2d for its own model: under
     model.name=auto they are reset; its data.mean gives way to the weights'."""
     cfg = build_config("cifar10-vit-tiny", overrides=["model.name=auto", f"model.pretrained={snapshot[0]}"])
-    apply_pretrained(cfg)
+    take_pretrained(cfg)
     m = cfg.model
     assert (m.name, m.global_pool, m.pos_embed, m.img_size, list(cfg.data.mean)) == (
         "vit_digits_patch2_8", None, "learned", 8, MEAN)

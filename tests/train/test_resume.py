@@ -109,9 +109,9 @@ def test_resume_warns_about_changed_config(caplog):
 
     saved = build_config(overrides=["train.run_dir=a"]).to_dict()
     with caplog.at_level("WARNING", logger="vitflow.train.loop"):
-        warn_config_changes(saved, build_config(overrides=["train.run_dir=b", "train.resume=auto"]), Path("c.pt"))
+        warn_config_changes(saved, build_config(overrides=["train.run_dir=b", "train.resume=auto"]).to_dict(), Path("c.pt"))
         assert not caplog.records  # where the run lives is not a change of what it trains
-        warn_config_changes(saved, build_config(overrides=["train.batch_size=64", "optim.lr=0.5"]), Path("c.pt"))
+        warn_config_changes(saved, build_config(overrides=["train.batch_size=64", "optim.lr=0.5"]).to_dict(), Path("c.pt"))
     msg = caplog.records[-1].getMessage()
     assert "c.pt" in msg and "optim.lr 0.003 -> 0.5" in msg and "train.batch_size 128 -> 64" in msg
     assert "run_dir" not in msg

@@ -11,8 +11,10 @@ from helpers import digits_config
 from vitflow import checkpoint as ckpt
 from vitflow.config import ConfigError, build_config
 from vitflow.rundir import read_metrics
+from vitflow.train.callbacks import LiveReport
 from vitflow.train.loop import Trainer
-from vitflow.train.selection import Selection
+from vitflow.train.preempt import Preemption
+from vitflow.train.selection import Selection, check_config
 
 FAST = ("train.batch_size=32", "optim.warmup_steps=2", "train.total_steps=20", "train.eval_every=2",
         "train.tensorboard=false", "train.live_report=false")
@@ -36,7 +38,7 @@ def test_keep_best_survives_rotation_and_named_evals_are_logged(tmp_path):
     run = tmp_path / "run"
     cfg = digits_config(run, *FAST, "optim.lr=0.02", "train.keep_checkpoints=1", "train.checkpoint_every=2",
                         "data.evals=minival:train[70%:80%],heldout:train[80%:90%]", "train.keep_best=minival_top1")
-    summary = Trainer(cfg, on_eval).fit()
+    summary = Trainer(cfg, [LiveReport(on_eval)]).fit()
     minival = _evals(run, "minival")
     assert len(minival) == 10 and len(_evals(run, "heldout")) == 10  # each named split at each evaluation
     assert all(r["split_expr"] == "train[70%:80%]" for r in minival)
@@ -86,7 +88,7 @@ def test_early_stopping_stops_where_predicted_and_a_resumed_run_stops_alike(tmp_
     def train_step(self, batches):
         out = original(self, batches)
         if self.step == interrupt_at:
-            self.stop.signum = signal.SIGTERM
+            self.callbacks.find(Preemption).signum = signal.SIGTERM
         return out
     monkeypatch.setattr(Trainer, "train_step", train_step)
     assert Trainer(digits_config(run, *args)).fit()["interrupted"] == "SIGTERM"
@@ -107,8 +109,11 @@ def test_selection_rules_and_refusals():
     assert Selection("val_ece", 0, 0, None, ["val"]).keep[2] == "min"
     with pytest.raises(ConfigError, match="'test' is not evaluated during training"):
         Selection("test_top1", 0, 0, None, ["val"])
-    with pytest.raises(ConfigError, match="train.keep_best='val_accuracy' is not a known metric"):
-        build_config(overrides=["train.keep_best=val_accuracy"])
+    with pytest.raises(ConfigError, match=r"train.keep_best='val_accuracy' is not a known metric: .* one of top1, "
+                                          r"top5, loss, .*, ece \(e.g. val_top1\) \(in command line\)"):
+        build_config(overrides=["train.keep_best=val_accuracy"], checks={"train": check_config})  # the layer's check
+    with pytest.raises(ConfigError, match="train.early_stopping_metric='val_threshold' is not a known metric"):
+        Selection("val_top1", 2, 0, "val_threshold", ["val"])  # the trainer's own: a figure, not a score
     with pytest.raises(ConfigError, match="train.early_stopping_patience"):
         build_config(overrides=["train.early_stopping_patience=3", "train.eval_every=10"])
     with pytest.raises(ConfigError, match="reserved"):

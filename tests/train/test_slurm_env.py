@@ -68,27 +68,27 @@ def test_restarts_count_torchrun_and_slurm():
 def test_launch_derives_a_stable_run_dir_and_resumes_only_restarts(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     torchrun = {"TORCHELASTIC_RUN_ID": "vit-b16", "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RESTART_COUNT": "0"}
-    cfg = apply_launch(build_config(), environ=torchrun)
-    assert (cfg.train.run_dir, cfg.train.resume) == (str(Path("runs") / "digits-vit-tiny-vit-b16"), "none")
-    slurm = apply_launch(build_config(), environ={**SRUN, **torchrun})
-    assert slurm.train.run_dir == str(Path("runs") / "digits-vit-tiny-slurm123456")
+    t = apply_launch(build_config().train, "digits-vit-tiny", environ=torchrun)
+    assert (t.run_dir, t.resume) == (str(Path("runs") / "digits-vit-tiny-vit-b16"), "none")
+    slurm = apply_launch(build_config().train, "digits-vit-tiny", environ={**SRUN, **torchrun})
+    assert slurm.run_dir == str(Path("runs") / "digits-vit-tiny-slurm123456")
     # a restart resumes only a run directory that exists (one killed before creating it starts over)
     restarted = {**torchrun, "TORCHELASTIC_RESTART_COUNT": "1"}
-    assert apply_launch(build_config(), environ=restarted).train.resume == "none"
+    assert apply_launch(build_config().train, "digits-vit-tiny", environ=restarted).resume == "none"
     (tmp_path / "runs" / "digits-vit-tiny-vit-b16").mkdir(parents=True)
-    assert apply_launch(build_config(), environ=restarted).train.resume == "auto"
+    assert apply_launch(build_config().train, "digits-vit-tiny", environ=restarted).resume == "auto"
     # the ranks agree: a rank whose own agent did not count the restart resumes too
-    assert apply_launch(build_config(), any_rank=lambda flag: True, environ=torchrun).train.resume == "auto"
-    explicit = apply_launch(build_config(overrides=["train.resume=none", "train.run_dir=x"]), environ={})
-    assert (explicit.train.run_dir, explicit.train.resume) == ("x", "none")  # no launcher: unchanged
-    assert apply_launch(build_config(), environ={}).train.run_dir is None
+    assert apply_launch(build_config().train, "digits-vit-tiny", any_rank=lambda flag: True, environ=torchrun).resume == "auto"
+    explicit = apply_launch(build_config(overrides=["train.resume=none", "train.run_dir=x"]).train, "digits-vit-tiny", environ={})
+    assert (explicit.run_dir, explicit.resume) == ("x", "none")  # no launcher: unchanged
+    assert apply_launch(build_config().train, "digits-vit-tiny", environ={}).run_dir is None
 
 
 def test_max_restarts_without_rdzv_id_needs_a_run_dir():
     env = {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_RESTART_COUNT": "0"}
     with pytest.raises(ConfigError, match="train.run_dir is required under torchrun --max-restarts"):
-        apply_launch(build_config(), environ=env)
-    assert apply_launch(build_config(overrides=["train.run_dir=r"]), environ=env).train.run_dir == "r"
+        apply_launch(build_config().train, "digits-vit-tiny", environ=env)
+    assert apply_launch(build_config(overrides=["train.run_dir=r"]).train, "digits-vit-tiny", environ=env).run_dir == "r"
 
 
 def test_exit_codes_and_repeated_signals():

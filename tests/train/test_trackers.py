@@ -129,7 +129,7 @@ def test_mlflow_uri_and_a_missing_package(tmp_path, monkeypatch):
     cfg = digits_config(tmp_path / "never", "train.wandb=offline")
     with pytest.raises(TrackerError, match=r"train.wandb is set but the wandb package is not installed: "
                                            r"pip install 'vitflow\[wandb\]'"):
-        check_trackers(cfg)
+        check_trackers(cfg.train)
     with pytest.raises(TrackerError):
         Trainer(cfg)
     assert not (tmp_path / "never").exists()

@@ -14,40 +14,21 @@ import sys
 from vitflow.cli.deploy import cmd_export, cmd_prune, cmd_quantize
 from vitflow.cli.outputs import chosen, live_report_hook, train_epilogue
 from vitflow.cli.outputs import print_json as _print_json
+from vitflow.cli.serve import cmd_serve
 from vitflow.config import build_config, list_presets, preset_tree, to_yaml
-from vitflow.data import check_config as check_data_config
 from vitflow.data.sources.readers import display_name
-from vitflow.models import check_config as check_model_config
-
-# the layers' config checks, run by every command that builds a config
-CONFIG_CHECKS = {"model": check_model_config, "data": check_data_config}
-
-
-def _default_preset(args: argparse.Namespace) -> str | None:
-    """``--preset``, or ``finetune`` for pretrained weights given without a recipe or config file."""
-    if args.preset or args.config or not any(o.startswith("model.pretrained=") for o in args.overrides):
-        return args.preset
-    logging.getLogger("vitflow").info("model.pretrained without --preset: using the finetune preset")
-    return "finetune"
+from vitflow.models import config_class
+from vitflow.train.checks import CONFIG_CHECKS
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from vitflow.train.plan import is_planned, planned_config
-    from vitflow.train.resume import resume_config
+    from vitflow.train.configure import training_config
 
-    cfg = resume_config(args.preset, args.overrides, CONFIG_CHECKS)  # a resume: the run's own config
-    if cfg is None:
-        args.preset = _default_preset(args)
-    if cfg is not None and (args.preset or args.config):
-        logging.getLogger("vitflow").warning("--preset / --config ignored: a resumed run keeps its saved config "
-                                             "(change keys with key=value)")
-    if cfg is None and is_planned(args.preset, args.config, args.overrides):
-        cfg = planned_config(args.overrides, CONFIG_CHECKS)  # a photo folder: the recipe from the data
-    cfg = cfg or build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS)
+    cfg = training_config(args.preset, args.config, args.overrides, CONFIG_CHECKS)
     if args.print_config:
         from vitflow.models.pretrained.config import apply_pretrained
 
-        apply_pretrained(cfg)  # model.name=auto and the weights' preprocessing, as training takes them
+        cfg.model, _ = apply_pretrained(cfg.model, cfg.data, cfg.key_origins)  # as training takes them
         print(to_yaml(cfg), end="")
         if cfg.data.path and not os.path.exists(cfg.data.path):  # shown, but training would stop here
             print(f"warning: data.path {cfg.data.path} does not exist", file=sys.stderr)
@@ -60,7 +41,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             ["--config", args.config] if args.config else []) + (["--json"] if args.json else []) + args.overrides
         cmd = torchrun_command(args.nproc, argv)
         os.execv(cmd[0], cmd)
-    from vitflow.evaluation import headline, split_results
+    from vitflow.evaluation import split_results
+    from vitflow.metrics import headline
     from vitflow.train import train
     from vitflow.train.guards import NonFiniteError
 
@@ -121,8 +103,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from vitflow.evaluation import headline, split_results
+    from vitflow.evaluation import split_results
     from vitflow.infer.evaluate import evaluate_checkpoint
+    from vitflow.metrics import headline
     from vitflow.metrics.classification import per_class_text
 
     if args.knn:
@@ -265,11 +248,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_lr_schedule(args: argparse.Namespace) -> int:
-    cfg = build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS)
+    cfg = build_config(args.preset, args.config, args.overrides, checks=CONFIG_CHECKS, model_config=config_class)
     if args.print_config:
         from vitflow.models.pretrained.config import apply_pretrained
 
-        apply_pretrained(cfg)  # model.name=auto and the weights' preprocessing, as training takes them
+        cfg.model, _ = apply_pretrained(cfg.model, cfg.data, cfg.key_origins)  # as training takes them
         print(to_yaml(cfg), end="")
         return 0
     from vitflow.models import model_kwargs
@@ -300,7 +283,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
     if args.name:
         preset_tree(args.name)  # fails with the nearest names if unknown
         checks = {k: v for k, v in CONFIG_CHECKS.items() if k != "model"}  # model.name=auto needs the weights
-        print(to_yaml(build_config(args.name, checks=checks)), end="")
+        print(to_yaml(build_config(args.name, checks=checks, model_config=config_class)), end="")
         return 0
     for name, desc in list_presets().items():
         print(f"{name:28s} {desc}")
@@ -324,7 +307,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 COMMANDS = {"train": cmd_train, "resume": cmd_resume, "eval": cmd_eval, "predict": cmd_predict, "attention": cmd_attention,
             "embed": cmd_embed,
-            "export": cmd_export, "quantize": cmd_quantize, "prune": cmd_prune, "prepare": cmd_prepare,
+            "export": cmd_export, "serve": cmd_serve, "quantize": cmd_quantize, "prune": cmd_prune, "prepare": cmd_prepare,
             "bench": cmd_bench, "lr-schedule": cmd_lr_schedule, "report": cmd_report, "presets": cmd_presets,
             "models": cmd_models,
             "sweep": cmd_sweep}

@@ -8,6 +8,7 @@ import sys
 
 from vitflow.cli.outputs import chosen
 from vitflow.cli.outputs import print_json as _print_json
+from vitflow.metrics import TASKS, primary_metric
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -15,11 +16,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from vitflow.infer.export import export_checkpoint
 
-    if args.format == "hub" and args.tta:
-        raise ValueError("--tta goes with --format onnx (a hub folder holds the plain model)")
+    if args.format in ("hub", "triton") and args.tta:
+        raise ValueError(f"--tta goes with --format onnx (a {args.format} export holds the plain model)")
     args.checkpoint = chosen(args)
     if args.format == "hub":
         return _export_hub(args)
+    if args.format == "triton":
+        return _export_triton(args)
     target = args.target or ("gpu" if torch.cuda.is_available() else "cpu")
     r = export_checkpoint(args.checkpoint, args.output, args.format, args.optimize, target, args.opset,
                           args.verify_data, args.tolerance, fp16=not args.fp32, tta=args.tta)
@@ -45,6 +48,26 @@ def _export_hub(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_triton(args: argparse.Namespace) -> int:
+    """``vitflow export RUN --format triton -o REPO``: a Triton model repository."""
+    import torch
+
+    from vitflow.infer.serve.triton import write_triton_repository
+
+    r = write_triton_repository(args.checkpoint, args.output, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+                                optimize=args.optimize, target=args.target or "cpu", opset=args.opset,
+                                verify_data=args.verify_data, tolerance=args.tolerance,
+                                kind="KIND_GPU" if args.target == "gpu" and torch.cuda.is_available() else "KIND_CPU")
+    print(f"wrote Triton model repository {r['repository']}: model {r['model']} ({r['config']}, labels.txt, "
+          f"1/model.onnx {r['bytes'] / 2**20:.1f} MiB)")
+    print(f"dynamic batching (read back): {r['dynamic_batching']}; verified on {r['images']} real images: "
+          f"{r['summary']}")
+    print(f"serve it: tritonserver --model-repository {r['repository']}")
+    if args.json:
+        _print_json(args, {k: v for k, v in r.items() if k != "summary"})
+    return 0 if r["ok"] else 1
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from vitflow.infer.quantize import AccuracyDropError, quantize_file
 
@@ -56,7 +79,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     except AccuracyDropError as e:
         print(f"refused: {e}", file=sys.stderr)
         return 1
-    for figure, name in (("top1", "top-1"), ("map", "mAP")):
+    for figure, name in ((m.name, m.label) for m in map(primary_metric, TASKS)):  # top-1, mAP
         if f"{figure}_before" in r:
             print(f"{name} on {r['images']} images: {r[f'{figure}_before']:.2%} -> {r[f'{figure}_after']:.2%} "
                   f"(drop {r['drop_points']:.2f} points, allowed {args.max_drop:g})")

@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _training_commands(sub)
     _sweep_command(sub)
     _deployment_commands(sub)
+    _serve_command(sub)
     _data_and_view_commands(sub)
     bench = _bench_commands(sub)
     _listing_commands(sub)
@@ -165,11 +166,15 @@ def _deployment_commands(sub) -> None:
                        "folder), verified")
     p.add_argument("checkpoint", help="checkpoint file or run directory")
     _add_checkpoint_choice(p)
-    p.add_argument("--format", default="onnx", choices=["onnx", "torchscript", "exported-program", "tensorrt", "hub"],
+    p.add_argument("--format", default="onnx", choices=["onnx", "torchscript", "exported-program", "tensorrt", "hub",
+                                                       "triton"],
                    help="hub: a new folder of config.json, model.safetensors (timm names) and README.md (model card) "
-                   "that timm and vitflow load")
-    p.add_argument("-o", "--output", required=True, help="output file (.onnx, .ts, .pt2, .engine) or, for hub, a "
-                   "new (or empty) folder")
+                   "that timm and vitflow load; triton: a new Triton model repository (config.pbtxt with dynamic "
+                   "batching, labels.txt, 1/model.onnx)")
+    p.add_argument("--max-batch", type=_positive, default=16, help="triton: max_batch_size (16)")
+    p.add_argument("--max-wait-ms", type=float, default=5.0, help="triton: dynamic batching's max queue delay in ms (5)")
+    p.add_argument("-o", "--output", required=True, help="output file (.onnx, .ts, .pt2, .engine) or, for hub and "
+                   "triton, a new (or empty) folder")
     p.add_argument("--optimize", action="store_true", help="ONNX: apply ONNX Runtime's transformer fusions")
     p.add_argument("--target", choices=["cpu", "gpu"], help="--optimize for this target (default: gpu if CUDA "
                    "is available, else cpu)")
@@ -212,6 +217,42 @@ def _deployment_commands(sub) -> None:
     p.add_argument("--no-eval", action="store_true", help="skip the top-1 measurements")
     p.add_argument("--eval-split", help="split to measure top-1 on (default: the checkpoint's test split)")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
+
+
+def _serve_command(sub) -> None:
+    """serve (vitflow.cli.serve runs it)."""
+    p = sub.add_parser("serve", help="serve a model over HTTP with dynamic batching (uvicorn workers or Ray Serve)")
+    p.add_argument("checkpoint", metavar="SOURCE", help="run directory (newest checkpoint), checkpoint, hub-style "
+                   "folder, or an exported .onnx / INT8 .onnx model")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--max-batch", type=_positive, default=16, help="images in one model call, at most (16)")
+    p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long the first image of a batch waits for "
+                   "more, in ms (5)")
+    p.add_argument("--max-queue", type=_positive, default=64, help="images held (decoding, queued, running) before "
+                   "new requests get 503 with Retry-After (64)")
+    p.add_argument("--timeout", type=float, default=30.0, help="a request's deadline in seconds: 408 while its body "
+                   "is still arriving, else 504 (30)")
+    p.add_argument("--workers", type=_positive, default=1, help="server processes, each with its own model and "
+                   "batcher; one that dies is restarted (1)")
+    p.add_argument("--threads", type=int, default=0, help="PyTorch / ONNX Runtime threads per worker (default: "
+                   "the cores divided by the workers)")
+    p.add_argument("--decode-threads", type=_positive, default=2, help="decoding threads per worker (2)")
+    p.add_argument("--backend", default="auto", choices=["auto", "eager_fp32", "eager_bf16", "onnxruntime"],
+                   help="auto (default): the fastest fp32 path measured at start-up (eager_fp32 or onnxruntime; "
+                   "eager_bf16 too on CPUs with native bf16); an .onnx source runs on onnxruntime")
+    p.add_argument("--device", default="auto")
+    _add_weights_arg(p)
+    _add_tta_arg(p)
+    _add_checkpoint_choice(p)
+    p.add_argument("--max-body-bytes", type=_positive, default=20 * 2**20, help="request body limit (20 MiB)")
+    p.add_argument("--max-pixels", type=_positive, default=40_000_000, help="pixels of one image (40 M)")
+    p.add_argument("--max-images", type=_positive, default=32, help="images in one request (32)")
+    p.add_argument("--topk", type=_positive, default=5, help="classes per image unless the request asks ?top_k= (5)")
+    p.add_argument("--name", help="the model's name in answers (default: the source's file or folder name)")
+    p.add_argument("--log-json", action="store_true", help="request log lines as JSON objects")
+    p.add_argument("--ray", action="store_true", help="deploy on Ray Serve (RAY_ADDRESS, or a local Ray instance)")
+    p.add_argument("--replicas", type=_positive, default=1, help="--ray: replicas, each with its own batcher (1)")
 
 
 def _data_and_view_commands(sub) -> None:

@@ -6,6 +6,13 @@
 Every key is checked against the tree: an unknown key fails with the nearest valid one, a value
 of the wrong type or out of range fails naming the key and the layer (preset, file, command
 line) that set it.
+
+The ``model`` section is the class of the final ``model.name``'s family (the model layer tells
+which: ``build_config(..., model_config=vitflow.models.config_class)``): every layer is read
+first for the final name, then that class is filled. A key of another family is refused naming
+the family and its keys; a preset's such keys (a recipe for another family) are left out, and
+those of an old checkpoint's flat section when they hold their defaults
+(:mod:`.model_keys`).
 """
 
 from __future__ import annotations
@@ -13,15 +20,16 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
-import re
-import types
 import typing
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import yaml
 
+from vitflow.config.coerce import coerce
+from vitflow.config.model_keys import field_names, holds_old_default, is_model_key, not_a_key
+from vitflow.config.model_schema import ModelConfig, ViTConfig
 from vitflow.config.schema import DEFAULT_PRESET, Config, ConfigError
 
 log = logging.getLogger(__name__)
@@ -31,6 +39,9 @@ log = logging.getLogger(__name__)
 RENAMED = {"model.image_size": "model.img_size", "model.layer_scale": "model.layer_scale_init",
            "model.distill_token": "model.distilled"}
 Check = Callable[[Any], None]  # a layer's validation of one section (raises ConfigError naming the key)
+# the model layer's choice of the model section's class: (model.name, model.pretrained) -> the family's class
+# (raises ConfigError for an unknown name); vitflow.models.config_class
+ModelConfigClass = Callable[[str, "str | None"], type[ModelConfig]]
 
 
 def all_keys(obj: Any = None, prefix: str = "") -> list[str]:
@@ -46,8 +57,8 @@ def all_keys(obj: Any = None, prefix: str = "") -> list[str]:
     return keys
 
 
-def _nearest(key: str) -> str:
-    keys = all_keys()
+def _nearest(key: str, cfg: Config | None = None) -> str:
+    keys = all_keys(cfg)
     leaf = key.rsplit(".", 1)[-1]
     same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
     close = same_leaf or difflib.get_close_matches(key, keys, n=1, cutoff=0.5) or difflib.get_close_matches(
@@ -55,79 +66,6 @@ def _nearest(key: str) -> str:
     if close and "." not in close[0]:
         close = [k for k in keys if k.endswith("." + close[0])]
     return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Convert ``value`` (from YAML or the command line) to the annotated type ``tp``.
-
-    Raises:
-        ConfigError: ``value`` does not fit ``tp`` (naming ``key``).
-    """
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return _coerce_union(value, args, key)
-    if origin is Literal:
-        if value not in args:
-            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"{key}={value!r} is invalid: choose one of {list(args)}{hint}")
-        return value
-    if origin is tuple:
-        return _coerce_tuple(value, args, key)
-    try:
-        return _coerce_scalar(value, tp)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}={value!r} is invalid: expected {tp.__name__}") from None
-
-
-def _coerce_union(value: Any, args: tuple, key: str) -> Any:
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-        if type(None) in args:
-            return None
-    errors = []
-    for arg in (a for a in args if a is not type(None)):
-        try:
-            return _coerce(value, arg, key)
-        except ConfigError as e:
-            errors.append(str(e))
-    raise ConfigError(errors[0] if errors else f"{key}: cannot be {value!r}")
-
-
-def _coerce_tuple(value: Any, args: tuple, key: str) -> tuple:
-    if isinstance(value, str):
-        value = [v for v in re.split(r"[,\s]+", value.strip("()[] ")) if v]
-    if isinstance(value, (int, float)) and len(args) == 2 and args[1] is Ellipsis:
-        value = [value]
-    if isinstance(value, (list, tuple)) and len(args) == 2 and args[1] is Ellipsis:
-        args = (args[0],) * len(value)
-    if not isinstance(value, (list, tuple)) or len(value) != len(args):
-        raise ConfigError(f"{key}={value!r} is invalid: expected {len(args)} values")
-    return tuple(_coerce(v, a, key) for v, a in zip(value, args))
-
-
-def _coerce_scalar(value: Any, tp: type) -> Any:
-    """``value`` as a bool, int, float or str. Raises TypeError / ValueError when it is not one."""
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("true", "yes", "1", "on"):
-            return True
-        if str(value).lower() in ("false", "no", "0", "off"):
-            return False
-        raise ValueError
-    if tp is int:
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ValueError
-        return int(str(value).replace("_", "")) if isinstance(value, str) else int(value)
-    if tp is float:
-        if isinstance(value, bool):
-            raise ValueError
-        return float(str(value).replace("_", "")) if isinstance(value, str) else float(value)
-    if tp is str:
-        if isinstance(value, (dict, list)):
-            raise ValueError
-        return str(value)
-    raise TypeError(f"unsupported type {tp}")
 
 
 def set_key(cfg: Config, key: str, value: Any) -> None:
@@ -144,12 +82,11 @@ def set_key(cfg: Config, key: str, value: Any) -> None:
     for part in path:
         sub = getattr(obj, part, None)
         if not dataclasses.is_dataclass(sub):
-            raise ConfigError(f"unknown key {key!r}{_nearest(key)}")
+            raise ConfigError(f"unknown key {key!r}{_nearest(key, cfg)}")
         obj = sub
-    hints = typing.get_type_hints(type(obj))
-    if leaf not in hints or dataclasses.is_dataclass(getattr(obj, leaf, None)):
-        raise ConfigError(f"unknown key {key!r}{_nearest(key)}")
-    setattr(obj, leaf, _coerce(value, hints[leaf], key))
+    if leaf not in {f.name for f in dataclasses.fields(obj)} or dataclasses.is_dataclass(getattr(obj, leaf)):
+        raise ConfigError(f"unknown key {key!r}{_nearest(key, cfg)}")
+    setattr(obj, leaf, coerce(value, typing.get_type_hints(type(obj))[leaf], key))
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -220,7 +157,8 @@ def preset_tree(name: str) -> dict[str, Any]:
 
 def build_config(preset: str | None = None, config_file: str | Path | None = None,
                  overrides: typing.Sequence[str] = (), base: dict[str, Any] | None = None,
-                 checks: typing.Mapping[str, Check] | None = None) -> Config:
+                 checks: typing.Mapping[str, Check] | None = None,
+                 model_config: ModelConfigClass | None = None) -> Config:
     """Build and validate a :class:`Config`.
 
     Args:
@@ -231,14 +169,46 @@ def build_config(preset: str | None = None, config_file: str | Path | None = Non
         checks: section name -> a layer's validation of that section, run after the config's own
             (e.g. ``{"model": vitflow.models.check_config, "data": vitflow.data.check_config}``);
             their errors name the layer that set the key.
+        model_config: the model layer's class for the final ``model.name`` (and
+            ``model.pretrained``, for ``auto``): :func:`vitflow.models.config_class`; without it the
+            section is a :class:`~vitflow.config.ViTConfig` (the default family's).
     Returns:
         the config; its ``key_origins`` attribute (not a config key) maps each key set by a layer
         to that layer (``"preset NAME"``, the file's path, ``"command line"``, ``"checkpoint
         config"``), so that later steps can tell user-set keys from presets.
     Raises:
-        ConfigError: unknown preset, unreadable file, unknown key or invalid value.
+        ConfigError: unknown preset, unreadable file, unknown key, a key of another model family
+        or invalid value.
     """
-    cfg = Config()
+    layers = _layers(preset, config_file, overrides, base)
+    cfg = Config(model=_model_class(layers, model_config)())
+    name = _final(layers, "model.name", ModelConfig.name)
+    origins: dict[str, str] = {}  # key -> the layer that set it last, to name it in validation errors
+    for origin, tree in layers:
+        for key, value in tree.items():
+            try:
+                if _foreign_model_key(cfg, key, value, origin, name):
+                    continue
+                set_key(cfg, key, value)
+            except ConfigError as e:
+                raise ConfigError(f"{e} (in {origin})", e.key) from None
+            origins[key] = origin
+    try:
+        cfg.validate()
+        for section, check in (checks or {}).items():
+            check(getattr(cfg, section))
+    except ConfigError as e:
+        if e.key in origins:
+            raise ConfigError(f"{e} (in {origins[e.key]})", e.key) from None
+        raise
+    cfg.key_origins = origins  # type: ignore[attr-defined]  # read by vitflow.models.pretrained.config
+    return cfg
+
+
+def _layers(preset: str | None, config_file: str | Path | None, overrides: typing.Sequence[str],
+            base: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:
+    """``(origin, flat keys)`` of each layer in order, renamed keys under their new names (the
+    old names from a preset, file or command line logged with a warning)."""
     layers: list[tuple[str, dict[str, Any]]] = []
     if base is not None:
         layers.append(("checkpoint config", base))
@@ -251,26 +221,53 @@ def build_config(preset: str | None = None, config_file: str | Path | None = Non
             raise ConfigError(f"config file not found: {path}")
         layers.append((str(path), _read_yaml(path.read_text(), str(path))))
     layers.append(("command line", dict(parse_override(o) for o in overrides)))
-    origins: dict[str, str] = {}  # key -> the layer that set it last, to name it in validation errors
+    out = []
     for origin, tree in layers:
-        for key, value in flatten(tree).items():
-            if key in RENAMED and origin != "checkpoint config":
+        flat = flatten(tree)
+        for key in [k for k in flat if k in RENAMED]:
+            if origin != "checkpoint config":
                 log.warning("%s (in %s) is now called %s; please use the new name", key, origin, RENAMED[key])
-            try:
-                set_key(cfg, key, value)
-            except ConfigError as e:
-                raise ConfigError(f"{e} (in {origin})") from None
-            origins[RENAMED.get(key, key)] = origin
+        out.append((origin, {RENAMED.get(k, k): v for k, v in flat.items()}))
+    return out
+
+
+def _final(layers: list[tuple[str, dict[str, Any]]], key: str, default: Any) -> Any:
+    """The value the last layer that sets ``key`` gives it (``default`` when none does)."""
+    return next((tree[key] for _, tree in reversed(layers) if key in tree), default)
+
+
+def _model_class(layers: list[tuple[str, dict[str, Any]]], model_config: ModelConfigClass | None
+                 ) -> type[ModelConfig]:
+    """The model section's class for the layers' final ``model.name`` / ``model.pretrained``."""
+    if model_config is None:
+        return ViTConfig
+    name = _final(layers, "model.name", ModelConfig.name)
+    pretrained = _final(layers, "model.pretrained", None)
     try:
-        cfg.validate()
-        for section, check in (checks or {}).items():
-            check(getattr(cfg, section))
+        return model_config(str(name), None if pretrained is None else str(pretrained))
     except ConfigError as e:
-        if e.key in origins:
-            raise ConfigError(f"{e} (in {origins[e.key]})", e.key) from None
-        raise
-    cfg.key_origins = origins  # type: ignore[attr-defined]  # read by vitflow.models.pretrained.config
-    return cfg
+        origin = next((o for o, tree in reversed(layers) if "model.name" in tree), None)
+        raise ConfigError(f"{e} (in {origin})" if origin else str(e), e.key) from None
+
+
+def _foreign_model_key(cfg: Config, key: str, value: Any, origin: str, name: Any) -> bool:
+    """Whether ``model.LEAF`` is a key of another family than the section's and is left out: a
+    preset's (a recipe written for another family; logged) or an old checkpoint's holding its
+    default (:func:`~vitflow.config.model_keys.holds_old_default`).
+
+    Raises:
+        ConfigError: any other key of another family (one line naming the family and its keys).
+    """
+    section, _, leaf = key.partition(".")
+    cls = type(cfg.model)
+    if section != "model" or "." in leaf or leaf in field_names(cls) or not is_model_key(leaf):
+        return False
+    if origin.startswith("preset "):
+        log.info("model.%s=%r (%s) is not a key of %s models: left out", leaf, value, origin, cls.label)
+        return True
+    if origin == "checkpoint config" and holds_old_default(leaf, value):
+        return True
+    raise not_a_key(leaf, cls, name)
 
 
 def to_yaml(cfg: Config) -> str:

@@ -17,11 +17,11 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 class DataConfig:
     """Where images come from and how they become batches."""
 
-    # auto: from data.path; labels: a label file; hf: a Hugging Face dataset or Parquet files;
-    # wds: WebDataset shards (a pattern train-{000000..000127}.tar, a :: list, or a folder of .tar shards)
-    source: Literal["auto", "digits", "folder", "tar", "packed", "cifar", "labels", "hf", "wds"] = "auto"
-    # image folder, .tar of one, label file (.csv/.tsv/.jsonl), Hugging Face dataset (save_to_disk folder or
-    # Parquet files), packed dataset, or CIFAR python batches
+    # auto (the kind detected from data.path) or the name of a source kind (checked against the table of
+    # vitflow.data.sources.table)
+    source: str = "auto"
+    # where the data is: a path or URL of one of data.source's kinds (an image folder, a .tar of one, a label file,
+    # a Hugging Face dataset, a packed dataset, CIFAR batches, shards, ...)
     path: str | None = None
     task: Literal["multiclass", "multilabel"] = "multiclass"  # multilabel: any number of labels per image
     train_split: str = "train"  # a split name with an optional slice: train[:98%]
@@ -81,8 +81,6 @@ class DataConfig:
     sampler: Literal["random", "balanced"] = "random"
 
     def validate(self) -> None:
-        _check(self.source in ("digits", "auto") or self.path is not None, "data.path", self.path,
-               f"set for data.source={self.source}")
         _check(self.source != "digits" or self.path in (None, "digits"), "data.path", self.path,
                "unset with data.source=digits (the embedded data); for your images also set data.source=auto")
         _check(0 < self.scale[0] <= self.scale[1] <= 1, "data.scale", self.scale, "0 < min <= max <= 1")
@@ -106,8 +104,6 @@ class DataConfig:
             _check(getattr(self, key) >= 0, f"data.{key}", getattr(self, key), ">= 0")
         for key in ("random_erasing", "mix_prob", "mix_switch_prob"):
             _check(0 <= getattr(self, key) <= 1, f"data.{key}", getattr(self, key), "in [0, 1]")
-        _check(self.access == "random" or self.source in ("auto", "tar", "wds"), "data.access", self.access,
-               "random unless data.source is a tar or shards")
         _check(self.eval_batch_size is None or self.eval_batch_size > 0, "data.eval_batch_size",
                self.eval_batch_size, "> 0")
         _check(len(self.label_separator) > 0, "data.label_separator", self.label_separator, "not empty")

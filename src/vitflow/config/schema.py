@@ -1,12 +1,13 @@
 """The typed configuration tree: one dataclass per section, each with its own ``validate()``.
 
 These checks need no other part of vitflow (ranges, combinations of values). Checks that need a
-layer's knowledge (model variant names, split syntax, checkpointing specs) are that layer's:
-:func:`vitflow.models.check_config` and :func:`vitflow.data.check_config`, which
-:func:`vitflow.config.build_config` runs when given them (the CLI and the trainer do).
+layer's knowledge (model variant names, split syntax, checkpointing specs, metric names) are that
+layer's: :func:`vitflow.models.check_config`, :func:`vitflow.data.check_config` and
+:func:`vitflow.train.selection.check_config`, which :func:`vitflow.config.build_config` runs when
+given them (the CLI does; the trainer runs them too).
 
-The ``model`` section's field names are the arguments of :func:`vitflow.create_model`, so a
-checkpoint's ``model_args`` are this section as it is (plus the class count found in the data).
+The ``model`` section is one class per kind of model (:mod:`.model_schema`): the keys every family
+takes plus the family's own.
 """
 
 from __future__ import annotations
@@ -20,63 +21,9 @@ from typing import Any, Literal
 from vitflow.config.checks import ConfigError
 from vitflow.config.checks import check as _check
 from vitflow.config.data_schema import DataConfig
+from vitflow.config.model_schema import ModelConfig, ViTConfig
 
 DEFAULT_PRESET = "digits-vit-tiny"
-
-
-@dataclass
-class ModelConfig:
-    """Which ViT to build (see ``vitflow.list_models()``) and its per-run options."""
-
-    name: str = "vit_digits_patch2_8"  # a variant of `vitflow models`; auto = the one model.pretrained's config names
-    # weights: a file (timm, Hugging Face, OpenCLIP or big_vision names), a hub snapshot folder or
-    # hf-hub:ORG/NAME[@rev]; head/pos_embed adapted; its preprocessing (mean, std, size, crop, interpolation) used
-    # unless set
-    pretrained: str | None = None
-    img_size: int | None = None  # input resolution in pixels; None = the variant's own
-    num_classes: int | None = None  # None = number of classes found in the data
-    embed_dim: int | None = None  # token width; None = the variant's
-    depth: int | None = None  # blocks; None = the variant's
-    num_heads: int | None = None  # attention heads; None = the variant's
-    mlp_ratio: float | None = None  # MLP hidden width / embed_dim; None = the variant's
-    patch_size: int | None = None  # patch side in pixels; None = the variant's
-    global_pool: Literal["token", "avg", "map"] | None = None  # None = the variant's; map: attention pooling
-    # sdpa | math | blockwise | local | axial | linformer | performer | auto (times the exact ones);
-    # fused: Swin's C++ window-attention kernel (Swin only)
-    attention: Literal["sdpa", "math", "blockwise", "local", "axial", "linformer", "performer", "fused", "auto"] = "sdpa"
-    attn_block_size: int = 128  # blockwise: keys per block (memory ~ N * block)
-    attn_window: int = 3  # local: window radius in patches
-    linformer_k: int | None = None  # linformer: projected length; None = tokens // 4
-    performer_features: int | None = None  # performer: random features; None = d ln d
-    pos_embed: Literal["learned", "sincos2d", "relative"] = "learned"  # learned | 2-D sin-cos | relative bias
-    layer_scale_init: float | None = None  # LayerScale initial value (e.g. 1e-5); None = off
-    drop_rate: float = 0.0  # dropout on activations (after positions, in the MLP, before the head)
-    drop_path_rate: float = 0.0  # stochastic depth of the last block, rising linearly from 0
-    patch_drop_rate: float = 0.0  # PatchDropout: fraction of patch tokens dropped per image in training
-    weight_init: Literal["timm", "jax"] = "timm"  # jax: Xavier linears, zero head (big_vision / timm "jax")
-    # GEMM of the linear layers under bf16 autocast on a CPU: auto (timed per shape) | bf16 (oneDNN's) | fp32
-    cpu_bf16_matmul: Literal["auto", "bf16", "fp32"] = "auto"
-    grad_checkpointing: str = "none"  # none | all | auto | every:K | block indices "0,3,6"
-    grad_checkpointing_budget: str | None = None  # activation memory for auto, e.g. 2GiB
-    distilled: bool = False  # DeiT distillation token + head_dist (needs global_pool=token)
-
-    def validate(self) -> None:
-        for key in ("img_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "patch_size", "num_classes"):
-            _check(getattr(self, key) is None or getattr(self, key) > 0, f"model.{key}", getattr(self, key), "> 0")
-        _check(0 <= self.drop_rate < 1, "model.drop_rate", self.drop_rate, "in [0, 1)")
-        _check(0 <= self.drop_path_rate < 1, "model.drop_path_rate", self.drop_path_rate, "in [0, 1)")
-        _check(0 <= self.patch_drop_rate < 1, "model.patch_drop_rate", self.patch_drop_rate, "in [0, 1)")
-        _check(self.attn_block_size >= 1, "model.attn_block_size", self.attn_block_size, ">= 1")
-        _check(self.attn_window >= 0, "model.attn_window", self.attn_window, ">= 0")
-        _check(self.linformer_k is None or self.linformer_k >= 1, "model.linformer_k", self.linformer_k, ">= 1")
-        _check(self.performer_features is None or self.performer_features >= 1, "model.performer_features",
-               self.performer_features, ">= 1")
-        _check(self.layer_scale_init is None or self.layer_scale_init > 0, "model.layer_scale_init",
-               self.layer_scale_init, "> 0")
-        _check(not (self.pos_embed == "relative" and self.attention in ("linformer", "performer")),
-               "model.attention", self.attention, "one that adds a logit bias with model.pos_embed=relative")
-        _check(not self.distilled or self.global_pool in (None, "token"), "model.global_pool", self.global_pool,
-               "token (or unset) with model.distilled=true")
 
 
 @dataclass
@@ -197,23 +144,10 @@ class TrainConfig:
                 raise ConfigError(f"train.time_budget: {e}", "train.time_budget") from None
 
 
-# the figures train.keep_best / train.early_stopping_metric may name (after a split prefix), and which way is better
-SELECTION_METRICS = {"top1": "max", "top5": "max", "loss": "min", "map": "max", "micro_f1": "max", "macro_f1": "max",
-                     "f1": "max", "weighted_f1": "max", "macro_precision": "max", "macro_recall": "max",
-                     "micro_precision": "max", "micro_recall": "max", "balanced_accuracy": "max", "ece": "min"}
-
-
 def _check_selection(t: "TrainConfig") -> None:
-    """train.keep_best / early stopping: a known figure after a split prefix (val_top1, NAME_loss)."""
-    for key in ("keep_best", "early_stopping_metric"):
-        value = getattr(t, key)
-        if value is None:
-            continue
-        known = [m for m in SELECTION_METRICS if value.endswith("_" + m) and len(value) > len(m) + 1]
-        if not known:
-            raise ConfigError(f"train.{key}={value!r} is not a known metric: use SPLIT_METRIC with SPLIT val, test or "
-                              f"a data.evals name and METRIC one of {', '.join(SELECTION_METRICS)} (e.g. val_top1)",
-                              f"train.{key}")
+    """Early stopping's numbers. Whether train.keep_best / train.early_stopping_metric name a known
+    metric is checked by the train layer (vitflow.train.selection.check_config), which reads the
+    metric table."""
     _check(t.early_stopping_patience >= 0, "train.early_stopping_patience", t.early_stopping_patience, ">= 0")
     _check(t.early_stopping_min_delta >= 0, "train.early_stopping_min_delta", t.early_stopping_min_delta, ">= 0")
     _check(not t.early_stopping_patience or t.keep_best or t.early_stopping_metric, "train.early_stopping_patience",
@@ -282,7 +216,7 @@ class Config:
 
     preset: str = DEFAULT_PRESET  # the preset the run was built from (names its run directory)
     description: str = ""  # one line about the recipe (presets carry one)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=ViTConfig)  # the model family's own section (model_schema.py)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -47,11 +47,10 @@ from vitflow.config import DataConfig
 from vitflow.data.decode import CorruptImageError, decode_image
 from vitflow.data.pipeline import train_loader
 from vitflow.data.sources.base import DataError, ImageSource
-from vitflow.data.sources.dispatch import TABLE_KINDS, open_split, source_kind
-from vitflow.data.sources.folder import open_folder_split, open_images
+from vitflow.data.sources.dispatch import kind_of, open_split, open_training
+from vitflow.data.sources.folder import open_class_folders, open_images
 from vitflow.data.sources.packed import FORMAT, VERSION, common_size, open_packed, write_split
 from vitflow.data.transforms import resolve_augment
-from vitflow.data.wds.stream import open_shard_stream
 from vitflow.runtime import configure_allocator, settled_heap
 from vitflow.timing import busy_warning
 
@@ -184,8 +183,8 @@ def _compared(path: str, images: int, batch_size: int) -> ImageSource:
         DataError: ``path`` cannot be read (the message names it).
         ValueError: fewer images than one batch.
     """
-    wds = source_kind(path, label="--compare") == "wds"
-    src = open_shard_stream(path, "train") if wds else readable(_open(path, "--compare"))
+    streams = kind_of(path, label="--compare").stream is not None
+    src = open_training(DataConfig(path=path), "--compare") if streams else readable(_open(path, "--compare"))
     _fills_a_batch(f"--compare {path}", len(src), batch_size)
     if len(src) != images:
         log.warning("--compare %s holds %d images, --data %d: not a copy of the same data; its ratio compares "
@@ -220,8 +219,9 @@ def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, pa
     """
     configure_allocator()
     source = readable(_open(path))
-    table = source_kind(path) in TABLE_KINDS
-    streamed = open_shard_stream(path, "train") if source_kind(path) == "wds" else None  # shards: as training reads
+    kind = kind_of(path)
+    table = kind.table_labels
+    streamed = open_training(DataConfig(path=path)) if kind.stream is not None else None  # shards: as training reads
     small = image_size <= 64
     batch_size = batch_size or (256 if small else 64)
     _fills_a_batch(path, len(source), batch_size)
@@ -252,7 +252,7 @@ def run(path: str, image_size: int = 224, workers: int = 2, repeats: int = 3, pa
                                                              batch_size, passes))
             results["packed"].append(vitflow_ips(packed, cfg, image_size, batch_size, passes))
             if table:
-                results["folder"].append(vitflow_ips(open_folder_split(folder, "folder", "train"), cfg, image_size,
+                results["folder"].append(vitflow_ips(open_class_folders(folder, "train"), cfg, image_size,
                                                      batch_size, passes))
             emit(f"  repeat {r + 1}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in results.items()) + " img/s")
     out = _report(path, results, table, dec1, decn, emit)

@@ -11,9 +11,12 @@ prediction, so orientation and colour handling never differ between them.
 from __future__ import annotations
 
 import io
+import os
 import warnings
+from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import simplejpeg
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -184,12 +187,7 @@ def decode_image(data: bytes, path: str = "<bytes>", min_size: tuple[int, int] |
                 img = (img.to(torch.int32) >> 8).to(torch.uint8)
             return img
         with Image.open(io.BytesIO(data)) as im:
-            im = ImageOps.exif_transpose(im)
-            if im.mode in ("I;16", "I;16B", "I;16L", "I"):
-                im = im.point(lambda v: v / 256).convert("L")
-            rgb = im.convert("RGB")
-        return torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(rgb.height, rgb.width, 3).permute(
-            2, 0, 1).contiguous()
+            return pil_to_tensor(im)
     except CorruptImageError:
         raise
     except Exception as e:
@@ -197,3 +195,52 @@ def decode_image(data: bytes, path: str = "<bytes>", min_size: tuple[int, int] |
         if ".cpp:" in msg:  # torchvision prefixes its C++ source location: "decode_jpeg, /.../x.cpp:171, <reason>"
             msg = msg.split(".cpp:")[-1].split(", ", 1)[-1]
         raise CorruptImageError(path, f"{type(e).__name__}: {msg}") from None
+
+
+def pil_to_tensor(im: Image.Image) -> torch.Tensor:
+    """A Pillow image as ``uint8 (3, H, W)`` RGB, EXIF orientation applied (``ImageOps.exif_transpose``),
+    16-bit gray scaled to 8 bits, alpha dropped: what :func:`decode_image` gives for the file."""
+    im = ImageOps.exif_transpose(im)
+    if im.mode in ("I;16", "I;16B", "I;16L", "I"):
+        im = im.point(lambda v: v / 256).convert("L")
+    rgb = im.convert("RGB")
+    return torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(rgb.height, rgb.width, 3).permute(
+        2, 0, 1).contiguous()
+
+
+def as_image(obj, name: str = "image") -> torch.Tensor:
+    """An image held in Python as ``uint8 (3, H, W)`` RGB: a Pillow image (:func:`pil_to_tensor`), a
+    ``uint8`` NumPy array ``(H, W)``, ``(H, W, C)`` or ``(C, H, W)``, a ``uint8`` tensor ``(H, W)``,
+    ``(C, H, W)`` or ``(H, W, C)`` (C = 1, 3 or 4; gray repeated, alpha dropped; NumPy arrays read as
+    ``(H, W, C)`` and tensors as ``(C, H, W)`` when both fit), or a path / bytes of an encoded file
+    (:func:`decode_image`).
+
+    Raises:
+        CorruptImageError: a file that cannot be read or decoded. TypeError: anything else,
+            a float image included (one line naming ``name``: vitflow takes 0-255 ``uint8`` pixels and
+            normalises on the device).
+    """
+    if isinstance(obj, Image.Image):
+        return pil_to_tensor(obj)
+    if isinstance(obj, (str, os.PathLike)):
+        try:
+            return decode_image(Path(obj).read_bytes(), str(obj))
+        except OSError as e:
+            raise CorruptImageError(str(obj), f"cannot read: {e}") from None
+    if isinstance(obj, (bytes, bytearray)):
+        return decode_image(bytes(obj), name)
+    is_array = isinstance(obj, np.ndarray)
+    if not (is_array or isinstance(obj, torch.Tensor)):
+        raise TypeError(f"{name} is a {type(obj).__name__}: expected a PIL image, a uint8 array or tensor, or a path")
+    if obj.dtype not in (np.uint8, torch.uint8):
+        raise TypeError(f"{name} is a {str(obj.dtype).removeprefix('torch.')} {'array' if is_array else 'tensor'}: "
+                        "vitflow takes uint8 images (0-255; it normalises on the device): leave ToTensor / Normalize "
+                        "out of the transform")
+    t = torch.from_numpy(np.ascontiguousarray(obj)) if is_array else obj.detach().cpu()
+    if t.ndim == 2:
+        t = t[None]
+    elif t.ndim == 3 and t.shape[-1] in (1, 3, 4) and (is_array or t.shape[0] not in (1, 3, 4)):
+        t = t.permute(2, 0, 1)
+    if t.ndim != 3 or t.shape[0] not in (1, 3, 4):
+        raise TypeError(f"{name} has shape {tuple(obj.shape)}: expected (H, W), (H, W, C) or (C, H, W) with C 1, 3 or 4")
+    return (t.expand(3, -1, -1) if t.shape[0] == 1 else t[:3]).contiguous()

@@ -8,7 +8,7 @@ import multiprocessing as mp
 from typing import Iterator
 
 import torch
-from tqdm import tqdm
+from tqdm.auto import tqdm  # the notebook bar in Jupyter, the text bar elsewhere
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from vitflow.data.decode import CorruptImageError, decode_image, reducible_size

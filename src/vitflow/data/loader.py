@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from vitflow.data.decode import CorruptImageError
-from vitflow.data.sources.base import ImageSource
+from vitflow.data.sources.base import DataError, ImageSource
 from vitflow.data.transforms import Transform, transform_encoded
 from vitflow.runtime import mix_seed
 
@@ -153,7 +153,13 @@ def make_loader(source: ImageSource, transform: Transform | None, sampler: Epoch
 
     ``prefetch`` batches per worker are kept ready. Workers persist across epochs. A private
     generator keeps the loader from consuming the global torch RNG, which stays the model's.
+
+    Raises:
+        DataError: ``num_workers > 0`` for a source that cannot go to worker processes
+            (:meth:`ImageSource.worker_problem`: a user dataset that does not pickle).
     """
+    if num_workers > 0 and (problem := source.worker_problem()):
+        raise DataError(problem)
     kwargs = dict(prefetch_factor=prefetch, persistent_workers=True) if num_workers > 0 else {}
     return torch.utils.data.DataLoader(BatchDataset(source, transform, seed), batch_size=None, sampler=sampler,
                                        num_workers=num_workers, collate_fn=_identity,

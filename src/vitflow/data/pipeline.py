@@ -31,10 +31,10 @@ from vitflow.data.loader import EpochSampler, epoch_sampler, make_loader
 from vitflow.data.remote.fs import RemoteError
 from vitflow.data.remote.fs import configure_from as configure_remote
 from vitflow.data.sources.base import DataError, FileSource, ImageSource
-from vitflow.data.sources.dispatch import open_split, resolve_eval_splits, source_kind
+from vitflow.data.sources.dispatch import open_split, open_training, resolve_eval_splits
 from vitflow.data.stream import StreamBatches
 from vitflow.data.transforms import Preprocess, eval_transform, resolve_augment, train_transform
-from vitflow.data.wds.stream import ShardStream, open_shard_stream, shard_loader
+from vitflow.data.wds.stream import ShardStream, shard_loader
 from vitflow.runtime import mix_seed
 
 log = logging.getLogger(__name__)
@@ -75,9 +75,8 @@ def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
     raise_open_file_limit()
     configure_remote(cfg)  # retries and the local cache of remote data (vitflow.data.remote.fs)
     val_split, test_split = resolve_eval_splits(cfg)
-    streamed = source_kind(cfg.path, cfg.source) == "wds"  # shards train by streaming (data/wds/stream.py)
-    train = open_shard_stream(str(cfg.path), cfg.train_split, cfg.classes) if streamed else open_split(
-        cfg.path, cfg.train_split, cfg.source, cfg=cfg)
+    train = open_training(cfg)  # shards train by streaming (data/wds/stream.py)
+    streamed = isinstance(train, ShardStream)
     if streamed:
         log.info("%s: %d shard(s), %d samples, %d classes", cfg.train_split, len(train.shards.urls), len(train),
                  len(train.classes))
@@ -143,12 +142,13 @@ def is_batched(source: ImageSource, cfg: DataConfig, image_size: int) -> bool:
 
 
 def choose_workers(cfg: DataConfig, source: ImageSource, transform, batched: bool) -> int:
-    """``data.num_workers``, or for ``auto``: 0 on the batched path; else 0 when a probe shows
+    """``data.num_workers``, or for ``auto``: 0 on the batched path or for a source that cannot go to
+    worker processes (:meth:`~vitflow.data.sources.base.ImageSource.worker_problem`); else 0 when a probe shows
     per-image work under 0.2 ms (worker IPC would cost more), otherwise one worker per core
     (at most 8)."""
     if cfg.num_workers != "auto":
         return int(cfg.num_workers)
-    if batched:
+    if batched or source.worker_problem():  # (a dataset that does not pickle: loaded in this process)
         return 0
     if isinstance(source, ShardStream):  # no random access to probe; photos from shards
         return min(os.cpu_count() or 1, 8)
@@ -284,6 +284,6 @@ def eval_loader(source: ImageSource, pp: Preprocess, batch_size: int, num_worker
     gather = size is not None and min(size) == photo_cache_size(pp.image_size, pp.crop_pct)
     if gather and size != (pp.image_size, pp.image_size):
         source = CenterCropSource(source, pp.image_size)
-    workers = 0 if gather or num_workers == "auto" and in_ram(source) else (
+    workers = 0 if gather or num_workers == "auto" and (in_ram(source) or source.worker_problem()) else (
         min(os.cpu_count() or 1, 8) if num_workers == "auto" else int(num_workers))
     return make_loader(source, None if gather else eval_transform(pp), sampler, workers)

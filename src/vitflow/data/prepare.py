@@ -9,24 +9,21 @@ import shutil
 from pathlib import Path
 
 from vitflow.data.sources.base import DataError, ImageSource
-from vitflow.data.sources.cifar import cifar_batches_source, is_cifar_batches
-from vitflow.data.sources.dispatch import open_split
+from vitflow.data.sources.dispatch import open_split, split_names
+from vitflow.data.sources.labels import canonical_split
 from vitflow.data.sources.packed import FORMAT, VERSION, common_size, is_packed, write_split
 from vitflow.data.wds.prepare import prepare_shards
 
 
 def _splits_of(src: str | Path) -> dict[str, ImageSource]:
-    if is_cifar_batches(src):
-        return {s: cifar_batches_source(src, s) for s in ("train", "test")}
-    found: dict[str, ImageSource] = {}
+    """The train split of ``src`` and its val and test splits where it has them (val also finds a
+    valid/ or validation/ split, written as val)."""
     train = open_split(src, "train", label="SRC")
-    found["train"] = train
-    for name in ("val", "test"):  # val also finds a valid/ or validation/ split (written as val)
-        try:
+    found: dict[str, ImageSource] = {"train": train}
+    names = split_names(src, label="SRC")
+    for name in ("val", "test"):
+        if canonical_split(name, names) is not None:
             found[name] = open_split(src, name, classes=train.classes, label="SRC")
-        except DataError as e:
-            if "not found" not in str(e):
-                raise
     return found
 
 

@@ -69,7 +69,7 @@ def load_backbone(spec: str | Path, model_name: str | None = None, weights: str 
     p = Path(spec)
     if model_name is not None or str(spec).startswith("hf-hub:"):
         return load_plain_weights(spec, model_name)
-    if p.is_dir() and _foreign_snapshot(p):
+    if p.is_dir() and foreign_snapshot(p):
         return load_plain_weights(spec, None)
     if is_hub_folder(p):
         hub = read_hub_folder(p)
@@ -86,7 +86,7 @@ def load_backbone(spec: str | Path, model_name: str | None = None, weights: str 
                     state["model_args"]["name"], state["config"])
 
 
-def _foreign_snapshot(folder: Path) -> bool:
+def foreign_snapshot(folder: Path) -> bool:
     """A snapshot folder that is not a hub-style folder vitflow or timm wrote with its full model
     arguments (a transformers or OpenCLIP config, or a timm config naming only the architecture):
     the model layer's resolver reads it."""
@@ -97,12 +97,13 @@ def _foreign_snapshot(folder: Path) -> bool:
     return not isinstance(config, dict) or not ("vitflow" in config or "model_args" in config)
 
 
-def load_plain_weights(spec: str | Path, model_name: str | None) -> Backbone:
+def load_plain_weights(spec: str | Path, model_name: str | None, head: bool = False) -> Backbone:
     """A headless backbone from weights (:func:`vitflow.models.pretrained.hub.resolve_pretrained`): a weights
     file, a snapshot folder (timm, transformers or OpenCLIP config) or an ``hf-hub:`` name. The
     architecture is ``model_name`` or, without it, the one the snapshot's config names; the
     preprocessing is the one saved with the weights (mean, std, size, crop, interpolation), else
-    :func:`default_preprocess`.
+    :func:`default_preprocess`. ``head``: keep the weights' classifier (``classes``: their label
+    names) instead of a headless backbone.
 
     Raises:
         ValueError: no ``model_name`` and no config naming an architecture; weights that do not
@@ -112,14 +113,15 @@ def load_plain_weights(spec: str | Path, model_name: str | None) -> Backbone:
         size = (resolve_pretrained(str(spec)).preprocess or {}).get("input_size")
         size = size[-1] if isinstance(size, (list, tuple)) else size  # the weights' input size, as training takes it
         try:
-            model, pre = create_pretrained_model(str(spec), num_classes=0, **({"img_size": int(size)} if size else {}))
+            model, pre = create_pretrained_model(str(spec), **({} if head else {"num_classes": 0}),
+                                                 **({"img_size": int(size)} if size else {}))
         except ValueError as e:
             raise ValueError(f"{e}; or name the architecture of these weights with --model NAME "
                              "(see `vitflow models`)") from None
         model_name = pre.model_name
     else:
         pre = resolve_pretrained(str(spec))
-        model = create_model(model_name, pretrained=str(spec), num_classes=0)
+        model = create_model(model_name, pretrained=str(spec), **({} if head else {"num_classes": 0}))
     model.eval()
     pp = default_preprocess(model)
     if pre.preprocess:

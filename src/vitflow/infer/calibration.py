@@ -16,6 +16,7 @@ from vitflow.data.sources.dispatch import scored_split
 from vitflow.data.transforms import Preprocess, eval_transform
 from vitflow.evaluation import evaluate, evaluate_multilabel
 from vitflow.infer.predict import collect_images
+from vitflow.models import config_class
 from vitflow.runtime import resolve_precision
 
 
@@ -27,7 +28,7 @@ def checkpoint_split(state: dict, path: str | Path | None = None, split: str | N
     Raises:
         vitflow.data.DataError: the data cannot be found or does not match the classes.
     """
-    data = build_config(base=state.get("config", {})).data
+    data = build_config(base=state.get("config", {}), model_config=config_class).data
     if path is not None:
         data.path, data.source = str(path), "auto"
     if split is None:

@@ -26,6 +26,7 @@ from vitflow.data.transforms import Preprocess, eval_transform
 from vitflow.infer.backbone import Backbone, load_backbone
 from vitflow.infer.knn import TEMPERATURE, knn_top1
 from vitflow.infer.predict import ImageRef, decoded_batches
+from vitflow.models import config_class
 from vitflow.runtime import resolve_device
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,8 @@ def _knn_data_config(backbone: Backbone, data: str | None, overrides: Sequence[s
     if backbone.config is None and not data:
         raise ValueError(f"{backbone.source} carries no data: give --data PATH (images with a train split and a "
                          "test or val split: class folders, a tar, a label file or a dataset)")
-    cfg = build_config(base=backbone.config, overrides=[*fresh, *overrides], checks={"data": check_data_config})
+    cfg = build_config(base=backbone.config, overrides=[*fresh, *overrides], checks={"data": check_data_config},
+                       model_config=config_class)
     if cfg.data.task == "multilabel":
         raise ValueError("--knn scores single-label data (one class per image); this data is data.task=multilabel")
     return cfg.data

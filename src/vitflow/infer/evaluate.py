@@ -16,7 +16,7 @@ from vitflow.data.sources.dispatch import scored_split
 from vitflow.data.transforms import Preprocess
 from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
 from vitflow.infer.tta import parse_tta, with_tta
-from vitflow.metrics.classification import PER_CLASS_KEYS
+from vitflow.models import config_class
 from vitflow.models.kernels import onednn
 from vitflow.runtime import resolve_device, resolve_precision
 
@@ -56,7 +56,8 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
     """
     spec = parse_tta(tta)  # a bad spec fails before any work
     state = load_checkpoint(path)
-    cfg = build_config(base=state["config"], overrides=overrides, checks={"data": check_data_config})
+    cfg = build_config(base=state["config"], overrides=overrides, checks={"data": check_data_config},
+                       model_config=config_class)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     dev = resolve_device(device or cfg.train.device)
@@ -81,7 +82,8 @@ def evaluate_checkpoint(path, overrides=(), device: str | None = None, weights: 
             result = evaluate(model, loader, dev, precision, pp)
     ips = result["images"] / max(time.perf_counter() - t0, 1e-9)
     used = "ema" if state.get("ema") and weights != "raw" else "raw"
-    per_class = {k: result[k] for k in PER_CLASS_KEYS if k in result and k != "per_class_top1"}
-    return {**{f"{role}_{k}": v for k, v in {**scalar_metrics(result), **per_class}.items()}, "split": role,
+    scalars = scalar_metrics(result)
+    per_class = {k: v for k, v in result.items() if k not in scalars and k != "per_class_top1"}  # = the recall
+    return {**{f"{role}_{k}": v for k, v in {**scalars, **per_class}.items()}, "split": role,
             "split_expr": split, "classes": list(state["classes"]), "checkpoint": state["path"],
             "step": state["step"], "weights": used, "tta": str(spec), "images_per_s": round(ips, 1)}

@@ -29,7 +29,8 @@ from vitflow.runtime import configure_allocator, resolve_device, resolve_precisi
 
 @dataclass
 class ImageRef:
-    """An image to predict: a display ``name`` and a callable returning its bytes."""
+    """An image to predict: a display ``name`` and a callable returning its encoded bytes, or the
+    image itself as ``uint8 (3, H, W)`` (an image held in Python: ``vitflow.load(...).predict``)."""
 
     name: str
     read: "callable"
@@ -179,22 +180,32 @@ class Predictor:
         Images are decoded by ``workers`` threads (libjpeg-turbo and the resize release the
         GIL), the next batch while the model runs on the current one.
         """
-        k = min(topk, len(self.classes))
         for chunk, decoded in decoded_batches(refs, self.transform, batch_size, workers):
             results = [{"path": r.name, "error": d} if isinstance(d, str) else {"path": r.name}
                        for r, d in zip(chunk, decoded)]
             tensors = [d for d in decoded if not isinstance(d, str)]
             if tensors:
-                probs = self.predict(torch.stack(tensors))
-                top = probs.topk(k, dim=1)
                 ok = (r for r in results if "error" not in r)
-                for r, p, vals, idx in zip(ok, probs, top.values.tolist(), top.indices.tolist()):
-                    r["top"] = self._entries(vals, idx)
-                    if self.task == "multilabel":
-                        over = p.ge(self.threshold).nonzero().flatten()
-                        over = over[p[over].argsort(descending=True)]
-                        r["labels"] = self._entries(p[over].tolist(), over.tolist())
+                for r, answer in zip(ok, self.answers(self.predict(torch.stack(tensors)), topk)):
+                    r.update(answer)
             yield from results
+
+    def answers(self, probs: torch.Tensor, topk: int = 5) -> list[dict]:
+        """Per row of ``probs`` (``float32 (B, num_classes)``, from :meth:`predict`)
+        ``{"top": [{"class", "index", "prob"}, ...]}``: the ``topk`` likeliest classes (at most
+        all), probabilities rounded to 6 decimals; multi-label models add ``"labels"``: every class
+        whose probability reaches the threshold, likeliest first. The one formatting of results
+        (``vitflow predict`` and ``vitflow serve``)."""
+        top = probs.topk(min(topk, len(self.classes)), dim=1)
+        out = []
+        for p, vals, idx in zip(probs, top.values.tolist(), top.indices.tolist()):
+            answer = {"top": self._entries(vals, idx)}
+            if self.task == "multilabel":
+                over = p.ge(self.threshold).nonzero().flatten()
+                over = over[p[over].argsort(descending=True)]
+                answer["labels"] = self._entries(p[over].tolist(), over.tolist())
+            out.append(answer)
+        return out
 
     def _entries(self, probs: list[float], indices: list[int]) -> list[dict]:
         return [{"class": self.classes[i], "index": i, "prob": round(v, 6)} for v, i in zip(probs, indices)]
@@ -203,7 +214,8 @@ class Predictor:
 def decode_ref(ref: ImageRef, transform) -> torch.Tensor | str:
     """``transform(decoded image)`` (``uint8 (3, S, S)``), or the error text naming the file."""
     try:
-        return transform(decode_image(ref.read(), ref.name))
+        data = ref.read()
+        return transform(data if isinstance(data, torch.Tensor) else decode_image(data, ref.name))
     except (CorruptImageError, OSError) as e:
         return str(e)
 

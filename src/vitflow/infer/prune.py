@@ -31,13 +31,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vitflow.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
-from vitflow.config import build_config
+from vitflow.config import DataConfig, TrainConfig, build_config
 from vitflow.data import ImageSource, eval_loader, model_input, train_loader
 from vitflow.data.sources.splits import parse_split
 from vitflow.data.transforms import Preprocess
 from vitflow.infer.bench import time_paths
 from vitflow.infer.calibration import accuracy, checkpoint_split
 from vitflow.infer.quantize import inference_state
+from vitflow.models import config_class
 from vitflow.models.kernels.matmul import Linear
 from vitflow.runtime import resolve_precision
 
@@ -232,11 +233,11 @@ def prune_checkpoint(checkpoint, out, heads: float = 0.25, mlp: float = 0.0, dat
     if state.get("task", "multiclass") == "multilabel":
         raise ValueError(f"{state['path']} is a multi-label model: pruning scores and distils single-label "
                          "classifiers only")
-    cfg = build_config(base=state["config"])
+    cfg = build_config(base=state["config"], model_config=config_class)
     model = model_from_checkpoint(state).float()
     pp = Preprocess.from_dict(state["preprocess"])
     result: dict = {"path": str(out), "params_before": count_params(model)}
-    pruned, sizes, scores = _calibrate_and_prune(model, state, cfg, pp, data, calib_images, heads, mlp, log)
+    pruned, sizes, scores = _calibrate_and_prune(model, state, cfg.data, pp, data, calib_images, heads, mlp, log)
     result.update(sizes, params_after=count_params(pruned), heads_before=sum(len(s) for s in scores.heads),
                   heads_after=sum(sizes["block_heads"]))
 
@@ -247,7 +248,7 @@ def prune_checkpoint(checkpoint, out, heads: float = 0.25, mlp: float = 0.0, dat
         log(f"top-1 on {len(test)} images: {result['top1_before']:.2%} before, {result['top1_pruned']:.2%} pruned")
     if finetune_steps:
         t0 = time.perf_counter()
-        _finetune(finetune, pruned, model, checkpoint_split(state, data, cfg.data.train_split), cfg, pp,
+        _finetune(finetune, pruned, model, checkpoint_split(state, data, cfg.data.train_split), cfg.data, cfg.train, pp,
                   finetune_steps, batch_size, lr, alpha, temperature)
         result.update(finetune_steps=finetune_steps, finetune_s=round(time.perf_counter() - t0, 1))
         if test is not None:
@@ -261,15 +262,17 @@ def prune_checkpoint(checkpoint, out, heads: float = 0.25, mlp: float = 0.0, dat
     return result
 
 
-def _finetune(finetune: Finetune, pruned: nn.Module, model: nn.Module, train: ImageSource, cfg, pp: Preprocess,
-              steps: int, batch_size: int, lr: float, alpha: float, temperature: float) -> None:
-    """Run ``finetune`` on the CPU over ``train`` with the checkpoint's training augmentation."""
+def _finetune(finetune: Finetune, pruned: nn.Module, model: nn.Module, train: ImageSource, d: DataConfig,
+              t: TrainConfig, pp: Preprocess, steps: int, batch_size: int, lr: float, alpha: float,
+              temperature: float) -> None:
+    """Run ``finetune`` on the CPU over ``train`` with the checkpoint's training augmentation (its data
+    section ``d``; seed, label smoothing and precision from its train section ``t``)."""
     cpu = torch.device("cpu")
-    loader = train_loader(train, cfg.data, pp.image_size, batch_size, cfg.train.seed, cpu, len(train.classes))
+    loader = train_loader(train, d, pp.image_size, batch_size, t.seed, cpu, len(train.classes))
     pairs = (loader.device_batch(b) for b in loader if len(b["labels"]))
     try:
         finetune(pruned, model, pairs, steps, lr, alpha=alpha, temperature=temperature,
-                 label_smoothing=cfg.train.label_smoothing, precision=resolve_precision(cfg.train.precision, cpu))
+                 label_smoothing=t.label_smoothing, precision=resolve_precision(t.precision, cpu))
     finally:
         loader.close()
 
@@ -291,16 +294,16 @@ def _float_checkpoint(path) -> dict:
     return state
 
 
-def _calibrate_and_prune(model: nn.Module, state: dict, cfg, pp: Preprocess, data: str | None, calib_images: int,
+def _calibrate_and_prune(model: nn.Module, state: dict, d: DataConfig, pp: Preprocess, data: str | None, calib_images: int,
                          heads: float, mlp: float, log) -> tuple[nn.Module, dict, Importance]:
     """Importance scores on the first ``calib_images`` of the training split, then the pruned copy
     (:func:`prune_model`). Raises ValueError for a model that declares ``supports_pruning = False``."""
     if not getattr(model, "supports_pruning", True):
         raise ValueError(f"{state['path']}: {state['model_args'].get('name', type(model).__name__)} cannot be pruned: "
                          "structured pruning handles the plain ViT layout (fused qkv, GELU MLP) only")
-    calib = checkpoint_split(state, data, f"{parse_split(cfg.data.train_split).name}[:{calib_images}]")
+    calib = checkpoint_split(state, data, f"{parse_split(d.train_split).name}[:{calib_images}]")
     t0 = time.perf_counter()
-    scores = importance_scores(model, eval_loader(calib, pp, 64, cfg.data.num_workers), pp, calib_images)
+    scores = importance_scores(model, eval_loader(calib, pp, 64, d.num_workers), pp, calib_images)
     pruned, sizes = prune_model(model, scores, heads, mlp)
     log(f"importance from {scores.images} calibration images ({time.perf_counter() - t0:.0f} s); "
         f"heads per block {sizes['block_heads']}, MLP hidden {sizes['block_mlp_hidden']}")

@@ -29,6 +29,7 @@ from vitflow.data import open_split
 from vitflow.infer.calibration import accuracy
 from vitflow.infer.export import export_onnx
 from vitflow.infer.onnx_model import ModelInfo, OnnxModel, copy_metadata, is_onnx, quiet_toolchain, require
+from vitflow.metrics import primary_metric
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +211,8 @@ def _accuracy_guard(reference, candidate, info: ModelInfo, data: str, split: str
                     out: Path, log) -> dict:
     """Top-1 (multi-label models: mAP) of both models on ``data [split]``; raises AccuracyDropError
     when it fell by more than ``max_drop`` points (unless ``force``)."""
-    multilabel = info.task == "multilabel"
-    figure, name = ("map", "mAP") if multilabel else ("top1", "top-1")
+    primary = primary_metric(info.task)  # top-1, or mAP
+    figure, name = primary.name, primary.label
     source = open_split(data, split, "auto", classes=info.classes, cfg=DataConfig(task=info.task))
     log(f"measuring {name} on {len(source)} images of {data} [{split}] ...")
     before = accuracy(reference, source, info.preprocess, threshold=info.threshold)

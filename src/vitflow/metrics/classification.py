@@ -129,9 +129,6 @@ def confusion_metrics(confusion: Any) -> dict[str, Any]:
     return out
 
 
-PER_CLASS_KEYS = ("confusion", "per_class_top1", "per_class_ap", "precision", "recall", "f1", "support", "reliability")
-
-
 def per_class_text(classes: list[str], result: dict[str, Any], limit: int = 50) -> str:
     """A plain-text table of :func:`confusion_metrics`' per-class figures (first ``limit`` classes)
     and the averages, for ``vitflow eval``."""

@@ -40,7 +40,12 @@ class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters and state-dict names) whose backward, on the CPU for a
     float32 / bfloat16 input normalised over its last dimension with float32 affine
     parameters, runs vitflow's one-pass kernel (:class:`_LayerNormFn`; where vitflow's CPU kernels
-    are unavailable, or anywhere else, ``nn.LayerNorm``'s). ``(..., C) -> (..., C)``."""
+    are unavailable, or anywhere else, ``nn.LayerNorm``'s). ``(..., C) -> (..., C)``. The kernels are
+    built (or found built) at construction, never inside a forward."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        cpp.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias

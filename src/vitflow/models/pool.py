@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from vitflow.models.attention.core import attention_probs, sdpa_attention
 from vitflow.models.kernels.matmul import Linear
 from vitflow.models.layers import LN_EPS, Mlp
 
@@ -61,7 +61,7 @@ class AttentionPoolLatent(nn.Module):
         h, hd = self.num_heads, self.head_dim
         q = self.q(self.latent).reshape(1, 1, h, hd).transpose(1, 2).expand(b, -1, -1, -1)
         k, v = self.kv(x).reshape(b, n, 2, h, hd).permute(2, 0, 3, 1, 4).unbind(0)
-        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, 1, d)
+        y = sdpa_attention(q, k, v).transpose(1, 2).reshape(b, 1, d)
         y = self.proj(y)
         y = y + self.mlp(self.norm(y))
         return y[:, 0]
@@ -70,9 +70,10 @@ class AttentionPoolLatent(nn.Module):
         """The latent query's attention probabilities over the tokens ``(B, num_heads, N)`` float32
         (what the pooled feature is a weighted sum of, per head)."""
         b, n, _ = x.shape
-        q = self.q(self.latent).reshape(1, self.num_heads, self.head_dim).float()
-        k = self.kv(x)[..., :q.shape[1] * q.shape[2]].reshape(b, n, self.num_heads, self.head_dim).float()
-        return torch.einsum("hd,bnhd->bhn", q[0], k).mul(self.head_dim ** -0.5).softmax(-1)
+        h, hd = self.num_heads, self.head_dim
+        q = self.q(self.latent).reshape(1, h, 1, hd).float()
+        k = self.kv(x)[..., :h * hd].reshape(b, n, h, hd).transpose(1, 2).float()
+        return attention_probs(q, k)[:, :, 0]
 
 
 def pool_tokens(x: torch.Tensor, global_pool: str, num_prefix_tokens: int,

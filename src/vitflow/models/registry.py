@@ -1,9 +1,11 @@
-"""The model-family registry: ``create_model``, ``list_models`` and the model config's checks.
+"""The model-family registry: ``create_model``, ``list_models``, each name's ``model`` section
+class (:func:`config_class`) and the model config's checks.
 
-Each family (:class:`~vitflow.models.family.ModelFamily`) owns a set of variant names;
-:func:`create_model` finds the family that owns a name and builds the variant with the given
-overrides. Families today: ViT and DeiT (:mod:`vitflow.models.vit.variants`); a new
-architecture adds its family to :data:`FAMILIES`.
+Each family (:class:`~vitflow.models.family.ModelFamily`) owns a set of variant names and its
+``model`` section; :func:`create_model` finds the family that owns a name and builds the variant
+with the given overrides. Families today: ViT / DeiT and the pretrained families in its layout
+(:mod:`vitflow.models.vit`), EVA-02 / DINOv3 / BEiT (:mod:`vitflow.models.eva`), Swin
+(:mod:`vitflow.models.swin`); a new architecture adds its family to :data:`FAMILIES`.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ from typing import Any
 
 import torch.nn as nn
 
-from vitflow.config import ConfigError, ModelConfig
-from vitflow.models.attention import EXACT_BACKENDS
+from vitflow.config import ConfigError, ModelConfig, ViTConfig, field_names, holds_old_default, retype_model
 from vitflow.models.eva.beit import BEIT
 from vitflow.models.eva.variants import DINOV3, EVA02
 from vitflow.models.family import ModelFamily
 from vitflow.models.grad_checkpointing import CheckpointPlan
 from vitflow.models.mvit.variants import MVIT
+from vitflow.models.pretrained.hub import offline_model_name
 from vitflow.models.swin.variants import SWIN
 from vitflow.models.vit.pretrained import PRETRAINED_FAMILIES
 from vitflow.models.vit.variants import VIT
@@ -61,6 +63,48 @@ def model_kwargs(name: str, **overrides: Any) -> dict[str, Any]:
     return {**family_of(name).variants[name], **{k: v for k, v in overrides.items() if v is not None}}
 
 
+def config_class(name: str, pretrained: str | None = None) -> type[ModelConfig]:
+    """The ``model`` section class of variant ``name`` (its family's ``config``). For
+    ``name="auto"`` the architecture ``pretrained``'s config names, when that config can be read
+    here without the network (a folder, a cached ``hf-hub:`` snapshot); else
+    :class:`~vitflow.config.ViTConfig`, re-typed once the weights are read
+    (:func:`vitflow.models.pretrained.config.apply_pretrained`). Pass it to
+    :func:`vitflow.config.build_config` as ``model_config``.
+
+    Raises:
+        ConfigError: unknown ``name`` (naming the nearest registered ones).
+    """
+    if name == "auto":
+        named = offline_model_name(pretrained) if pretrained else None
+        return family_of(named).config if named in MODELS else ViTConfig
+    if name not in MODELS:
+        raise _unknown(name)
+    return family_of(name).config
+
+
+def _unknown(name: str) -> ConfigError:
+    close = difflib.get_close_matches(name, MODELS, n=3)
+    return ConfigError(f"model.name: unknown model {name!r}"
+                       + (f"; did you mean {', '.join(close)}?" if close else "; see `vitflow models`"), "model.name")
+
+
+def _accepted(family: ModelFamily, args: dict[str, Any]) -> dict[str, Any]:
+    """``args`` without the keys ``family`` lacks that hold their old defaults (a flat ``model``
+    section of older checkpoints, :func:`vitflow.config.holds_old_default`).
+
+    Raises:
+        ValueError: any other argument the family does not take (naming them and the keys it takes).
+    """
+    accepted = family.accepts()
+    unknown = {k: v for k, v in args.items() if k not in accepted and not holds_old_default(k, v)}
+    if unknown:
+        keys = [k for k in field_names(family.config) if k not in ("name", "pretrained")]
+        given = ", ".join(f"{k}={v!r}" for k, v in unknown.items())
+        raise ValueError(f"unknown argument(s) for {family.name} models: {given} (their model.* keys: "
+                         f"{', '.join(keys)})")
+    return {k: v for k, v in args.items() if k in accepted}
+
+
 def create_model(name: str, pretrained: str | Path | None = None, **overrides: Any) -> nn.Module:
     """Build a registered variant, optionally loading weights.
 
@@ -74,13 +118,15 @@ def create_model(name: str, pretrained: str | Path | None = None, **overrides: A
         **overrides: constructor arguments (for ViT: ``num_classes``, ``img_size``,
             ``drop_path_rate``, ``attention``, ..., ``distilled=True`` for DeiT's distilled ViT,
             ``grad_checkpointing``); ``None`` values are ignored. These are the names of the
-            config's ``model`` section.
+            family's ``model`` section (:func:`config_class`) and of its model's constructor; the
+            keys of an older flat section that the family lacks are ignored at their old defaults.
     Raises:
-        ValueError: unknown name, invalid arguments or incompatible weights; FileNotFoundError:
-        missing weights file.
+        ValueError: unknown name, an argument the family does not take (naming it and the
+        family's keys), invalid arguments or incompatible weights; FileNotFoundError: missing
+        weights file.
     """
     family = family_of(name)
-    model = family.build(**model_kwargs(name, **overrides))
+    model = family.build(**_accepted(family, model_kwargs(name, **overrides)))
     if pretrained is not None:
         if family.load_pretrained is None:
             raise ValueError(f"model family {family.name!r} reads no pretrained weights")
@@ -90,7 +136,8 @@ def create_model(name: str, pretrained: str | Path | None = None, **overrides: A
 
 def check_config(m: ModelConfig) -> None:
     """The model section's checks that need the registry (variant names, the variant's patch
-    size) and the model layer (checkpointing specs, which attention backends take any token set).
+    size) and the model layer (checkpointing specs; the family's own, e.g. which attention
+    backends take any token set).
 
     Raises:
         ConfigError: naming the key and, for a name, the nearest registered ones.
@@ -101,10 +148,7 @@ def check_config(m: ModelConfig) -> None:
                               "model.pretrained", "model.name")
         return
     if m.name not in MODELS:
-        close = difflib.get_close_matches(m.name, MODELS, n=3)
-        raise ConfigError(f"model.name: unknown model {m.name!r}"
-                          + (f"; did you mean {', '.join(close)}?" if close else "; see `vitflow models`"),
-                          "model.name")
+        raise _unknown(m.name)
     size = m.img_size or MODELS[m.name].get("img_size", 224)
     patch = m.patch_size or MODELS[m.name].get("patch_size", 16)
     if size % patch and not MODELS[m.name].get("truncate_patches"):
@@ -114,14 +158,10 @@ def check_config(m: ModelConfig) -> None:
         CheckpointPlan.parse(m.grad_checkpointing, m.grad_checkpointing_budget)
     except ValueError as e:
         raise ConfigError(f"model.grad_checkpointing: {e}", "model.grad_checkpointing") from None
-    exact = (*EXACT_BACKENDS, "auto")  # attend over any token set, no grid structure
-    for key, on in (("model.patch_drop_rate", m.patch_drop_rate > 0), ("model.distilled", m.distilled)):
-        if on and m.attention not in exact:
-            raise ConfigError(f"model.attention={m.attention!r} is invalid: must be one of {', '.join(exact)} with "
-                              f"{key} (sparse and linear kernels assume the full token grid)", "model.attention")
-        if on and m.pos_embed == "relative":
-            raise ConfigError(f"model.pos_embed={m.pos_embed!r} is invalid: must be learned or sincos2d with {key}",
-                              "model.pos_embed")
+    family = family_of(m.name)
+    m = retype_model(m, family.config)  # a section built without the family's class: its keys, or a refusal
+    if family.check_config is not None:
+        family.check_config(m)
 
 
 def model_args(m: ModelConfig, num_classes: int) -> dict[str, Any]:
@@ -130,6 +170,6 @@ def model_args(m: ModelConfig, num_classes: int) -> dict[str, Any]:
     in the checkpoint) and with the class count found in the data."""
     args = {k: v for k, v in vars(m).items() if k != "pretrained"}
     args["num_classes"] = num_classes
-    if m.distilled and m.global_pool is None:  # the distillation token needs token pooling
+    if getattr(m, "distilled", False) and m.global_pool is None:  # the distillation token needs token pooling
         args["global_pool"] = "token"
     return args

@@ -1,5 +1,6 @@
 """Two plans a run follows over its steps: progressive resizing (the training resolution of each
-step) and a wall-clock time budget (the schedule's length fitted to the time left)."""
+step) and a wall-clock time budget (the schedule's length fitted to the time left), the latter
+applied by a callback (:class:`BudgetStop`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Callable
 
 from vitflow.config import OptimConfig
 from vitflow.data.augment import progressive_resolution
+from vitflow.train.callbacks import Callback, StepOutput
 from vitflow.train.distributed import DistEnv
 from vitflow.train.schedules import set_total_steps, warn_long_warmup
 
@@ -128,3 +130,30 @@ class TimeBudget:
             log.info("time budget: schedule set to %d steps", fit)
             if dist.is_main:
                 warn_long_warmup(self.optim, fit, "the time budget's fitted schedule")
+
+
+class BudgetStop(Callback):
+    """``train.time_budget`` as a callback: times each step into a :class:`TimeBudget`, refits the
+    schedule's length every ``log_every`` taken steps, and asks the run to stop (final evaluation
+    and checkpoint included) once the budget is spent.
+
+    Args:
+        seconds: the budget; ``text``: as the user wrote it (for the log line); ``log_every``:
+            ``train.log_every``; ``max_total``: ``train.total_steps`` (the schedule never grows past it).
+    """
+
+    def __init__(self, seconds: float, text: str, log_every: int, max_total: int):
+        self.seconds, self.text, self.log_every, self.max_total = seconds, text, log_every, max_total
+        self.budget: TimeBudget | None = None
+
+    def on_fit_start(self, trainer) -> None:
+        self.budget = TimeBudget(self.seconds, trainer.started, trainer.resizing, trainer.cfg.optim,
+                                 2 if trainer.ema else 1)
+
+    def on_step_end(self, trainer, out: StepOutput) -> None:
+        self.budget.step_done(out.cost)
+        if out.taken and out.step % self.log_every == 0 and self.budget.cost > 0:
+            self.budget.refit(trainer.scheduler, out.step, self.max_total, trainer.dist,
+                              lambda: trainer.evaluator.seconds(trainer.model))
+        if self.budget.over():
+            trainer.request_stop(f"time budget {self.text} reached at step {trainer.step}")

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vitflow.config import Config, ConfigError
+from vitflow.config import ConfigError
 from vitflow.data.loader import DISTRIBUTION_FILE, class_counts
 
 log = logging.getLogger(__name__)
@@ -115,20 +115,21 @@ def apply_class_weights(criterion, weights: torch.Tensor | None, task: str = "mu
         target.weight = weights
 
 
-def setup_imbalance(cfg: Config, data, criterion, device: torch.device) -> None:
-    """Weigh ``criterion`` by ``train.class_weights`` (on ``device``) and log one line stating the
-    weights and ``data.sampler``. ``data``: the run's :class:`~vitflow.data.pipeline.Datasets`."""
-    weights = resolve_class_weights(cfg.train.class_weights, data.train.labels, data.classes, data.task)
+def setup_imbalance(spec: str, sampler: str, data, criterion, device: torch.device) -> None:
+    """Weigh ``criterion`` by ``spec`` (``train.class_weights``; on ``device``) and log one line
+    stating the weights and ``sampler`` (``data.sampler``). ``data``: the run's
+    :class:`~vitflow.data.pipeline.Datasets`."""
+    weights = resolve_class_weights(spec, data.train.labels, data.classes, data.task)
     apply_class_weights(criterion, None if weights is None else weights.to(device), data.task)
-    if weights is None and cfg.data.sampler == "random":
+    if weights is None and sampler == "random":
         return
     what = "none" if weights is None else (
-        f"{cfg.train.class_weights} ({'pos_weight ' if data.task == 'multilabel' else ''}min {float(weights.min()):.3g}"
+        f"{spec} ({'pos_weight ' if data.task == 'multilabel' else ''}min {float(weights.min()):.3g}"
         f", max {float(weights.max()):.3g})")
     counts = class_counts(data.train.labels, len(data.classes)) if labels_known(data.train.labels) else None
-    log.info("imbalanced data: class weights %s; sampler %s; training images per class %s", what, cfg.data.sampler,
+    log.info("imbalanced data: class weights %s; sampler %s; training images per class %s", what, sampler,
              f"{min(counts)} to {max(counts)}" if counts else "not known before reading (streamed shards)")
-    if weights is not None and cfg.data.sampler == "balanced":
+    if weights is not None and sampler == "balanced":
         log.warning("train.class_weights and data.sampler=balanced both correct the imbalance: together they "
                     "over-weight the rare classes")
 

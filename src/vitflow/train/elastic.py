@@ -28,7 +28,7 @@ import subprocess
 from pathlib import Path
 from typing import Callable, Mapping
 
-from vitflow.config import Config, ConfigError
+from vitflow.config import ConfigError, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -156,10 +156,10 @@ def restartable(environ: Mapping[str, str]) -> bool:
             or restart_count(environ) > 0)
 
 
-def apply_launch(cfg: Config, any_rank: Callable[[bool], bool] = bool,
-                 environ: Mapping[str, str] | None = None) -> Config:
+def apply_launch(t: TrainConfig, preset: str, any_rank: Callable[[bool], bool] = bool,
+                 environ: Mapping[str, str] | None = None) -> TrainConfig:
     """Make a restartable launch find its own run again (every rank calls it, before the run is
-    located; ``cfg.train`` is changed in place and ``cfg`` returned):
+    located; the ``train`` section ``t`` is changed in place and returned):
 
     - without ``train.run_dir``: ``runs/<preset>-<job name>`` (:func:`job_name`);
     - in a restart with ``train.resume=none``: ``train.resume=auto`` when the run directory exists
@@ -173,18 +173,17 @@ def apply_launch(cfg: Config, any_rank: Callable[[bool], bool] = bool,
             (torchrun ``--max-restarts`` with the default ``--rdzv-id``).
     """
     environ = os.environ if environ is None else environ
-    t = cfg.train
     if not any_rank(restartable(environ)):
-        return cfg
+        return t
     if not t.run_dir:
         name = job_name(environ)
         if name is None:
             raise ConfigError("train.run_dir is required under torchrun --max-restarts without --rdzv-id: every "
                               "restart must find the run's checkpoints (set train.run_dir=PATH or --rdzv-id NAME)",
                               "train.run_dir")
-        t.run_dir = str(Path("runs") / f"{cfg.preset}-{name}")
+        t.run_dir = str(Path("runs") / f"{preset}-{name}")
     if any_rank(restart_count(environ) > 0) and t.resume == "none" and Path(t.run_dir).is_dir():
         t.resume = "auto"
         if environ.get("RANK", "0") == "0":
             log.warning("a restart of this job: continuing %s from its newest complete checkpoint", t.run_dir)
-    return cfg
+    return t

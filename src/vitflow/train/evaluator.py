@@ -13,19 +13,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
+from tqdm.auto import tqdm  # the notebook bar in Jupyter, the text bar elsewhere
 
 from vitflow.data import Datasets, SkipReport, eval_loader
 from vitflow.data.sources.base import ImageSource
-from vitflow.evaluation import evaluate, evaluate_multilabel, headline, scalar_metrics
+from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
+from vitflow.metrics import headline, summary_names
 from vitflow.rundir import EVAL
 from vitflow.runtime import Precision
 from vitflow.train.distributed import DistEnv
-from vitflow.train.logging import MetricsLog
+from vitflow.train.logging import MetricsLog, ProgressLog
+from vitflow.train.run_dir import write_samples
 
 log = logging.getLogger(__name__)
-SUMMARY_KEYS = ("loss", "top1", "top5", "map", "micro_f1", "macro_f1", "threshold", "weighted_f1", "macro_precision",
-                "macro_recall", "balanced_accuracy", "ece")
 
 
 class RunEvaluator:
@@ -87,9 +87,9 @@ class RunEvaluator:
             if role == "test":
                 log.warning("no validation split: the multi-label threshold %.2f is chosen on the test split, so the "
                             "test F1 is optimistic; set data.val_split", self.threshold)
-        scalars = scalar_metrics(raw)
+        scalars, kept = scalar_metrics(raw), summary_names()
         if averaged is not None:
-            scalars.update({f"ema_{k}": v for k, v in scalar_metrics(averaged).items() if k in SUMMARY_KEYS})
+            scalars.update({f"ema_{k}": v for k, v in scalar_metrics(averaged).items() if k in kept})
         self.metrics.write("eval", step=step, split=role, split_expr=split, **scalars)
         if self.dist.is_main:
             tmp = self.run_dir / f".{EVAL}.tmp"  # replaced atomically: the live report may read it any time
@@ -101,7 +101,7 @@ class RunEvaluator:
             if averaged is not None:
                 msg += f" | EMA {headline(averaged)}"
             tqdm.write(msg)
-        extra = {f"raw_{k}": v for k, v in raw.items() if k in SUMMARY_KEYS} if averaged else {}
+        extra = {f"raw_{k}": v for k, v in raw.items() if k in kept} if averaged else {}
         if named:  # after the monitored split: a multi-label threshold is chosen there first
             self.named_results = {name: self._named(model, ema, step, name) for name in self.named}
         return {**served, **extra}
@@ -137,12 +137,34 @@ class RunEvaluator:
 
 def summary_figures(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The run summary's figures of each evaluated split ``R`` (``results``: role -> what
-    :class:`RunEvaluator` returned): ``R_loss``, ``R_top1``, ``R_top5`` (fractions) or, for
-    multi-label, ``R_map``, ``R_micro_f1``, ``R_macro_f1``, ``R_threshold``; ``R_skipped``
+    :class:`RunEvaluator` returned): ``R_NAME`` for each metric of the table kept in summaries
+    (:func:`vitflow.metrics.summary_names`: ``R_loss``, ``R_top1``, ``R_top5`` (fractions), ``R_macro_f1``
+    ... or, for multi-label, ``R_map``, ``R_micro_f1``, ``R_threshold`` ...); ``R_skipped``
     (unreadable images, as in ``eval.json``) — of the weights inference uses: the EMA when
     ``train.ema_decay`` is set, with the trained weights' figures as ``raw_R_*``."""
     out: dict[str, Any] = {}
+    kept = (*summary_names(), "skipped")
     for role, result in results.items():
-        out.update({f"{role}_{k}": v for k, v in result.items() if k in SUMMARY_KEYS + ("skipped",)})
+        out.update({f"{role}_{k}": v for k, v in result.items() if k in kept})
         out.update({f"raw_{role}_{k[4:]}": v for k, v in result.items() if k.startswith("raw_")})
     return out
+
+
+def run_summary(trainer, results: dict[str, dict[str, Any]], checkpoint: Path | None) -> dict[str, Any]:
+    """The summary of a finished run (a :class:`~vitflow.train.loop.Trainer` after its final
+    evaluations ``results``): ``step``, ``run_dir``, ``checkpoint``, the best checkpoint's figure,
+    ``train_images_per_s`` (all ranks, from the end of the first step), ``skipped_images``, ``skipped_steps``, ``elapsed_s``, fine-tuning's
+    summary, each split's figures (:func:`summary_figures`), ``stopped`` (a callback's reason
+    other than early stopping's, which says ``early_stopped``) and, on rank 0, ``samples`` (held-out
+    images written for ``vitflow predict``, for data without image files)."""
+    summary = {"step": trainer.step, "run_dir": str(trainer.run_dir), "checkpoint": str(checkpoint),
+               **trainer.selection.summary(), "train_images_per_s": trainer.callbacks.find(ProgressLog).images_per_s(),
+               "skipped_images": trainer.epochs.skips.total, "skipped_steps": trainer.guard.skipped,
+               "elapsed_s": time.perf_counter() - trainer.started, **trainer.tuning.summary(),
+               **summary_figures(results)}
+    if trainer.stop_reason and not trainer.selection.stopped:
+        summary["stopped"] = trainer.stop_reason
+    shown = trainer.evaluator.splits[trainer.evaluator.monitored][1]
+    if trainer.dist.is_main and (samples := write_samples(shown, trainer.run_dir)):
+        summary["samples"] = samples
+    return summary

@@ -22,13 +22,15 @@ import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
-from tqdm import tqdm
+from tqdm.auto import tqdm  # the notebook bar in Jupyter, the text bar elsewhere
 
 from vitflow.data import SkipReport
 from vitflow.rundir import CSV, METRICS
+from vitflow.runtime import quiet
+from vitflow.train.callbacks import Callback, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +51,13 @@ class MetricsLog:
         truncate_to: file name -> bytes to keep (a file not named is emptied); ``None`` keeps
             everything (a new run, or a checkpoint from before vitflow saved the offsets).
         purge_step: TensorBoard drops its events from this step on (the resumed step).
-        trackers: MLflow / W&B (:class:`vitflow.train.trackers.Trackers`): every record goes to its
-            ``record``, and :meth:`close` closes it.
+        listener: called with every record written (the callbacks' ``on_record``: MLflow / W&B).
     """
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, enabled: bool = True,
-                 truncate_to: dict[str, int] | None = None, purge_step: int | None = None, trackers=None):
-        self.run_dir, self.enabled, self.trackers = Path(run_dir), enabled, trackers
+                 truncate_to: dict[str, int] | None = None, purge_step: int | None = None,
+                 listener: Callable[[dict], None] | None = None):
+        self.run_dir, self.enabled, self.listener = Path(run_dir), enabled, listener
         self._csv: dict[str, tuple[Any, csv.DictWriter]] = {}
         self._tb = None
         if not enabled:
@@ -87,8 +89,8 @@ class MetricsLog:
             for k, v in rec.items():
                 if k not in ("time", "kind", "step", "epoch") and isinstance(v, (int, float)) and v is not None:
                     self._tb.add_scalar(f"{kind}/{k}", v, rec["step"])
-        if self.trackers is not None:
-            self.trackers.record(rec)
+        if self.listener is not None:
+            self.listener(rec)
         return rec
 
     def offsets(self) -> dict[str, int]:
@@ -125,8 +127,6 @@ class MetricsLog:
             f.close()
         if self._tb is not None:
             self._tb.close()
-        if self.trackers is not None:
-            self.trackers.close()
 
 
 @dataclass
@@ -170,6 +170,15 @@ class EpochTracker:
         self.skips = SkipReport()
         self.skips.per_epoch.update(skipped or {})  # a resumed run's counts so far
         self._ended: list[int] = []
+
+    def fetch(self, it) -> dict:
+        """The next micro-batch of the loader iterator ``it`` with at least one readable image; every
+        drawn one is recorded (:meth:`drawn`)."""
+        while True:
+            batch = next(it)
+            self.drawn(batch)
+            if len(batch["labels"]):
+                return batch
 
     def drawn(self, batch: dict) -> None:
         self.skips.add(batch["epoch"], batch["bad"])
@@ -230,3 +239,70 @@ class StallHint:
             self.shown = True
             tqdm.write(f"input-bound: {stall:.0%} of the time goes to waiting for data ({self.pipeline}); pack the "
                        "dataset with `vitflow prepare` or raise data.num_workers")
+
+
+class ProgressLog(Callback):
+    """The progress bar and the ``train`` records: sums each step into a :class:`Meter` and, every
+    ``log_every`` taken steps, writes a record (loss, lr, gradient norm, images/s, data stall,
+    memory, epoch, resolution) and refreshes the bar; hints once when the run is input-bound. The
+    interval's sums travel in checkpoints (``meter``), so a resumed run logs the same mean loss."""
+
+    state_key = "meter"
+
+    def __init__(self, log_every: int, pipeline: str):
+        self.log_every, self.meter, self.stall_hint, self.bar = log_every, Meter(), StallHint(pipeline), None
+        self.images, self.first_step_at, self.last_step_at, self.world_size = 0, None, None, 1
+
+    def images_per_s(self) -> float:
+        """Training images/s of the run on all ranks, from the end of its first step (warm-up: not
+        timed) to the end of its last; 0 for a run of one step."""
+        elapsed = (self.last_step_at - self.first_step_at) if self.first_step_at else 0.0
+        return self.images * self.world_size / elapsed if elapsed else 0.0
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.meter = Meter(**state)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.meter.state_dict()
+
+    def on_fit_start(self, trainer) -> None:
+        self.meter.start, self.world_size = time.perf_counter(), trainer.dist.world_size
+        self.bar = tqdm(total=trainer.total_steps, initial=trainer.step, desc="train", unit="step", dynamic_ncols=True,
+                        mininterval=1.0, disable=not trainer.dist.is_main or quiet())
+
+    def on_step_end(self, trainer, out: StepOutput) -> None:
+        self.meter.add(out.images, out.loss, out.data_wait)
+        self.images, self.last_step_at = self.images + out.images, time.perf_counter()
+        self.first_step_at = self.first_step_at or self.last_step_at
+        if not out.taken:
+            return
+        self.bar.total = trainer.total_steps  # a time budget may have refitted the schedule
+        self.bar.update(1)
+        if out.step % self.log_every:
+            return
+        meter, self.meter = self.meter, Meter()
+        ips, stall = meter.rate()
+        ips *= trainer.dist.world_size
+        loss, lr = meter.loss / meter.steps, max(trainer.scheduler.get_last_lr())
+        trainer.metrics.write("train", step=out.step, loss=loss, lr=lr, grad_norm=out.grad_norm, images_per_s=ips,
+                              data_stall=stall, memory_mb=memory_mb(trainer.device),
+                              skipped_steps=trainer.guard.skipped, epoch=trainer.epochs.position[0],
+                              resolution=trainer.loader.resolution or trainer.data.preprocess.image_size)
+        self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", img_s=f"{ips:.0f}", stall=f"{stall:.0%}")
+        if out.step >= 3 * self.log_every:
+            self.stall_hint(stall)
+
+    def on_train_end(self, trainer) -> None:
+        if self.bar is not None:
+            self.bar.close()  # also when the loop raised: an error line then starts a line of its own
+
+
+def start_record(trainer) -> dict[str, Any]:
+    """The ``start`` record of a run (a :class:`~vitflow.train.loop.Trainer`): step, device,
+    precision, micro-batch, accumulation, ranks, images per split, fine-tuning's summary, and the
+    checkpoint a resumed run continues."""
+    return dict(step=trainer.step, device=str(trainer.device), precision=trainer.precision.name,
+                micro_batch=trainer.micro_batch, accum_steps=trainer.cfg.train.accum_steps,
+                world_size=trainer.dist.world_size, train_images=len(trainer.data.train),
+                val_images=len(trainer.data.val or ()), test_images=len(trainer.data.test or ()),
+                **trainer.tuning.summary(), resumed_from=trainer.state["path"] if trainer.state else None)

@@ -16,14 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vitflow.config import Config, build_config, to_yaml
-from vitflow.data import DataError, open_split
-from vitflow.data.decode import CorruptImageError
+from vitflow.config import Config, DataConfig, ModelConfig, build_config, field_names, to_yaml
+from vitflow.data import DataError
 from vitflow.data.remote.fs import configure_from as configure_remote
-from vitflow.data.sources.dispatch import source_kind
-from vitflow.data.wds.shards import first_image_sizes
-from vitflow.data.wds.stream import open_shard_stream
-from vitflow.models import family_of, model_kwargs
+from vitflow.data.sources.dispatch import open_training
+from vitflow.data.sources.table import reads_path
+from vitflow.models import config_class, family_of, model_kwargs
 from vitflow.runtime import resolve_device
 
 log = logging.getLogger(__name__)
@@ -43,31 +41,22 @@ class DataProfile:
     long_side: int
 
 
-def profile_data(cfg: Config) -> DataProfile:
-    """Open the training split of ``cfg.data`` and read the sizes of up to :data:`SAMPLE` images
+def profile_data(d: DataConfig) -> DataProfile:
+    """Open the training split of the data section ``d`` and read the sizes of up to :data:`SAMPLE` images
     spread over it (from the encoded headers; decoded sources give their fixed size). A shard set
     is not read whole: its counts come from the index and the sizes from its first shard.
 
     Raises:
         DataError: see :func:`vitflow.data.open_split`; no readable image in the sample.
     """
-    configure_remote(cfg.data)  # the run's retries, backoff and cache apply to the plan's reads too
-    if source_kind(cfg.data.path, cfg.data.source) == "wds":  # shards: the index's counts, the first shard's sizes
-        stream = open_shard_stream(str(cfg.data.path), cfg.data.train_split, cfg.data.classes)
-        return _profile(cfg, len(stream), len(stream.classes), first_image_sizes(stream.shards.urls[0], SAMPLE))
-    src = open_split(cfg.data.path, cfg.data.train_split, cfg.data.source, cfg=cfg.data)
-    sizes = []
-    for i in np.linspace(0, len(src) - 1, min(SAMPLE, len(src))).astype(int):
-        try:
-            sizes.append(src.image_size(int(i)))
-        except CorruptImageError:
-            continue
-    return _profile(cfg, len(src), len(src.classes), sizes)
+    configure_remote(d)  # the run's retries, backoff and cache apply to the plan's reads too
+    src = open_training(d)  # shards: streamed, the index's counts, the first shard's sizes
+    return _profile(d.path, len(src), len(src.classes), src.sample_sizes(SAMPLE))
 
 
-def _profile(cfg: Config, images: int, classes: int, sizes: list[tuple[int, int]]) -> DataProfile:
+def _profile(path: str, images: int, classes: int, sizes: list[tuple[int, int]]) -> DataProfile:
     if not sizes:
-        raise DataError(f"{cfg.data.path}: no readable image among the {min(SAMPLE, images)} sampled")
+        raise DataError(f"{path}: no readable image among the {min(SAMPLE, images)} sampled")
     short, long = np.median([min(s) for s in sizes]), np.median([max(s) for s in sizes])
     return DataProfile(images, classes, int(short), int(long))
 
@@ -138,19 +127,20 @@ def resolve_plan(plan: list[tuple[str, object, str]], cfg_batch: int, images: in
     return out
 
 
-def size_warnings(cfg: Config, profile: DataProfile) -> list[str]:
+def size_warnings(m: ModelConfig, device: str, profile: DataProfile) -> list[str]:
     """Warnings when the input is far above what the images hold: over 256 tokens per image on a
     CPU for a model with global attention (a Swin attends within fixed windows, an MViT to keys
     pooled over the grid: their cost grows about linearly with the tokens), or an input size over twice the images' median short side
     (upsampled pixels carry no detail, and cost ``(size / patch)^2`` tokens). None for
-    ``model.name=auto`` (the weights' architecture is known only once they are read)."""
-    if cfg.model.name == "auto":
+    ``model.name=auto`` (the weights' architecture is known only once they are read). ``m``: the
+    model section; ``device``: ``train.device``."""
+    if m.name == "auto":
         return []
-    out, defaults = [], model_kwargs(cfg.model.name)
-    image, patch_size = cfg.model.img_size or defaults["img_size"], cfg.model.patch_size or defaults["patch_size"]
+    out, defaults = [], model_kwargs(m.name)
+    image, patch_size = m.img_size or defaults["img_size"], m.patch_size or defaults["patch_size"]
     tokens = (image // patch_size) ** 2
-    windowed = family_of(cfg.model.name).name in ("swin", "mvit")
-    if tokens > 256 and not windowed and not cfg.train.device.startswith("cuda"):
+    windowed = family_of(m.name).name in ("swin", "mvit")
+    if tokens > 256 and not windowed and not device.startswith("cuda"):
         better = max(patch_size, image // 8)
         out.append(f"{tokens} tokens per image ({image} px in {patch_size}-px patches) on a CPU: attention cost grows "
                    f"with the square of the tokens; model.patch_size={better} would give {(image // better) ** 2}")
@@ -169,19 +159,22 @@ def planned_config(overrides: list[str], checks, preset: str = PHOTO_PRESET) -> 
         ConfigError, DataError: as :func:`vitflow.config.build_config` and :func:`profile_data`.
     """
     set_by_user = {o.split("=", 1)[0].strip() for o in overrides}
-    base = build_config(preset, overrides=overrides, checks=checks)
-    profile = profile_data(base)
+    base = build_config(preset, overrides=overrides, checks=checks, model_config=config_class)
+    profile = profile_data(base.data)
     log.info("plan: %d training images of %d classes, median %dx%d px", profile.images, profile.classes,
              profile.long_side, profile.short_side)
     family = "vit" if base.model.name == "auto" else family_of(base.model.name).name
-    plan = plan_overrides(profile, resolve_device(base.train.device).type, set_by_user, family)
+    keys = field_names(type(base.model))  # the planned model keys the family has (a Swin takes no pos_embed)
+    plan = [p for p in plan_overrides(profile, resolve_device(base.train.device).type, set_by_user, family)
+            if not p[0].startswith("model.") or p[0][6:] in keys]
     fixed = [f"{k}={v}" for k, v, _ in plan if not isinstance(v, str) or ":" not in v and v != "by_batch"]
-    batch = build_config(preset, overrides=fixed + overrides, checks=checks).train.batch_size
+    batch = build_config(preset, overrides=fixed + overrides, checks=checks, model_config=config_class).train.batch_size
     plan = [p for p in resolve_plan(plan, batch, profile.images) if p[0] not in set_by_user]
     for key, value, why in plan:
         log.info("plan: %s=%s  (%s)", key, value, why)
-    cfg = build_config(preset, overrides=[f"{k}={v}" for k, v, _ in plan] + overrides, checks=checks)
-    for warning in size_warnings(cfg, profile):
+    cfg = build_config(preset, overrides=[f"{k}={v}" for k, v, _ in plan] + overrides, checks=checks,
+                       model_config=config_class)
+    for warning in size_warnings(cfg.model, cfg.train.device, profile):
         log.warning("%s", warning)
     log.info("resolved config (save it and pass --config FILE to repeat the run):\n%s", to_yaml(cfg).rstrip())
     return cfg
@@ -189,8 +182,8 @@ def planned_config(overrides: list[str], checks, preset: str = PHOTO_PRESET) -> 
 
 def is_planned(preset: str | None, config_file: str | None, overrides: list[str]) -> bool:
     """Whether ``vitflow train`` plans the run: ``--preset photos-auto``, or no preset and no
-    config file with a ``data.path`` (and not the embedded digits)."""
+    config file with a ``data.path`` (and not built-in data such as the embedded digits)."""
     if preset == PHOTO_PRESET:
         return True
     keys = {o.split("=", 1)[0].strip(): o.split("=", 1)[1] for o in overrides if "=" in o}
-    return not preset and not config_file and "data.path" in keys and keys.get("data.source") != "digits"
+    return not preset and not config_file and "data.path" in keys and reads_path(keys.get("data.source", "auto"))

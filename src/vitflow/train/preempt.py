@@ -2,9 +2,10 @@
 
 Signals: ``SIGTERM`` (Slurm at the time limit, ``scancel``, Kubernetes, torchrun's agent when it
 shuts its workers down), ``SIGINT`` (Ctrl-C) and ``SIGUSR1`` (Slurm's ``--signal=USR1@120``
-warning before the time limit). The handler only records the signal; the training loop asks
-every rank at each step boundary whether any rank got one (one all-reduce, so all ranks stop
-after the same step), writes the checkpoint on all ranks, logs one line and returns; ``vitflow
+warning before the time limit). The handler only records the signal; the run's
+:class:`Preemption` callback asks the loop to stop after the step, the loop asks every rank at
+each step boundary whether any rank wants to stop (one all-reduce, so all ranks stop after the
+same step), writes the checkpoint on all ranks, logs one line and returns; ``vitflow
 train`` then exits with :func:`exit_code` ``= 128 + signal number`` (SIGTERM 143, SIGINT 130,
 SIGUSR1 138). On ``SIGUSR1`` in a Slurm job, rank 0 also requeues the job after the checkpoint
 (``scontrol requeue $SLURM_JOB_ID``; the job needs ``--requeue``), and the requeued job
@@ -22,8 +23,10 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from typing import Mapping
 
+from vitflow.train.callbacks import Callback, StepOutput
 from vitflow.train.elastic import launched_by_srun
 from vitflow.train.guards import StopSignals
 
@@ -40,10 +43,12 @@ def launched(environ: Mapping[str, str]) -> bool:
     return "TORCHELASTIC_RUN_ID" in environ or launched_by_srun(environ)
 
 
-class Preemption(StopSignals):
+class Preemption(StopSignals, Callback):
     """:class:`~vitflow.train.guards.StopSignals` for SIGTERM, SIGINT and SIGUSR1 (see the module
     docstring): while active, the first signal is recorded in :attr:`signum`; repeats are ignored
-    under a launcher and for SIGUSR1, else act as usual."""
+    under a launcher and for SIGUSR1, else act as usual. As a callback it is active from the first
+    step to the end of the loop, and turns a recorded signal into an interruption of the run after
+    the step (a checkpoint, no final evaluation)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -60,6 +65,16 @@ class Preemption(StopSignals):
         self.signum = signum
         log.warning("received %s: writing a checkpoint after this step on every rank, then exiting%s",
                     signal.Signals(signum).name, "" if self.launched else " (send it again to stop immediately)")
+
+    def on_fit_start(self, trainer) -> None:
+        self.__enter__()
+
+    def on_step_end(self, trainer, out: StepOutput) -> None:
+        if self.signum is not None:
+            trainer.request_stop(self.name, interrupt=True)
+
+    def on_train_end(self, trainer) -> None:
+        self.__exit__()
 
 
 def after_checkpoint(name: str | None, is_main: bool, environ: Mapping[str, str] | None = None) -> bool:
@@ -79,3 +94,19 @@ def after_checkpoint(name: str | None, is_main: bool, environ: Mapping[str, str]
         return False
     log.warning("requeued Slurm job %s: it continues from this checkpoint", job)
     return True
+
+
+def interrupted_end(trainer) -> dict:
+    """The end of a run a signal interrupted (a :class:`~vitflow.train.loop.Trainer` whose loop has
+    stopped): a checkpoint, the ``interrupted`` record and one line saying how to continue, then the
+    Slurm requeue on SIGUSR1. Returns the summary: ``interrupted`` (the signal's name), ``step``,
+    ``run_dir``, ``checkpoint``, ``elapsed_s``."""
+    path = trainer.save()
+    trainer.epochs.end_partial(trainer.step)  # the part of the epoch it stopped in, recorded after the checkpoint
+    summary = {"interrupted": trainer.interrupted, "step": trainer.step, "run_dir": str(trainer.run_dir),
+               "checkpoint": str(path), "elapsed_s": time.perf_counter() - trainer.started}
+    trainer.metrics.write("interrupted", **summary)
+    log.warning("%s: checkpoint %s written at step %d; continue with: vitflow resume %s", trainer.interrupted, path,
+                trainer.step, trainer.run_dir)
+    after_checkpoint(trainer.interrupted, trainer.dist.is_main)  # SIGUSR1 under Slurm: requeue the job
+    return summary

@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 from vitflow import checkpoint as ckpt
-from vitflow.config import Config, to_yaml
+from vitflow.config import TrainConfig
 from vitflow.data.sources.base import FileSource, ImageSource, export_samples
 from vitflow.rundir import CONFIG, RUN, is_run_dir
 
@@ -30,14 +30,14 @@ class RunDirError(ValueError):
     """``train.run_dir`` cannot take this run; the message says what is there and what to do."""
 
 
-def run_dir_for(cfg: Config, resume: Path | None) -> Path:
+def run_dir_for(t: TrainConfig, preset: str, resume: Path | None) -> Path:
     """Where the run lives: ``train.run_dir``; else the resumed checkpoint's run; else
     ``runs/<preset>-<timestamp>``. Nothing is created."""
-    if cfg.train.run_dir:
-        return Path(cfg.train.run_dir)
+    if t.run_dir:
+        return Path(t.run_dir)
     if resume is not None:
         return resume.parent.parent
-    return Path("runs") / f"{cfg.preset}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    return Path("runs") / f"{preset}-{dt.datetime.now():%Y%m%d-%H%M%S}"
 
 
 def check_new_run(path: Path, resume_mode: str) -> bool:
@@ -66,31 +66,31 @@ def check_new_run(path: Path, resume_mode: str) -> bool:
                       "run only into a new or empty folder; choose another train.run_dir")
 
 
-def open_run_dir(path: Path, cfg: Config) -> Path:
-    """Create the run directory (parents too) if needed, mark it as a run, write the config and
-    remove unfinished checkpoint writes. A new folder appears whole (written as a hidden
+def open_run_dir(path: Path, config_yaml: str, preset: str) -> Path:
+    """Create the run directory (parents too) if needed, mark it as a run (of ``preset``), write
+    ``config_yaml`` (the resolved config) and remove unfinished checkpoint writes. A new folder appears whole (written as a hidden
     ``.NAME.partial`` and renamed), so a process killed while creating it leaves no half run.
     Returns ``path``."""
     if not path.exists():
         partial = path.with_name(f".{path.name}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        _write_files(partial, cfg)
+        _write_files(partial, config_yaml, preset)
         partial.rename(path)
     else:
-        _write_files(path, cfg)
+        _write_files(path, config_yaml, preset)
     for orphan in ckpt.remove_orphans(path):
         log.info("removed %s, the temporary file of a checkpoint write that never finished", orphan)
     return path
 
 
-def _write_files(path: Path, cfg: Config) -> None:
+def _write_files(path: Path, config_yaml: str, preset: str) -> None:
     """``config.yaml`` (replaced atomically), then the run mark."""
     tmp = path / f".{CONFIG}.tmp"
-    tmp.write_text(to_yaml(cfg))
+    tmp.write_text(config_yaml)
     tmp.replace(path / CONFIG)
     if not is_run_dir(path):
-        (path / RUN).write_text(json.dumps({"format": "vitflow-run", "version": 1, "preset": cfg.preset,
+        (path / RUN).write_text(json.dumps({"format": "vitflow-run", "version": 1, "preset": preset,
                                             "created": dt.datetime.now().isoformat(timespec="seconds")}))
 
 

@@ -36,15 +36,15 @@ from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
-from vitflow.config import build_config
-from vitflow.config.build import all_keys
-from vitflow.config.schema import DEFAULT_PRESET
+from vitflow.config import DEFAULT_PRESET, all_keys, build_config, model_key_defaults
+from vitflow.metrics import canonical_key, split_metric
+from vitflow.models import config_class
+from vitflow.train.callbacks import Callback
 
 log = logging.getLogger(__name__)
 
 SETTINGS, STORAGE, TABLE, BEST = "sweep.json", "sweep.db", "sweep.csv", "best.yaml"
 TYPES = ("float", "int", "categorical")
-MINIMIZED = ("loss", "ece")  # metrics whose default direction is minimize (by the name's ending)
 
 
 class SweepError(ValueError):
@@ -56,8 +56,10 @@ class SweepInterrupted(RuntimeError):
 
 
 def default_direction(metric: str) -> str:
-    """``minimize`` for a loss or a calibration error (``val_loss``, ``val_ece``), else ``maximize``."""
-    return "minimize" if metric.endswith(MINIMIZED) else "maximize"
+    """``minimize`` for a figure the metric table says is better lower (``val_loss``, ``val_ece``),
+    else ``maximize``."""
+    found = split_metric(metric)
+    return "minimize" if found and found[1].better == "min" else "maximize"
 
 
 def read_space(path: str | Path) -> dict[str, dict[str, Any]]:
@@ -74,7 +76,7 @@ def read_space(path: str | Path) -> dict[str, dict[str, Any]]:
         raise SweepError(f"--space {path}: {e}") from None
     if not isinstance(tree, dict) or not tree:
         raise SweepError(f"--space {path}: expected a mapping of config keys to distributions")
-    keys = set(all_keys())
+    keys = set(all_keys()) | {f"model.{k}" for k in model_key_defaults()}  # (every family's model keys)
     for key, spec in tree.items():
         where = f"--space {path}: {key}"
         if key not in keys:
@@ -105,10 +107,10 @@ def _suggest(trial, space: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
     return values
 
 
-class Pruning:
-    """The trainer's ``on_eval`` callback: reports the metric (``split``'s ``key``) of each
-    evaluation during training to the Optuna trial and stops a trial the pruner prunes (after a
-    ``pruned`` record in its run's metrics).
+class Pruning(Callback):
+    """A trial's callback: reports the metric (``split``'s ``key``) of each evaluation during
+    training to the Optuna trial and stops a trial the pruner prunes (after a ``pruned`` record in
+    its run's metrics).
 
     Raises:
         optuna.TrialPruned: the pruner stops the trial.
@@ -117,12 +119,14 @@ class Pruning:
 
     def __init__(self, trial, metric: str):
         self.trial, self.metric = trial, metric
-        self.split, _, self.key = metric.partition("_")
+        self.split, _, self.key = canonical_key(metric).partition("_")
 
-    def __call__(self, trainer, result: dict[str, Any]) -> None:
+    def on_evaluation(self, trainer, split: str, result: dict[str, Any]) -> None:
         import optuna
 
         monitored = trainer.evaluator.monitored
+        if split != monitored or trainer.finishing:  # the evaluations during training
+            return
         if self.split != monitored:
             raise SweepError(f"--metric {self.metric}: the runs evaluate {monitored} during training, not "
                              f"{self.split} (set data.val_split, or choose --metric {monitored}_{self.key})")
@@ -239,17 +243,17 @@ def _run_trial(study, space: Mapping[str, dict[str, Any]], base: dict[str, Any],
         values = _suggest(trial, space)
         assigned = [f"{k}={json.dumps(v)}" for k, v in values.items()]
         cfg = build_config(base["preset"], base["config_file"], [*base["overrides"], *assigned,
-                                                                  f"train.run_dir={run_dir}"], checks=base["checks"])
-        trainer = Trainer(cfg)
-        trainer.on_eval.append(Pruning(trial, metric))
+                                                                  f"train.run_dir={run_dir}"], checks=base["checks"],
+                           model_config=config_class)
+        trainer = Trainer(cfg, [Pruning(trial, metric)])
         summary = trainer.fit()
         if "interrupted" in summary:
             note = f"{summary['interrupted']} at step {summary['step']}"
             raise SweepInterrupted(f"{summary['interrupted']}: trial {trial.number} stopped at step "
                                    f"{summary['step']} (it runs again when the sweep continues)")
-        if metric not in summary:
+        if canonical_key(metric) not in summary:
             raise SweepError(f"--metric {metric}: not among the run's figures ({', '.join(_figures(summary))})")
-        state, value = TrialState.COMPLETE, float(summary[metric])
+        state, value = TrialState.COMPLETE, float(summary[canonical_key(metric)])
     except optuna.TrialPruned as e:
         state, note = TrialState.PRUNED, str(e)
     except (SweepInterrupted, KeyboardInterrupt):

@@ -1,4 +1,4 @@
-"""Experiment trackers behind :class:`~vitflow.train.logging.MetricsLog`: MLflow and Weights & Biases.
+"""Experiment trackers, a callback of the run (:class:`Trackers`): MLflow and Weights & Biases.
 
 Each is switched on by one key and is an optional extra (``pip install 'vitflow[mlflow]'``,
 ``'vitflow[wandb]'``):
@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from vitflow.config import Config
-from vitflow.config.build import flatten
+from vitflow.config import TrainConfig
+from vitflow.train.callbacks import Callback
 
 log = logging.getLogger(__name__)
 
@@ -81,59 +81,58 @@ def mlflow_uri(value: str | None) -> str | None:
     return Path(text).expanduser().resolve().as_uri()
 
 
-def enabled(cfg: Config) -> list[str]:
-    """The trackers ``cfg`` switches on (``"mlflow"``, ``"wandb"``)."""
-    return [name for name, on in (("mlflow", mlflow_uri(cfg.train.mlflow)), ("wandb", cfg.train.wandb != "none"))
-            if on]
+def enabled(t: TrainConfig) -> list[str]:
+    """The trackers the ``train`` section switches on (``"mlflow"``, ``"wandb"``)."""
+    return [name for name, on in (("mlflow", mlflow_uri(t.mlflow)), ("wandb", t.wandb != "none")) if on]
 
 
-def check_trackers(cfg: Config) -> None:
+def check_trackers(t: TrainConfig) -> None:
     """Fail before any work when a tracker is switched on but its package is not installed.
 
     Raises:
         TrackerError: ``train.mlflow`` without ``mlflow`` / ``train.wandb`` without ``wandb``.
     """
-    for name in enabled(cfg):
+    for name in enabled(t):
         if importlib.util.find_spec(name) is None:
             raise TrackerError(f"train.{name} is set but the {name} package is not installed: "
                                f"pip install 'vitflow[{name}]'")
 
 
-def open_trackers(cfg: Config, run_dir: Path, resume: bool) -> "Trackers | None":
-    """Start the trackers ``cfg`` switches on (``None`` when none is): each creates its run (or,
-    when ``resume`` and ``RUN_DIR/trackers.json`` names one, continues it) and logs the
-    flattened config as parameters. Call it on rank 0 only.
+def open_trackers(t: TrainConfig, params: dict[str, Any], name: str, run_dir: Path, resume: bool) -> "Trackers | None":
+    """Start the trackers the ``train`` section switches on (``None`` when none is): each creates
+    its run (or, when ``resume`` and ``RUN_DIR/trackers.json`` names one, continues it) and logs
+    ``params`` (the flattened config) as parameters; ``name``: the preset, the default experiment /
+    project name. Call it on rank 0 only.
 
     Raises:
         TrackerError: a package is missing, or the tracking server / store refuses the run.
     """
-    names = enabled(cfg)
+    names = enabled(t)
     if not names:
         return None
-    check_trackers(cfg)
+    check_trackers(t)
     ids = _read_ids(run_dir) if resume else {}
-    params = {k: v for k, v in flatten(cfg.to_dict()).items()}
     opened: list[Tracker] = []
-    for name in names:
+    for kind in names:
         try:
-            tracker = (_mlflow if name == "mlflow" else _wandb)(cfg, run_dir, ids.get(name))
-            if name not in ids:
+            tracker = (_mlflow if kind == "mlflow" else _wandb)(t, name, run_dir, ids.get(kind))
+            if kind not in ids:
                 tracker.log_params(params)
         except TrackerError:
             raise
         except Exception as e:  # the package's own errors: a server down, a store unreadable
             for t in opened:
                 t.close("FAILED")
-            key = f"train.{name}={cfg.train.mlflow if name == 'mlflow' else cfg.train.wandb}"
+            key = f"train.{kind}={t.mlflow if kind == 'mlflow' else t.wandb}"
             raise TrackerError(f"{key}: the tracker could not start a run: {_one_line(e)}") from None
         opened.append(tracker)
     return Trackers(opened, run_dir)
 
 
-class Trackers:
-    """Fans the records of :class:`~vitflow.train.logging.MetricsLog` out to the trackers.
+class Trackers(Callback):
+    """Fans the run's records out to the trackers (a callback: :meth:`on_record`, :meth:`on_fit_end`).
 
-    :meth:`record` takes every record MetricsLog writes: ``train`` and ``eval`` records with a
+    :meth:`record` takes every record the run writes: ``train`` and ``eval`` records with a
     ``step`` become metrics (their numbers, but ``time``, ``step`` and ``epoch``) named
     ``train/KEY`` and ``SPLIT/KEY``; :meth:`close` logs the run's files (:data:`ARTIFACTS`)
     and ends the tracker runs in the state the last record tells (:data:`END_STATES`; else
@@ -155,6 +154,12 @@ class Trackers:
                    and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         if metrics:
             self._each(lambda t: t.log_metrics(int(rec["step"]), metrics))
+
+    def on_record(self, trainer, record: dict[str, Any]) -> None:
+        self.record(record)
+
+    def on_fit_end(self, trainer, summary: dict[str, Any] | None) -> None:
+        self.close()
 
     def close(self) -> None:
         """Log the run's files, then end every tracker run."""
@@ -232,10 +237,10 @@ class MLflowTracker:
         self.client.set_terminated(self.run_id, status=state)
 
 
-def _mlflow(cfg: Config, run_dir: Path, run_id: str | None) -> MLflowTracker:
-    uri = mlflow_uri(cfg.train.mlflow)
-    tracker = MLflowTracker(uri, cfg.train.mlflow_experiment or cfg.preset, run_dir.name, run_id,
-                            {"vitflow.run_dir": str(run_dir.resolve()), "vitflow.preset": cfg.preset})
+def _mlflow(t: TrainConfig, name: str, run_dir: Path, run_id: str | None) -> MLflowTracker:
+    uri = mlflow_uri(t.mlflow)
+    tracker = MLflowTracker(uri, t.mlflow_experiment or name, run_dir.name, run_id,
+                            {"vitflow.run_dir": str(run_dir.resolve()), "vitflow.preset": name})
     log.info("MLflow: run %s in %s", tracker.run_id, uri)
     return tracker
 
@@ -272,6 +277,6 @@ class WandbTracker:
         self.run.finish(exit_code=0 if state == "FINISHED" else 1)  # offline: wandb names the folder to sync
 
 
-def _wandb(cfg: Config, run_dir: Path, run_id: str | None) -> WandbTracker:
-    project = cfg.train.wandb_project or os.environ.get("WANDB_PROJECT") or cfg.preset
-    return WandbTracker(cfg.train.wandb, project, run_dir.name, {}, run_id)
+def _wandb(t: TrainConfig, name: str, run_dir: Path, run_id: str | None) -> WandbTracker:
+    project = t.wandb_project or os.environ.get("WANDB_PROJECT") or name
+    return WandbTracker(t.wandb, project, run_dir.name, {}, run_id)

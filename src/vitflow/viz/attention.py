@@ -83,15 +83,14 @@ def token_grid(rows: torch.Tensor, num_prefix_tokens: int, grid: tuple[int, int]
     return x / x.flatten(-2).amax(-1)[..., None, None].clamp_min(1e-12)
 
 
-def plot_attention(image: torch.Tensor, head_maps: torch.Tensor, rollout: torch.Tensor, out: str | Path,
-                   title: str = "", layer: int = -1, rollout_label: str = "rollout (all layers)") -> Path:
-    """Write a PNG grid: the image, one overlay per head, the rollout overlay (titled ``rollout_label``).
+def attention_plot(image: torch.Tensor, head_maps: torch.Tensor, rollout: torch.Tensor, title: str = "",
+                   layer: int = -1, rollout_label: str = "rollout (all layers)"):
+    """A matplotlib ``Figure`` (no pyplot: any backend, shown inline in Jupyter): the image, one
+    overlay per head, the rollout overlay (titled ``rollout_label``).
 
     Args:
         image: ``uint8 (3, S, S)`` as fed to the model.
         head_maps: ``(H, h, w)`` per-head maps in [0, 1]; rollout: ``(h, w)``.
-    Returns:
-        The written path.
     """
     from matplotlib.figure import Figure
 
@@ -116,6 +115,13 @@ def plot_attention(image: torch.Tensor, head_maps: torch.Tensor, rollout: torch.
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def plot_attention(image: torch.Tensor, head_maps: torch.Tensor, rollout: torch.Tensor, out: str | Path,
+                   title: str = "", layer: int = -1, rollout_label: str = "rollout (all layers)") -> Path:
+    """Write :func:`attention_plot`'s grid as a PNG to ``out``; returns the path."""
+    fig = attention_plot(image, head_maps, rollout, title, layer, rollout_label)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
@@ -123,30 +129,29 @@ def plot_attention(image: torch.Tensor, head_maps: torch.Tensor, rollout: torch.
 
 
 @torch.no_grad()
-def attention_figure(checkpoint: str | Path, image: str | Path, out: str | Path, layer: int = -1,
-                     head_fusion: HeadFusion = "mean") -> dict:
-    """Attention maps of ``checkpoint`` on one image file, written as a PNG grid to ``out``.
+def attention_maps(predictor: Predictor, pixels: torch.Tensor, layer: int = -1, head_fusion: HeadFusion = "mean",
+                   name: str = "image") -> dict:
+    """The attention maps of ``predictor``'s PyTorch model on one preprocessed image.
 
+    Args:
+        pixels: ``uint8 (3, S, S)``, the image after ``predictor.transform`` (the eval preprocessing).
     Returns:
-        ``{"image", "output", "class", "prob", "layer", "heads", "grid", "maps"}`` (``maps``: what
-        they show, :func:`attention_kind`).
+        ``{"figure"`` (:func:`attention_plot`), ``"heads"`` ``(H, h, w)``, ``"rollout"`` ``(h, w)``,
+        ``"class", "prob", "layer", "grid", "maps"}`` (``maps``: what they show,
+        :func:`attention_kind`).
     Raises:
-        FileNotFoundError: missing checkpoint or image. ValueError: unreadable image or
-        checkpoint, or ``layer`` out of range.
+        ValueError: ``layer`` out of range, or a model without attention maps (ONNX / INT8 files).
     """
-    image = Path(image)
-    if not image.is_file():
-        raise FileNotFoundError(f"image not found: {image}")
-    predictor = Predictor.from_checkpoint(checkpoint, device="cpu", precision="fp32")
     model, pp = predictor.model, predictor.pp
+    if not hasattr(model, "attention_maps") or not hasattr(model, "blocks"):
+        raise ValueError(f"{predictor.name}: attention maps need the PyTorch model (a run or checkpoint), not an "
+                         "exported or quantized file")
     depth = len(model.blocks)
     if not -depth <= layer < depth:
         raise ValueError(f"--layer {layer} out of range for a {depth}-block model")
-    pixels = predictor.transform(decode_image(image.read_bytes(), str(image)))
-    x = model_input(pixels[None], pp.mean, pp.std)
-    maps = model.attention_maps(x)
-    probs = model(x).softmax(-1)[0]
-    prob, idx = probs.max(0)
+    x = model_input(pixels[None], pp.mean, pp.std, predictor.device, predictor.dtype)
+    maps = [m.float().cpu() for m in model.attention_maps(x)]
+    prob, idx = model(x).float().softmax(-1)[0].max(0)
     grid = (x.shape[-2] // model.patch_size, x.shape[-1] // model.patch_size)
     p, kind = model.num_prefix_tokens, attention_kind(model)
     if hasattr(model, "attention_grid"):  # hierarchical (Swin, MViT): the layer's stage grid, rollout within it
@@ -155,9 +160,34 @@ def attention_figure(checkpoint: str | Path, image: str | Path, out: str | Path,
     heads = token_grid(maps[-1 if hasattr(model, "attention_grid") else layer][0], p, grid, kind)
     rollout = token_grid(attention_rollout(maps, head_fusion)[0], p, grid, kind)
     label = predictor.classes[int(idx)]
-    title = f"{image.name}: {label} ({float(prob):.1%}); maps: {kind}"
     rolled = "rollout (all layers)" if not hasattr(model, "attention_grid") else \
         f"rollout (blocks {layer % depth - len(maps) + 1}-{layer % depth}, one stage)"
-    path = plot_attention(pixels, heads, rollout, out, title, layer % depth, rolled)
-    return {"image": str(image), "output": str(path), "class": label, "prob": float(prob), "layer": layer % depth,
-            "heads": heads.shape[0], "grid": list(grid), "maps": kind}
+    figure = attention_plot(pixels, heads, rollout, f"{name}: {label} ({float(prob):.1%}); maps: {kind}",
+                            layer % depth, rolled)
+    return {"figure": figure, "heads": heads, "rollout": rollout, "class": label, "prob": float(prob),
+            "layer": layer % depth, "grid": list(grid), "maps": kind}
+
+
+def attention_figure(checkpoint: str | Path, image: str | Path, out: str | Path, layer: int = -1,
+                     head_fusion: HeadFusion = "mean") -> dict:
+    """Attention maps of ``checkpoint`` on one image file (:func:`attention_maps`), written as a PNG
+    grid to ``out``.
+
+    Returns:
+        ``{"image", "output", "class", "prob", "layer", "heads", "grid", "maps"}`` (``heads``: their
+        count; ``maps``: what they show, :func:`attention_kind`).
+    Raises:
+        FileNotFoundError: missing checkpoint or image. ValueError: unreadable image or
+        checkpoint, or ``layer`` out of range.
+    """
+    image = Path(image)
+    if not image.is_file():
+        raise FileNotFoundError(f"image not found: {image}")
+    predictor = Predictor.from_checkpoint(checkpoint, device="cpu", precision="fp32")
+    pixels = predictor.transform(decode_image(image.read_bytes(), str(image)))
+    r = attention_maps(predictor, pixels, layer, head_fusion, image.name)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    r.pop("figure").savefig(out)
+    return {"image": str(image), "output": str(out), **{k: v for k, v in r.items() if k != "rollout"},
+            "heads": r["heads"].shape[0]}

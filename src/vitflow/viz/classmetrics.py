@@ -8,10 +8,7 @@ import html
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.figure import Figure  # no pyplot: any backend, and a notebook's own backend left as it is
 
 
 def plot_reliability(reliability: dict[str, Any], ece: float, path: str | Path, title: str = "") -> Path:

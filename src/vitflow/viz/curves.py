@@ -5,10 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # no pyplot: any backend, and a notebook's own backend left as it is
 
 
 def plot_schedule(lrs: Sequence[float], path: str | Path, title: str, lowest_scale: float | None = None) -> Path:
@@ -16,7 +13,8 @@ def plot_schedule(lrs: Sequence[float], path: str | Path, title: str, lowest_sca
     decay) also the embeddings' rate, ``lowest_scale`` times it. See
     :func:`vitflow.train.schedules.lr_curve` for the values. Returns ``path``."""
     steps = list(range(len(lrs)))
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig = Figure(figsize=(8, 4))
+    ax = fig.add_subplot()
     ax.plot(steps, lrs, label="head / top layer" if lowest_scale else "lr")
     if lowest_scale:
         ax.plot(steps, [lr * lowest_scale for lr in lrs], label=f"embeddings (x{lowest_scale:.3g})")
@@ -25,7 +23,6 @@ def plot_schedule(lrs: Sequence[float], path: str | Path, title: str, lowest_sca
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return Path(path)
 
 
@@ -40,7 +37,8 @@ def line_plot(path: str | Path, title: str, series: Sequence[tuple[str, Sequence
     optional second y axis (``right``). A series of a single point (one evaluation) is drawn as a
     marker, since a line through one point is invisible; ``note`` is written inside the axes (e.g.
     "1 evaluation so far")."""
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig = Figure(figsize=(7, 3.6))
+    ax = fig.add_subplot()
     for label, xs, ys, kw in series:
         ax.plot(xs, ys, label=label, **_visible(xs, kw))
     if logy:
@@ -61,5 +59,4 @@ def line_plot(path: str | Path, title: str, series: Sequence[tuple[str, Sequence
         ax.text(0.5, 0.08, note, transform=ax.transAxes, ha="center", fontsize=10, color="dimgray")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return Path(path)

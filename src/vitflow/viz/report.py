@@ -30,14 +30,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+from vitflow.metrics import headline_metrics, split_metric, summary_names, task_of
 from vitflow.rundir import read_metrics
 from vitflow.viz.classmetrics import calibration_html, prf_table
 from vitflow.viz.curves import line_plot
 from vitflow.viz.distribution import distribution_panel
 from vitflow.viz.panels import attention_panel, status_line
 
-FIGURES = ("top1", "top5", "loss", "map", "micro_f1", "macro_f1", "threshold", "skipped", "balanced_accuracy",
-           "weighted_f1", "ece")  # per split
 MAX_MATRIX_CLASSES = 40  # larger confusion matrices are summarised as the most frequent confusions
 
 
@@ -67,11 +66,11 @@ def write_curves(records: list[dict], out: Path) -> dict[str, Path]:
     loss = [("train loss", *_xy(train, "loss"), {}), (f"{split} loss", *_xy(evals, "loss"), marker)]
     if any("ema_loss" in e for e in evals):
         loss.append((f"EMA {split} loss", *_xy(evals, "ema_loss"), marker))
-    first, second = (("map", "mAP"), ("micro_f1", "micro-F1")) if any("map" in e for e in evals) else \
-        (("top1", "top-1"), ("top5", "top-5"))
-    acc = [(first[1], *_xy(evals, first[0]), marker), (second[1], *_xy(evals, second[0]), {**marker, "alpha": 0.6})]
-    if any(f"ema_{first[0]}" in e for e in evals):
-        acc.append((f"EMA {first[1]}", *_xy(evals, f"ema_{first[0]}"), {**marker, "linestyle": "--"}))
+    first, second = headline_metrics(_task(evals))[:2]  # top-1 / top-5, or mAP / micro-F1
+    acc = [(first.label, *_xy(evals, first.name), marker),
+           (second.label, *_xy(evals, second.name), {**marker, "alpha": 0.6})]
+    if any(f"ema_{first.name}" in e for e in evals):
+        acc.append((f"EMA {first.label}", *_xy(evals, f"ema_{first.name}"), {**marker, "linestyle": "--"}))
     acc = [(label, xs, [100 * y for y in ys], kw) for label, xs, ys, kw in acc]
     stall_x, stall_y = _xy(train, "data_stall")
     return {
@@ -79,7 +78,7 @@ def write_curves(records: list[dict], out: Path) -> dict[str, Path]:
                           right=[("grad norm", *_xy(train, "grad_norm"), {"color": "gray", "alpha": 0.4,
                                                                           "linewidth": 0.8})],
                           right_label="gradient L2 norm"),
-        "accuracy": line_plot(out / "accuracy.png", f"{split} {first[1]} / {second[1]} at each evaluation", acc, "%",
+        "accuracy": line_plot(out / "accuracy.png", f"{split} {first.label} / {second.label} at each evaluation", acc, "%",
                               note=_count_note(len(evals))),
         "lr": line_plot(out / "lr.png", "learning rate", [("lr", *_xy(train, "lr"), {})], "learning rate"),
         "throughput": line_plot(out / "throughput.png", "throughput",
@@ -87,6 +86,11 @@ def write_curves(records: list[dict], out: Path) -> dict[str, Path]:
                                 right=[("data stall", stall_x, [100 * y for y in stall_y],
                                         {"color": "tab:red", "alpha": 0.6})], right_label="data stall, % of time"),
     }
+
+
+def _task(evals: list[dict]) -> str:
+    """The task of a run's evaluations (``multiclass`` before the first)."""
+    return task_of(evals[-1]) if evals else "multiclass"
 
 
 def _count_note(n: int) -> str:
@@ -102,13 +106,15 @@ def final_metrics(records: list[dict]) -> dict[str, Any]:
     summary = next((r for r in reversed(records) if r.get("kind") in ("summary", "interrupted")), None)
     train, (split, evals) = _by_step(records, "train"), monitored_evals(records)
     out: dict[str, Any] = {}
+    figures = (*summary_names(), "skipped")  # per split
     if summary and summary["kind"] == "summary":
-        out.update({k: v for k, v in summary.items() if re.fullmatch(r"(raw_)?(val|test)_(" + "|".join(FIGURES) + ")", k)})
+        pattern = r"(raw_)?(val|test)_(" + "|".join(map(re.escape, figures)) + ")"
+        out.update({k: v for k, v in summary.items() if re.fullmatch(pattern, k)})
         out.update({k: summary[k] for k in ("step", "elapsed_s", "train_images_per_s", "skipped_steps",
                                             "skipped_images") if k in summary})
     else:
         if evals:
-            out.update({f"{split}_{k}": evals[-1][k] for k in FIGURES if k in evals[-1]})
+            out.update({f"{split}_{k}": evals[-1][k] for k in figures if k in evals[-1]})
         out["step"] = (summary or max(train + evals, key=lambda r: r["step"], default={})).get("step")
         out["status"] = f"interrupted ({summary['interrupted']})" if summary else "incomplete"
     if train:
@@ -139,8 +145,10 @@ def _img(path: Path) -> str:
 
 
 def _fmt(key: str, v: Any) -> str:
-    if isinstance(v, float) and any(f in key for f in ("top", "map", "_f1")):
-        return f"{v:.2%}"
+    """``v`` in its metric's format when ``key`` is a metric's (``val_top1``: ``97.77%``)."""
+    found = split_metric(key)
+    if isinstance(v, float) and found and found[0] in ("val", "test", "raw_val", "raw_test"):
+        return found[1].text(v)
     if isinstance(v, float):
         return f"{v:,.4g}" if abs(v) < 1000 else f"{v:,.0f}"
     return html.escape(str(v))
@@ -222,8 +230,8 @@ def write_report(run_dir: str | Path, output: str | Path | None = None, checkpoi
     config = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else "(no config.yaml)"
     ev = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else None
 
-    kpi_keys = [(f"{role}_{k}", f"{role} {label}") for role in ("val", "test") for k, label in
-                (("top1", "top-1"), ("top5", "top-5"), ("map", "mAP"), ("micro_f1", "micro-F1"), ("loss", "loss"))]
+    kpi_keys = [(f"{role}_{m.name}", f"{role} {m.label}") for role in ("val", "test")
+                for m in headline_metrics(_task(monitored_evals(records)[1])) if m.better]  # the summary line's scores
     kpi_keys += [("step", "steps"), ("epochs", "epochs"), ("train_images_per_s", "train images/s")]
     kpis = "".join(f"<div>{label}<b>{_fmt(k, final[k])}</b></div>" for k, label in kpi_keys
                    if final.get(k) is not None)

@@ -32,6 +32,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from vitflow.config import DataConfig
 from vitflow.data.remote.cache import cached_copy, parse_size
 from vitflow.data.remote.store import (  # noqa: F401  the public names of remote I/O live here
     RANDOM_BLOCK,
@@ -59,7 +60,7 @@ __all__ = ["RANDOM_BLOCK", "SCHEME", "SETTINGS", "STREAM_BLOCK", "RangeArray", "
            "is_remote", "join", "load_npy", "local_path", "open_random", "open_stream", "parent", "read_bytes", "with_retries"]
 
 
-def configure_from(cfg) -> None:
+def configure_from(cfg: DataConfig) -> None:
     """Apply a :class:`~vitflow.config.DataConfig`'s ``remote_retries``, ``remote_backoff``,
     ``cache_dir`` and ``cache_max_size`` to this process (and the loader workers it forks)."""
     configure(cfg.remote_retries, cfg.remote_backoff, cfg.cache_dir, parse_size(cfg.cache_max_size))

@@ -68,6 +68,17 @@ class ImageSource:
             return w, h
         return image_size(data, self.name(i))
 
+    def sample_sizes(self, n: int) -> list[tuple[int, int]]:
+        """``(width, height)`` in pixels of up to ``n`` images spread evenly over the source (from
+        their headers where encoded; what a training plan samples). Unreadable ones are left out."""
+        sizes = []
+        for i in np.linspace(0, len(self) - 1, min(n, len(self))).astype(int):
+            try:
+                sizes.append(self.image_size(int(i)))
+            except CorruptImageError:
+                continue
+        return sizes
+
     def load_batch(self, idx: np.ndarray) -> torch.Tensor:
         """Images ``idx`` as one ``uint8`` ``(B, 3, H, W)`` tensor (only when ``fixed_size``; leave
         out the images :meth:`known_unreadable` names first)."""
@@ -81,6 +92,11 @@ class ImageSource:
 
     def subset(self, idx: np.ndarray) -> "ImageSource":
         raise NotImplementedError
+
+    def worker_problem(self) -> str | None:
+        """Why this source cannot be handed to loader worker processes (one line naming what and how
+        to fix it), or ``None`` when it can (every source vitflow opens itself can)."""
+        return None
 
 
 class FileSource(ImageSource):

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from vitflow.data.sources.base import DataError, TensorSource
+from vitflow.data.sources.kind import SourceKind, relabel
 
 # the only globals a CIFAR batch pickle refers to: NumPy's array reconstruction, and (in batches
 # re-pickled by Python 3 at protocol 2) the str -> bytes conversion of bytes objects
@@ -103,3 +104,8 @@ def cifar_batches_source(path: str | Path, split: str) -> TensorSource:
         labels.append(ys)
     images = np.ascontiguousarray(np.concatenate(data).reshape(-1, 3, 32, 32))
     return TensorSource(classes, np.concatenate(labels).astype(np.int64), torch.from_numpy(images), f"{root}/{split}")
+
+
+KIND = SourceKind("cifar", "CIFAR-10 / CIFAR-100 python batches (a folder)", lambda where, cfg: ["train", "test"],
+                  lambda where, split, classes, cfg: relabel(cifar_batches_source(where, split), classes),
+                  detect=is_cifar_batches, what="CIFAR batches folder")

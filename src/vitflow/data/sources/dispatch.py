@@ -1,93 +1,82 @@
 """One place that turns a path into a split's :class:`~vitflow.data.sources.base.ImageSource`: it
-detects the source kind (packed dataset, CIFAR python batches, Hugging Face dataset or Parquet
-files, label file, image folder, tar, the embedded digits), maps ``val`` to the data's own
-``valid`` / ``validation`` split, and applies the split expression's slice. It also tells which
-splits a dataset has (:func:`split_names`) and resolves ``data.val_split`` / ``data.test_split``
-(:func:`resolve_eval_splits`). A new source kind plugs in here."""
+finds the source kind (a row of :mod:`vitflow.data.sources.table`: packed dataset, CIFAR python
+batches, Hugging Face dataset or Parquet files, label file, image folder, tar, shards, the
+embedded digits), maps ``val`` to the data's own ``valid`` / ``validation`` split, and applies
+the split expression's slice. It also tells which splits a dataset has (:func:`split_names`) and
+resolves ``data.val_split`` / ``data.test_split`` (:func:`resolve_eval_splits`). It names no
+kind: what differs between kinds is in their records."""
 
 from __future__ import annotations
 
-import tarfile
 from pathlib import Path
 
 from vitflow.config import DataConfig
 from vitflow.data.remote.fs import is_remote
+from vitflow.data.sources import table
 from vitflow.data.sources.base import DataError, ImageSource
-from vitflow.data.sources.cifar import cifar_batches_source, is_cifar_batches
-from vitflow.data.sources.digits import digits_source
-from vitflow.data.sources.folder import folder_split_names, open_folder_split
-from vitflow.data.sources.hf import open_hf_split
-from vitflow.data.sources.hflayout import hf_split_names, is_hf_dataset
-from vitflow.data.sources.labelfile import is_label_file, label_file_splits, open_label_file_split
+from vitflow.data.sources.kind import SourceKind, Where
 from vitflow.data.sources.labels import TEST_NAMES, VAL_NAMES, canonical_split
-from vitflow.data.sources.packed import is_packed, open_packed, packed_split_names
 from vitflow.data.sources.remote import remote_kind
 from vitflow.data.sources.splits import Split, parse_split
-from vitflow.data.wds.layout import is_wds, open_wds_split, wds_split_names
-
-TABLE_KINDS = ("labels", "hf")  # kinds whose labels come from a column (and may be multi-label)
 
 
-def _relabel(src: ImageSource, classes: list[str] | None) -> ImageSource:
-    """Check that a source with its own class list matches the training classes."""
-    if classes is not None and list(classes) != list(src.classes):
-        raise DataError(f"the data's classes {src.classes[:5]}... differ from the training classes {classes[:5]}...")
-    return src
-
-
-def source_kind(path: str | Path | None, source: str = "auto", label: str = "data.path") -> str:
-    """The kind of data at ``path``: ``digits``, ``packed``, ``cifar``, ``hf``, ``labels``,
-    ``folder``, ``tar`` or ``wds`` (WebDataset shards; ``source`` when it is not ``auto``, after checking it fits).
+def kind_of(path: str | Path | None, source: str = "auto", label: str = "data.path") -> SourceKind:
+    """The record of the kind of data at ``path``: for ``source="auto"`` the first row of
+    :data:`~vitflow.data.sources.table.KINDS` that detects it (shard specs first, as given; then a
+    URL's kind; then a local path's), else the kind ``source`` names, after checking it fits.
 
     Raises:
-        DataError: ``path`` unset or missing, or not of the kind ``source`` names.
+        DataError: an unknown ``source``; ``path`` unset or missing, or not of the kind ``source``
+            names (or of none, for ``auto``).
     """
-    if source == "digits":
-        return "digits"
+    named = None if source == "auto" else table.kind_named(source)
+    if named is not None and not named.needs_path:
+        return named
     if path is None:
         raise DataError("data.path is not set: give an image folder, a .tar of one, a label file or a dataset")
-    if source == "wds" or (source == "auto" and is_wds(str(path))):
-        return "wds"  # WebDataset shards: a pattern, list or URL is not a path (see data/wds/layout.py)
+    for kind in table.KINDS:  # patterns, lists and URLs of their own: not paths (see data/wds/layout.py)
+        if kind.spec and (kind is named or (named is None and kind.detect is not None and kind.detect(str(path)))):
+            return kind
     if is_remote(path):  # https://, s3://, ...: see vitflow.data.sources.remote
-        return remote_kind(str(path), source, label)
+        return remote_kind(str(path), table.KINDS, source, label)
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"{label} {p} does not exist")
-    detected = {"packed": is_packed, "cifar": is_cifar_batches, "hf": is_hf_dataset, "labels": is_label_file}
-    for kind, test in detected.items():
-        if source in ("auto", kind) and test(p):
+    for kind in table.KINDS:
+        if kind.spec or (named is not None and kind is not named):
+            continue
+        if kind.detect(p) if kind.detect is not None else kind is named:  # no detect: chosen only by name
             return kind
-    if source in detected:
-        what = {"packed": "vitflow packed dataset", "cifar": "CIFAR batches folder",
-                "hf": "Hugging Face dataset (save_to_disk folder or Parquet files)",
-                "labels": "label file (.csv, .tsv or .jsonl)"}[source]
-        raise DataError(f"{label} {p} is not a {what}")
-    kind = source if source != "auto" else ("folder" if p.is_dir() else "tar")
-    if kind == "folder" and not p.is_dir():
-        raise DataError(f"{label} {p} is not a directory (data.source=folder)")
-    if kind == "tar" and (p.is_dir() or not tarfile.is_tarfile(p)):
-        raise DataError(f"{label} {p} is not a tar archive, a label file (.csv, .tsv, .jsonl) or a dataset; "
-                        "give an image folder or a .tar of one")
-    return kind
+    raise DataError(f"{label} {p} is not a {(named or table.KINDS[-1]).refusal}")
 
 
-def split_names(path: str | Path | None, source: str = "auto", cfg: DataConfig | None = None) -> list[str]:
-    """The names of the splits the data at ``path`` holds (``["train", "val"]``, ...)."""
-    kind = source_kind(path, source)
-    if kind == "digits":
-        return ["train"]
-    if kind == "wds":
-        return wds_split_names(str(path))
-    p = str(path) if is_remote(path) else Path(path).expanduser()
-    if kind == "packed":
-        return packed_split_names(p)
-    if kind == "cifar":
-        return ["train", "test"]
-    if kind == "hf":
-        return hf_split_names(p)
-    if kind == "labels":
-        return label_file_splits(p, (cfg or DataConfig()).split_column)
-    return folder_split_names(p, kind)
+def source_kind(path: str | Path | None, source: str = "auto", label: str = "data.path") -> str:
+    """The name of the kind of data at ``path`` (``folder``, ``tar``, ``labels``, ``wds``, ...; see
+    :func:`kind_of`).
+
+    Raises:
+        DataError: see :func:`kind_of`.
+    """
+    return kind_of(path, source, label).name
+
+
+def _where(kind: SourceKind, path: str | Path | None) -> Where:
+    """``path`` as ``kind``'s functions take it: as given for shard specs and built-in data, a
+    URL as a string, a local path expanded."""
+    if not kind.needs_path:
+        return path
+    return str(path) if kind.spec or is_remote(path) else Path(path).expanduser()
+
+
+def split_names(path: str | Path | None, source: str = "auto", cfg: DataConfig | None = None,
+                label: str = "data.path") -> list[str]:
+    """The names of the splits the data at ``path`` holds (``["train", "val"]``, ...).
+
+    Raises:
+        DataError: see :func:`kind_of`, or the data cannot be listed.
+    """
+    kind = kind_of(path, source, label)
+    return kind.split_names(_where(kind, path), cfg or DataConfig())
 
 
 def open_split(path: str | Path | None, split: str | Split, source: str = "auto",
@@ -96,11 +85,12 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
 
     Args:
         path: an image folder, an uncompressed ``.tar``, a label file, a Hugging Face dataset
-            (``save_to_disk`` folder or Parquet files), a packed dataset (``vitflow prepare``) or a
-            CIFAR-10/100 python-batches folder (ignored for ``source="digits"``).
+            (``save_to_disk`` folder or Parquet files), a packed dataset (``vitflow prepare``), a
+            CIFAR-10/100 python-batches folder, shards, ... (a kind of
+            :mod:`vitflow.data.sources.table`; ignored for built-in data such as ``source="digits"``).
         split: a split expression (see :mod:`vitflow.data.sources.splits`); ``val`` also finds a split
-            named ``valid`` or ``validation``.
-        source: ``auto`` (detected from ``path``) or a kind of :func:`source_kind`.
+            named ``valid`` or ``validation``. Shards also take a shard pattern.
+        source: ``auto`` (detected from ``path``) or a kind's name.
         classes: the class list to label with (from the train split or a checkpoint); ``None``
             uses this split's own (sorted class folders, label values, the dataset's names).
         label: what errors call ``path`` (``data.path``; ``vitflow prepare`` says ``SRC``).
@@ -113,35 +103,32 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
             not in ``classes``, or multi-label data that is not a label table.
     """
     cfg = cfg or DataConfig()
-    kind = source_kind(path, source, label)
-    if kind == "wds":  # a split may be a shard pattern, not a split expression
-        return open_wds_split(str(path), split if isinstance(split, str) else split.name, classes, cfg.classes)
+    kind = kind_of(path, source, label)
+    where = _where(kind, path)
+    if kind.spec:  # a split may be a shard pattern, not a split expression
+        return kind.open(where, split if isinstance(split, str) else split.name, classes, cfg)
     sp = parse_split(split) if isinstance(split, str) else split
-    if cfg.task == "multilabel" and kind not in TABLE_KINDS:
+    if cfg.task == "multilabel" and not kind.table_labels:
         raise DataError(f"data.task=multilabel needs labels from a label file (.csv, .tsv, .jsonl) or a Hugging Face "
-                        f"dataset; {label} is a{'n' if kind[0] in 'aeiou' else ''} {kind} with one class per image")
-    if kind == "digits":
-        if sp.name != "train":
-            raise DataError(f"the digits data has one split, 'train' (got {sp.name!r}); "
-                            "hold out images with slices such as 'train[80%:]'")
-        src = digits_source()
-        return src.subset(sp.select(len(src)))
-    p = str(path) if is_remote(path) else Path(path).expanduser()
-    name = canonical_split(sp.name, split_names(p, kind, cfg)) if sp.name in VAL_NAMES else sp.name
-    name = name or sp.name  # not there: the source's own message names what it has
-    if kind == "packed":
-        src = _relabel(open_packed(p, name), classes)
-    elif kind == "cifar":
-        src = _relabel(cifar_batches_source(p, name), classes)
-    elif kind == "hf":
-        src = open_hf_split(p, name, classes, cfg.image_column, cfg.label_column, cfg.task == "multilabel",
-                            cfg.label_separator, cfg.classes)
-    elif kind == "labels":
-        src = open_label_file_split(p, name, classes, cfg.root, cfg.image_column, cfg.label_column, cfg.split_column,
-                                    cfg.task == "multilabel", cfg.label_separator, cfg.classes)
-    else:
-        src = open_folder_split(p, kind, name, classes)
+                        f"dataset; {label} is a{'n' if kind.name[0] in 'aeiou' else ''} {kind.name} with one class "
+                        "per image")
+    name = canonical_split(sp.name, kind.split_names(where, cfg)) if sp.name in VAL_NAMES else sp.name
+    src = kind.open(where, name or sp.name, classes, cfg)  # not there: the kind's message names what it has
     return src.subset(sp.select(len(src)))
+
+
+def open_training(cfg: DataConfig, label: str = "data.path") -> ImageSource:
+    """The training split ``cfg.train_split`` as training reads it: streamed for a kind that
+    streams it (shards: :class:`~vitflow.data.wds.kind.ShardStream`), else as :func:`open_split`
+    opens it.
+
+    Raises:
+        DataError: see :func:`open_split` and the kind's ``stream``.
+    """
+    kind = kind_of(cfg.path, cfg.source, label)
+    if kind.stream is not None:
+        return kind.stream(_where(kind, cfg.path), cfg.train_split, cfg)
+    return open_split(cfg.path, cfg.train_split, cfg.source, label=label, cfg=cfg)
 
 
 def resolve_eval_splits(cfg: DataConfig) -> tuple[str | None, str | None]:

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import logging
 import os
+import tarfile
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
 from vitflow.data.decode import is_image_name
+from vitflow.data.remote.fs import basename
 from vitflow.data.sources.base import DataError, FileSource
+from vitflow.data.sources.kind import SourceKind
 from vitflow.data.sources.readers import FolderReader, TarReader, is_hidden
 
 log = logging.getLogger(__name__)
@@ -60,11 +63,10 @@ def _splits_found(dirs: set[str], candidates: list[str]) -> list[str]:
                    and d[len(b):] in SPLIT_FOLDERS})
 
 
-def folder_split_names(p: Path, kind: str) -> list[str]:
-    """The split folders (``train``, ``val``, ``valid``, ``validation``, ``test``) of the folder
-    (``kind="folder"``) or tar (``"tar"``) at ``p``; ``["train"]`` when it has none (its class
-    folders are the train split)."""
-    files, dirs = _top_listing(p) if kind == "folder" else TarReader(p).list()  # a tar's index is kept
+def split_folders(files: Iterable[str], dirs: set[str]) -> list[str]:
+    """The split folders (``train``, ``val``, ``valid``, ``validation``, ``test``) in a listing of a
+    folder or tar (``files``, ``dirs``: paths relative to its root; the top of it is enough);
+    ``["train"]`` when it has none (its class folders are the train split)."""
     return _splits_found(dirs, _candidates(files, dirs)) or ["train"]
 
 
@@ -122,16 +124,17 @@ def open_images(path: str | Path) -> FileSource:
                       spans)
 
 
-def open_folder_split(p: Path, kind: str, split: str, classes: list[str] | None = None) -> FileSource:
-    """The images of split ``split`` in the folder (``kind="folder"``) or tar (``"tar"``) at ``p``,
-    in path order, labelled by class folder (``classes``: the list to label with; ``None``: this
-    split's sorted class folders).
+def open_class_folders(p: Path, split: str, classes: list[str] | None = None,
+                       read_with: type[FolderReader] | type[TarReader] = FolderReader) -> FileSource:
+    """The images of split ``split`` in the folder (``read_with=FolderReader``) or tar
+    (``TarReader``) at ``p``, in path order, labelled by class folder (``classes``: the list to
+    label with; ``None``: this split's sorted class folders).
 
     Raises:
         DataError: unknown split, no class folders, an empty class folder, or class folders not
         in ``classes``.
     """
-    reader = FolderReader(p) if kind == "folder" else TarReader(p)
+    reader = read_with(p)
     files, dirs = reader.list()
     prefix = _split_prefix(files, dirs, split, str(p))
 
@@ -166,5 +169,23 @@ def open_folder_split(p: Path, kind: str, split: str, classes: list[str] | None 
     index = {c: i for i, c in enumerate(classes)}
     rels = sorted(r for c in per_class for r in per_class[c])
     labels = np.array([index[r[len(prefix):].split("/", 1)[0]] for r in rels], dtype=np.int64)
-    spans = np.array([files[r] for r in rels], dtype=np.int64).reshape(-1, 2) if kind == "tar" else None
+    spans = np.array([files[r] for r in rels], dtype=np.int64).reshape(-1, 2) if read_with is TarReader else None
     return FileSource(list(classes), labels, reader, np.array([os.fsencode(r) for r in rels]), spans)
+
+
+def is_tar(p: Path) -> bool:
+    """True for a file that is a tar archive (of class folders, as this module reads it)."""
+    return p.is_file() and tarfile.is_tarfile(p)
+
+
+FOLDER = SourceKind("folder", "an image folder: <class>/<image>, or train/ val/ test/ folders of them",
+                    lambda where, cfg: split_folders(*_top_listing(where)),
+                    lambda where, split, classes, cfg: open_class_folders(where, split, classes),
+                    detect=Path.is_dir, what="directory (data.source=folder)")
+# the last row of the table: what data.source=auto says a path that no kind detects is not
+TAR = SourceKind("tar", "an uncompressed .tar of an image folder, read in place",
+                 lambda where, cfg: split_folders(*TarReader(where).list()),  # a tar's index is kept
+                 lambda where, split, classes, cfg: open_class_folders(where, split, classes, TarReader),
+                 detect=is_tar, what="tar archive, a label file (.csv, .tsv, .jsonl) or a dataset; give an image "
+                 "folder or a .tar of one", remote=lambda url: basename(url).lower().endswith(".tar"),
+                 stream_access=True)

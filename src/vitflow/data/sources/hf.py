@@ -32,10 +32,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vitflow.config import DataConfig
 from vitflow.data.decode import CorruptImageError, decode_image
 from vitflow.data.sources import labels as lb
 from vitflow.data.sources.base import DataError, ImageSource
-from vitflow.data.sources.hflayout import locate_split
+from vitflow.data.sources.hflayout import hf_split_names, is_hf_dataset, locate_split
+from vitflow.data.sources.kind import SourceKind
 from vitflow.data.sources.readers import display_name
 
 log = logging.getLogger(__name__)
@@ -365,3 +367,13 @@ def open_hf_split(path: str | Path, split: str, classes: list[str] | None = None
         raise DataError(f"{where}: no usable rows in split {split!r} (of {n}; e.g. {dropped[0][0]}: {dropped[0][1]})")
     return HFSource(list(classes), rows.labels[ok], rows.keep[ok], images, paths, has_bytes, has_path,
                     root, prefix)
+
+
+def _open(where: Path, split: str, classes: list[str] | None, cfg: DataConfig) -> HFSource:
+    return open_hf_split(where, split, classes, cfg.image_column, cfg.label_column, cfg.task == "multilabel",
+                         cfg.label_separator, cfg.classes)
+
+
+KIND = SourceKind("hf", "a Hugging Face dataset (save_to_disk folder or Parquet files)",
+                  lambda where, cfg: hf_split_names(where), _open, detect=is_hf_dataset,
+                  what="Hugging Face dataset (save_to_disk folder or Parquet files)", table_labels=True)

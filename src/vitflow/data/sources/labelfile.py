@@ -28,9 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
+from vitflow.config import DataConfig
 from vitflow.data.remote.fs import basename, exists, is_remote, join, open_stream, parent
 from vitflow.data.sources import labels as L
 from vitflow.data.sources.base import DataError, FileSource
+from vitflow.data.sources.kind import SourceKind
 from vitflow.data.sources.readers import FolderReader
 
 EXTENSIONS = (".csv", ".tsv", ".jsonl")
@@ -133,11 +135,7 @@ def label_file_splits(path: Path, split_column: str = "auto") -> list[str]:
     files = _split_files(path)
     if files:
         return list(files)
-    table = read_table(path)
-    col = _split_column(table, split_column)
-    if col is None:
-        return ["train"]
-    return sorted({str(r.get(col, "")).strip() for r in table.rows} - {""})
+    return table_splits(read_table(path), split_column)
 
 
 def _rows_of_split(path: Path, split: str, split_column: str) -> tuple[Table, list[int]]:
@@ -154,18 +152,35 @@ def _rows_of_split(path: Path, split: str, split_column: str) -> tuple[Table, li
         table = read_table(files[name])
         return table, list(range(len(table.rows)))
     table = read_table(path)
+    return table, rows_in_split(table, split, split_column)
+
+
+def table_splits(table: Table, split_column: str = "auto") -> list[str]:
+    """The split names of a table's split column (``["train"]`` when it has none)."""
     col = _split_column(table, split_column)
-    names = label_file_splits(path, split_column)
+    if col is None:
+        return ["train"]
+    return sorted({str(r.get(col, "")).strip() for r in table.rows} - {""})
+
+
+def rows_in_split(table: Table, split: str, split_column: str = "auto") -> list[int]:
+    """The positions of ``split``'s rows in ``table``: by its split column, or every row for
+    ``train`` when it has none.
+
+    Raises:
+        DataError: the split is not in the table."""
+    col = _split_column(table, split_column)
     if col is None:
         if split != "train":
-            raise DataError(f"split {split!r} not found in {path}: it has no split column, so all its rows are the "
-                            "'train' split; add a split column, one file per split (train.csv, val.csv, test.csv), "
+            raise DataError(f"split {split!r} not found in {table.path}: it has no split column, so all its rows are "
+                            "the 'train' split; add a split column, one file per split (train.csv, val.csv, test.csv), "
                             "or slices such as data.train_split='train[:90%]' data.val_split='train[90%:]'")
-        return table, list(range(len(table.rows)))
+        return list(range(len(table.rows)))
+    names = table_splits(table, split_column)
     name = L.canonical_split(split, names)
     if name is None:
-        raise DataError(f"split {split!r} not found in {path} column {col!r} (values: {', '.join(names)})")
-    return table, [i for i, r in enumerate(table.rows) if str(r.get(col, "")).strip() == name]
+        raise DataError(f"split {split!r} not found in {table.path} column {col!r} (values: {', '.join(names)})")
+    return [i for i, r in enumerate(table.rows) if str(r.get(col, "")).strip() == name]
 
 
 def _image_base(root: str | None, table_path: Path | str) -> Path | str:
@@ -190,10 +205,22 @@ def open_label_file_split(path: Path, split: str, classes: list[str] | None = No
         DataError: unreadable file, no path / label column, unknown split, or no usable row.
     """
     table, positions = _rows_of_split(path, split, split_column)
+    return table_source(table, positions, split, classes, _image_base(root, table.path), image_column, label_column,
+                        split_column, multilabel, separator, class_file)
+
+
+def table_source(table: Table, positions: list[int], split: str, classes: list[str] | None, base: Path | str,
+                 image_column: str = "auto", label_column: str = "auto", split_column: str = "auto",
+                 multilabel: bool = False, separator: str = ";", class_file: str | None = None) -> FileSource:
+    """The images of the rows ``positions`` of ``table`` (the rows of ``split``), read from ``base``
+    (relative paths start there), in path order, labelled as :func:`open_label_file_split` says.
+
+    Raises:
+        DataError: no path / label column, or no usable row.
+    """
     where = str(table.path)
     img_col = L.pick_column(table.columns, image_column, L.IMAGE_COLUMNS, "data.image_column", where)
     lab_col = L.pick_column(table.columns, label_column, L.LABEL_COLUMNS, "data.label_column", where)
-    base = _image_base(root, table.path)
     malformed = table.malformed if split == "train" or not _split_column(table, split_column) else ()
     dropped: list[tuple[str, str]] = [(f"{basename(table.path)} line {n}", why) for n, why in malformed]
     cells, rels, lines, seen = [], [], [], {}
@@ -221,3 +248,14 @@ def open_label_file_split(path: Path, split: str, classes: list[str] | None = No
         raise DataError(f"{where} split {split!r}: no usable rows ({len(dropped)} left out; see the warning above)")
     keys = np.array([os.fsencode(rels[i]) for i in encoded.keep])
     return FileSource(list(classes), encoded.labels, FolderReader(base), keys)
+
+
+def _open(where: Path, split: str, classes: list[str] | None, cfg: DataConfig) -> FileSource:
+    return open_label_file_split(where, split, classes, cfg.root, cfg.image_column, cfg.label_column, cfg.split_column,
+                                 cfg.task == "multilabel", cfg.label_separator, cfg.classes)
+
+
+KIND = SourceKind("labels", "a label file (.csv, .tsv or .jsonl) of image paths and labels",
+                  lambda where, cfg: label_file_splits(where, cfg.split_column), _open, detect=is_label_file,
+                  what="label file (.csv, .tsv or .jsonl)", remote=lambda url: _suffix(url) in EXTENSIONS,
+                  table_labels=True)

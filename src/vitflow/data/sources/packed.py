@@ -31,6 +31,7 @@ from vitflow.data.decode import CorruptImageError, decode_image
 from vitflow.data.encode import encode_images
 from vitflow.data.remote.fs import RangeArray, RemoteError, is_remote, join, load_npy, read_bytes
 from vitflow.data.sources.base import DataError, ImageSource
+from vitflow.data.sources.kind import SourceKind, relabel
 
 log = logging.getLogger(__name__)
 
@@ -181,3 +182,8 @@ def write_split(source: ImageSource, folder: Path, kind: str, max_side: int | No
         np.save(folder / "offsets.npy", np.array(offsets, dtype=np.int64))
         info.update(max_side=max_side, quality=quality)
     return info
+
+
+KIND = SourceKind("packed", "a packed dataset (vitflow prepare)", lambda where, cfg: packed_split_names(where),
+                  lambda where, split, classes, cfg: relabel(open_packed(where, split), classes),
+                  detect=is_packed, what="vitflow packed dataset", remote=is_packed, remote_probes=True)

@@ -68,8 +68,8 @@ def parse_split(text: str) -> Split:
     return Split(name, *bounds)
 
 
-def check_config(d: DataConfig) -> None:
-    """The data section's checks that need the data layer: the split expressions.
+def check_splits(d: DataConfig) -> None:
+    """The split expressions of the data section (part of :func:`vitflow.data.check_config`).
 
     Raises:
         ConfigError: a malformed ``data.train_split`` / ``data.val_split`` / ``data.test_split``

@@ -53,56 +53,17 @@ import torch
 from vitflow.data.decode import CorruptImageError
 from vitflow.data.loader import stack_images
 from vitflow.data.remote.fs import is_remote, local_path, open_stream
-from vitflow.data.sources.base import DataError, ImageSource
-from vitflow.data.sources.splits import parse_split
+from vitflow.data.sources.base import DataError
 from vitflow.data.stream import shuffle_buffer
 from vitflow.data.transforms import Transform, transform_encoded
-from vitflow.data.wds.index import ShardSet, shard_set
-from vitflow.data.wds.layout import is_shard_pattern, split_urls
+from vitflow.data.wds.index import ShardSet
+from vitflow.data.wds.kind import ShardStream, open_shard_stream  # noqa: F401  (the training split, read here)
 from vitflow.data.wds.shards import CUT_SAMPLE, is_compressed, iter_samples, parse_label, truncated
 from vitflow.data.wds.spool import Spool
 from vitflow.runtime import mix_seed
 
 PARSED_MAX_SAMPLES = 2_000_000  # local shards' parsed samples a stream keeps (~200 bytes each)
 Item = tuple  # (name, encoded bytes or None, label, error or None)
-
-
-class ShardStream(ImageSource):
-    """The training split of a shard set, read only by streaming (:class:`ShardBatches`).
-
-    ``labels`` are ``-1`` (unknown until read); ``len`` is the samples the index counts.
-    """
-
-    streamed = True
-
-    def __init__(self, shards: ShardSet):
-        self.shards, self.classes = shards, shards.classes
-        self.labels = np.full(shards.total, -1, dtype=np.int64)
-
-    def name(self, i: int) -> str:
-        return f"{self.shards.urls[0]}...[{i}]"
-
-    def load(self, i: int) -> torch.Tensor:
-        raise DataError("training shards are read by streaming, not by index")
-
-    def subset(self, idx: np.ndarray) -> "ImageSource":
-        raise DataError("training shards cannot be sliced; give the split as its own shards")
-
-
-def open_shard_stream(path: str, split: str, classes_file: str | None = None) -> ShardStream:
-    """The training split ``split`` (a name or a shard pattern) of the shard set ``path``.
-
-    Raises:
-        DataError: a sliced split expression (``train[:90%]``: make the held-out shards their own
-            split), or see :func:`~vitflow.data.wds.layout.split_urls`.
-    """
-    if not is_shard_pattern(split):
-        sp = parse_split(split)
-        if sp.sliced:
-            raise DataError(f"data.train_split={split!r}: training shards are streamed and cannot be sliced; write "
-                            "the held-out part as shards of its own (a val split)")
-        split = sp.name
-    return ShardStream(shard_set(split_urls(path, split, "data.train_split"), classes_file))
 
 
 @dataclass

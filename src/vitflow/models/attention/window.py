@@ -180,7 +180,12 @@ def fused_window_attention(qkv: torch.Tensor, num_heads: int, bias: torch.Tensor
 
 class WindowFusedKernel(WindowMathKernel):
     """Window attention by :func:`fused_window_attention` where it applies (Swin V1, no attention
-    dropout, float32 / bfloat16 CPU tensors, not tracing), else :class:`WindowMathKernel`."""
+    dropout, float32 / bfloat16 CPU tensors, not tracing), else :class:`WindowMathKernel`. The
+    kernels are built (or found built) at construction, never inside a forward."""
+
+    def __init__(self):
+        super().__init__()
+        cpp.available()
 
     def forward(self, qkv, num_heads, ctx):
         if (getattr(ctx, "logit_scale", None) is None and ctx.dropout_p == 0.0 and qkv.device.type == "cpu"

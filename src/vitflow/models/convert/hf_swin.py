@@ -291,13 +291,14 @@ def _config_sizes(config: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 def swin_model_config_keys(kwargs: Mapping[str, Any], model_cfg: Any, explicit: set[str]) -> dict[str, Any]:
     """The keys of :func:`hf_swin_model_args` that ``model.name=auto`` sets on ``model_cfg`` (a
-    :class:`vitflow.config.ModelConfig`): every architecture key but ``img_size`` /
+    :class:`vitflow.config.SwinConfig`): every architecture key but ``img_size`` /
     ``num_classes`` (taken elsewhere) and those in ``explicit`` (``"model.KEY"``), where the
-    config has a field of that kind (a list/tuple value needs a tuple field).
+    config has a field of that kind (a list/tuple value needs a tuple field: ``depths``,
+    ``num_heads``).
 
     Raises:
-        vitflow.config.ConfigError: a key the model config cannot hold (e.g. ``depths`` before
-        the Swin family adds it), naming the keys and their values, so that no other
+        vitflow.config.ConfigError: a key the model config cannot hold (``qkv_bias``, ``in_chans``,
+        V2's ``pretrained_window_sizes``), naming the keys and their values, so that no other
         architecture is built silently.
     """
     from dataclasses import fields

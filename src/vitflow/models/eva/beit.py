@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vitflow.models.eva.variants import make_build, summary
+from vitflow.config import EvaConfig
+from vitflow.models.eva.variants import ARGUMENTS, build, summary
 from vitflow.models.family import ModelFamily
 from vitflow.models.pretrained.weights import load_pretrained
 
@@ -35,5 +36,5 @@ def _variants() -> dict[str, dict[str, Any]]:
 
 
 BEIT = ModelFamily("beit", "BEiT / BEiT v2 (Bao et al. 2022; Peng et al. 2022): per-block relative position bias, "
-                   "LayerScale, q/v bias", _variants(), make_build("beit", own_pos_embed=("relative",)),
-                   load_pretrained, summary)
+                   "LayerScale, q/v bias", _variants(), build, load_pretrained, summary, config=EvaConfig,
+                   arguments=ARGUMENTS)

@@ -1,5 +1,6 @@
 """The EVA-02 and DINOv3 families (:class:`~vitflow.models.eva.model.Eva`) with timm's model names and
-configurations, and the model-config handling shared with BEiT (:func:`make_build`).
+configurations, and the build shared with BEiT (:func:`build`); their ``model`` section is
+:class:`vitflow.config.EvaConfig`.
 
 - EVA-02 (Fang et al. 2023, "EVA-02: A Visual Representation for Neon Genesis"): patch 14,
   learned position embedding plus 2-D RoPE rescaled to the 16x16 pretraining grid, SwiGLU MLP
@@ -18,73 +19,19 @@ Default image sizes and class counts are those of timm's default pretrained conf
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-from typing import Any, Callable
+from typing import Any
 
-import torch.nn as nn
-
-from vitflow.config import ModelConfig
+from vitflow.config import EvaConfig
 from vitflow.models.eva.model import Eva
-from vitflow.models.family import ModelFamily
+from vitflow.models.family import ModelFamily, constructor
 from vitflow.models.pretrained.weights import load_pretrained
 
-# ModelConfig keys that are Eva constructor arguments as they are
-_DIRECT = ("img_size", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio", "patch_size", "global_pool",
-           "attention", "attn_block_size", "layer_scale_init", "drop_rate", "drop_path_rate", "cpu_bf16_matmul")
-# options of attention backends these models refuse (the refusal names model.attention)
-_BACKEND_OPTIONS = ("attn_window", "linformer_k", "performer_features")
-_CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-_EVA_ARGS = set(inspect.signature(Eva).parameters)
+# what build takes beyond the config's keys: Eva's other arguments (rope, mlp, qkv_fused, ...)
+ARGUMENTS = frozenset(inspect.signature(Eva).parameters)
 
 
-def _refuse_unsupported(family: str, own_pos_embed: tuple[str, ...], kwargs: dict[str, Any]) -> None:
-    """Pop the model-config keys these families cannot honour; a non-default value raises."""
-    pos = kwargs.pop("pos_embed", "learned")
-    if pos not in ("learned", *own_pos_embed):
-        raise ValueError(f"model.pos_embed={pos!r} is not available for {family} models: their position encoding is "
-                         f"fixed by the architecture (leave model.pos_embed at its default)")
-    reasons = {"patch_drop_rate": "PatchDropout would have to carry the RoPE / relative-bias positions of the kept "
-                                  "tokens", "weight_init": "only timm's initialisation ('timm') is implemented",
-               "distilled": "no distillation token"}
-    for key, why in reasons.items():
-        value = kwargs.pop(key, _CONFIG_DEFAULTS[key])
-        if value != _CONFIG_DEFAULTS[key]:
-            raise ValueError(f"model.{key}={value!r} is not available for {family} models: {why}")
-    for key in _BACKEND_OPTIONS:
-        kwargs.pop(key, None)
-    for key in ("block_heads", "block_mlp_hidden"):
-        if kwargs.pop(key, None) is not None:
-            raise ValueError(f"{key}: {family} models cannot be head- or MLP-pruned (vitflow prune handles the ViT "
-                             "family only)")
-    unknown = sorted(k for k in kwargs if k not in _CONFIG_DEFAULTS and k not in _EVA_ARGS)
-    if unknown:
-        raise ValueError(f"unknown argument(s) for {family} models: {', '.join(unknown)}")
-    for key in list(kwargs):
-        if key in _CONFIG_DEFAULTS and key not in _DIRECT:
-            value = kwargs.pop(key)
-            if value != _CONFIG_DEFAULTS[key]:
-                raise ValueError(f"model.{key}={value!r} is not available for {family} models")
-
-
-def make_build(family: str, own_pos_embed: tuple[str, ...] = ()) -> Callable[..., nn.Module]:
-    """A family ``build(**kwargs)``: an :class:`Eva` from a variant's arguments plus any keys of
-    :class:`~vitflow.config.ModelConfig` (``grad_checkpointing`` and its budget applied after
-    construction). ``model.pos_embed`` may stay at its default ``learned`` (meaning the family's
-    own encoding) or name ``own_pos_embed``.
-
-    Raises:
-        ValueError: a model-config value the family cannot honour (named), or bad arguments.
-    """
-    def build(grad_checkpointing: str | bool = "none", grad_checkpointing_budget: str | int | None = None,
-              **kwargs: Any) -> nn.Module:
-        _refuse_unsupported(family, own_pos_embed, kwargs)
-        model = Eva(**kwargs)
-        model.set_grad_checkpointing(grad_checkpointing, grad_checkpointing_budget)
-        return model
-
-    build.__doc__ = f"A {family} model (:class:`vitflow.models.eva.model.Eva`) from its variant and model-config arguments."
-    return build
+build = constructor(Eva)  # an EVA-02 / DINOv3 / BEiT model from its variant's arguments and EvaConfig's keys
 
 
 def summary(args: dict[str, Any]) -> str:
@@ -141,6 +88,6 @@ def _dinov3_variants() -> dict[str, dict[str, Any]]:
 
 
 EVA02 = ModelFamily("eva02", "EVA-02 (Fang et al. 2023): 2-D RoPE, SwiGLU, sub-LN; EVA-02 CLIP image towers",
-                    _eva02_variants(), make_build("eva02"), load_pretrained, summary)
+                    _eva02_variants(), build, load_pretrained, summary, config=EvaConfig, arguments=ARGUMENTS)
 DINOV3 = ModelFamily("dinov3", "DINOv3 (Simeoni et al. 2025): registers, DINOv3 2-D RoPE, LayerScale",
-                     _dinov3_variants(), make_build("dinov3"), load_pretrained, summary)
+                     _dinov3_variants(), build, load_pretrained, summary, config=EvaConfig, arguments=ARGUMENTS)

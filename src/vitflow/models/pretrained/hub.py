@@ -66,9 +66,10 @@ class Pretrained:
     source: str = ""
 
 
-def resolve_pretrained(spec: str | Path) -> Pretrained:
+def resolve_pretrained(spec: str | Path, local_only: bool = False) -> Pretrained:
     """Resolve ``spec``: a weights file, a snapshot folder, or ``hf-hub:ORG/NAME[@revision]``
-    (through ``huggingface_hub`` and its cache; ``HF_HUB_OFFLINE=1`` honoured).
+    (through ``huggingface_hub`` and its cache; ``HF_HUB_OFFLINE=1`` honoured; with
+    ``local_only`` the cache alone is read).
 
     Raises:
         FileNotFoundError: no such file or folder. ValueError: a folder without weights, an
@@ -77,7 +78,7 @@ def resolve_pretrained(spec: str | Path) -> Pretrained:
     """
     text = str(spec)
     if text.startswith(HUB_PREFIX):
-        return _resolve_folder(hub_snapshot(text[len(HUB_PREFIX):]), text)
+        return _resolve_folder(hub_snapshot(text[len(HUB_PREFIX):], local_only), text)
     path = Path(text).expanduser()
     if path.is_dir():
         return _resolve_folder(path, text)
@@ -97,9 +98,20 @@ def hub_cache_dir() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
-def hub_snapshot(name: str) -> Path:
+def offline_model_name(spec: str | Path) -> str | None:
+    """The architecture ``spec``'s config names, read without the network (a snapshot folder, a
+    cached ``hf-hub:`` snapshot), or None where there is none to read here (a bare weights file,
+    a hub name not cached, an unreadable folder: :func:`resolve_pretrained` says why later)."""
+    try:
+        return resolve_pretrained(spec, local_only=True).model_name
+    except (OSError, ValueError):
+        return None
+
+
+def hub_snapshot(name: str, local_only: bool = False) -> Path:
     """The local snapshot folder of hub repo ``ORG/NAME[@revision]``, downloaded into the cache
-    unless the hub is offline (``HF_HUB_OFFLINE``), in which case only the cache is read.
+    unless the hub is offline (``HF_HUB_OFFLINE``) or ``local_only``, in which case only the
+    cache is read.
 
     Raises:
         ValueError: neither cached nor downloadable (one line naming the repo and the cache).
@@ -110,7 +122,7 @@ def hub_snapshot(name: str) -> Path:
     if repo.count("/") != 1:
         raise ValueError(f"model.pretrained=hf-hub:{name}: expected hf-hub:ORG/NAME[@revision]")
     cache = hub_cache_dir()
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or bool(
+    offline = local_only or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or bool(
         getattr(constants, "HF_HUB_OFFLINE", False))
     try:
         folder = snapshot_download(repo, revision=revision or None, cache_dir=cache, local_files_only=offline,

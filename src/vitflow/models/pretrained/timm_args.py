@@ -18,11 +18,10 @@ from the registry (the weights loader reads configs through this module).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
-from vitflow.config import ModelConfig
+from vitflow.config import model_key_defaults
 from vitflow.models.attention import EXACT_BACKENDS
 
 TIMM_NAMES = {"layer_scale_init": "init_values"}  # vitflow name -> timm name, where they differ
@@ -37,7 +36,7 @@ NEUTRAL = ("drop_rate", "attn_drop_rate", "drop_path_rate", "patch_drop_rate", "
 # any input size (a multiple of the patch) and train with the run's own dropout settings
 TIMM_RUNTIME = ("dynamic_img_size", "dynamic_img_pad", "drop_rate", "pos_drop_rate", "patch_drop_rate",
                 "proj_drop_rate", "attn_drop_rate", "drop_path_rate", "weight_init", "fix_init")
-_CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+_CONFIG_DEFAULTS = model_key_defaults()  # every family's model.* keys (and the old flat section's) -> default
 _UNSET = object()
 log = logging.getLogger(__name__)
 

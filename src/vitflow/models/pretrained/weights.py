@@ -24,10 +24,10 @@ from vitflow.models.convert.openclip import convert_openclip, is_openclip
 from vitflow.models.convert.torchvision_mvit import is_torchvision_mvit, torchvision_mvit_to_timm
 from vitflow.models.convert.vit import convert_hf_vit, convert_jax_npz, is_hf_vit, read_npz
 from vitflow.models.lora import has_lora_weights, merge_lora_state_dict
-from vitflow.models.mvit.resample import adapt_mvit_state_dict, is_mvit_model
 from vitflow.models.position import resample_pos_embed, resample_relative_table
 from vitflow.models.pretrained.hub import resolve_pretrained
-from vitflow.models.swin.resample import adapt_swin_state_dict, is_swin_model
+from vitflow.models.pretrained.mvit_fit import adapt_mvit_state_dict, is_mvit_model
+from vitflow.models.pretrained.swin_fit import adapt_swin_state_dict, is_swin_model
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +171,8 @@ def adapt_state_dict(sd: dict[str, torch.Tensor], model: torch.nn.Module) -> dic
     ``no_embed_class``); resample relative position bias tables; drop a learned ``pos_embed``
     the model does not use (``sincos2d`` / ``relative`` / RoPE); reset a head of another class
     count (dropped here, logged ``head reset: 1000 -> 5 classes``). A Swin model's state_dict goes
-    to :func:`vitflow.models.swin.resample.adapt_swin_state_dict` (window tables, head) instead, an
-    MViT's to :func:`vitflow.models.mvit.resample.adapt_mvit_state_dict` (relative tables, head)."""
+    to :func:`vitflow.models.pretrained.swin_fit.adapt_swin_state_dict` (window tables, head) instead, an
+    MViT's to :func:`vitflow.models.pretrained.mvit_fit.adapt_mvit_state_dict` (relative tables, head)."""
     if is_swin_model(model):
         return adapt_swin_state_dict(sd, model)
     if is_mvit_model(model):

@@ -108,6 +108,9 @@ class SwinTransformer(StageControls, nn.Module):
                  attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0, global_pool: str = "avg",
                  attention: str = "sdpa", cpu_bf16_matmul: str = "auto"):
         super().__init__()
+        if isinstance(depths, int) or isinstance(num_heads, int):
+            raise ValueError(f"depths={depths!r}, num_heads={num_heads!r}: a Swin's depths and heads are per stage, "
+                             "one number each (e.g. depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24))")
         depths, num_heads = tuple(depths), tuple(num_heads)
         _check_args(img_size, patch_size, depths, num_heads, window_size, version, global_pool)
         pretrained = tuple(pretrained_window_sizes or (0,) * len(depths))

@@ -1,8 +1,11 @@
 """The argument checks of :class:`vitflow.models.vit.model.VisionTransformer`: combinations that cannot
-work are refused at construction, each with one line naming the argument."""
+work are refused at construction, each with one line naming the argument; and the checks of a ViT
+family's ``model`` section that need the model layer (:func:`check_vit_config`)."""
 
 from __future__ import annotations
 
+from vitflow.config import ConfigError, ViTLayoutConfig
+from vitflow.models.attention import EXACT_BACKENDS
 from vitflow.models.layers import ACT_LAYERS, MLP_LAYERS
 from vitflow.models.pool import POOLS
 from vitflow.models.position import POS_EMBEDS
@@ -44,3 +47,22 @@ def check_options(img_size: int, patch_size: int, global_pool: str, pos_embed: s
     for name, per_block in (("block_heads", block_heads), ("block_mlp_hidden", block_mlp_hidden)):
         if per_block is not None and (len(per_block) != depth or min(per_block) < 1):
             raise ValueError(f"{name} needs {depth} positive entries (one per block), got {list(per_block)}")
+
+
+def check_vit_config(m: ViTLayoutConfig) -> None:
+    """PatchDropout and DeiT's distillation token need an attention kernel over any token set
+    (an exact one: sparse and linear kernels assume the full grid) and an absolute position
+    embedding.
+
+    Raises:
+        ConfigError: naming ``model.attention`` or ``model.pos_embed``.
+    """
+    exact = (*EXACT_BACKENDS, "auto")  # attend over any token set, no grid structure
+    distilled = getattr(m, "distilled", False)  # (the vit family's key)
+    for key, on in (("model.patch_drop_rate", m.patch_drop_rate > 0), ("model.distilled", distilled)):
+        if on and m.attention not in exact:
+            raise ConfigError(f"model.attention={m.attention!r} is invalid: must be one of {', '.join(exact)} with "
+                              f"{key} (sparse and linear kernels assume the full token grid)", "model.attention")
+        if on and m.pos_embed == "relative":
+            raise ConfigError(f"model.pos_embed={m.pos_embed!r} is invalid: must be learned or sincos2d with {key}",
+                              "model.pos_embed")

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.nn as nn
-
+from vitflow.config import ViTLayoutConfig
 from vitflow.models.family import ModelFamily
 from vitflow.models.pretrained.weights import load_pretrained
+from vitflow.models.vit.checks import check_vit_config
+from vitflow.models.vit.variants import ARGUMENTS
 from vitflow.models.vit.variants import build as build_vit
 
 Sizes = dict[str, tuple[int, int, int, float]]  # size: (embed_dim, depth, num_heads, mlp_ratio)
@@ -114,20 +115,6 @@ def _siglip() -> dict[str, dict[str, Any]]:
     return out
 
 
-def build(distilled: bool = False, **kwargs: Any) -> nn.Module:
-    """A :class:`~vitflow.models.vit.model.VisionTransformer` of these families from its constructor
-    arguments (every key of the config's ``model`` section; see :func:`vitflow.models.vit.variants.build`).
-
-    Raises:
-        ValueError: ``distilled=True`` (DeiT's distillation token belongs to the ``vit`` family's
-            ``deit_*_distilled`` models), or invalid arguments (see the constructor).
-    """
-    if distilled:
-        raise ValueError("model.distilled=true: the distillation token exists only for the vit family "
-                         "(deit_*_distilled_patch16_224), not for DeiT III / DINOv2 / CLIP / SigLIP towers")
-    return build_vit(**kwargs)
-
-
 def summary(args: dict[str, Any]) -> str:
     """``vitflow models``' columns: size, width, depth, heads, MLP ratio, then what differs from
     the plain ViT (prefix tokens, pooling, norms, activation, LayerScale)."""
@@ -150,11 +137,14 @@ def summary(args: dict[str, Any]) -> str:
 
 
 _DESC = "(timm's VisionTransformer layout)"
-DEIT3 = ModelFamily("deit3", f"DeiT III (Touvron et al. 2022) {_DESC}", _deit3(), build, load_pretrained, summary)
+# the ViT's keys but model.distilled (DeiT's distillation token belongs to the vit family's deit_*_distilled)
+_SECTION = dict(config=ViTLayoutConfig, arguments=ARGUMENTS, check_config=check_vit_config)
+DEIT3 = ModelFamily("deit3", f"DeiT III (Touvron et al. 2022) {_DESC}", _deit3(), build_vit, load_pretrained, summary,
+                    **_SECTION)
 DINOV2 = ModelFamily("dinov2", f"DINOv2 (Oquab et al. 2024), with registers (Darcet et al. 2024) {_DESC}",
-                     _dinov2(), build, load_pretrained, summary)
+                     _dinov2(), build_vit, load_pretrained, summary, **_SECTION)
 CLIP = ModelFamily("clip", f"CLIP / OpenCLIP image towers (Radford et al. 2021; Cherti et al. 2023) {_DESC}",
-                   _clip(), build, load_pretrained, summary)
+                   _clip(), build_vit, load_pretrained, summary, **_SECTION)
 SIGLIP = ModelFamily("siglip", f"SigLIP / SigLIP 2 image towers (Zhai et al. 2023; Tschannen et al. 2025) {_DESC}",
-                     _siglip(), build, load_pretrained, summary)
+                     _siglip(), build_vit, load_pretrained, summary, **_SECTION)
 PRETRAINED_FAMILIES: tuple[ModelFamily, ...] = (DEIT3, DINOV2, CLIP, SIGLIP)

@@ -8,12 +8,15 @@ head dimension of 64 except where stated.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch.nn as nn
 
+from vitflow.config import ViTConfig
 from vitflow.models.family import ModelFamily
 from vitflow.models.pretrained.weights import load_pretrained
+from vitflow.models.vit.checks import check_vit_config
 from vitflow.models.vit.distilled import VisionTransformerDistilled
 from vitflow.models.vit.model import VisionTransformer
 
@@ -52,7 +55,8 @@ def build(distilled: bool = False, grad_checkpointing: str | bool = "none",
           grad_checkpointing_budget: str | int | None = None, **kwargs: Any) -> nn.Module:
     """A :class:`VisionTransformer` (or, with ``distilled``, a
     :class:`~vitflow.models.vit.distilled.VisionTransformerDistilled`) from its constructor
-    arguments, with gradient checkpointing set (:meth:`VisionTransformer.set_grad_checkpointing`).
+    arguments (the keys of its ``model`` section and the variant's), with gradient checkpointing
+    set (:meth:`VisionTransformer.set_grad_checkpointing`).
 
     Raises:
         ValueError: invalid arguments (see the constructors).
@@ -68,5 +72,8 @@ def summary(args: dict[str, Any]) -> str:
             + ("  distilled" if args.get("distilled") else ""))
 
 
+# what the ViT builds take beyond the config's keys: VisionTransformer's other arguments (class_token, ...)
+ARGUMENTS = frozenset(inspect.signature(VisionTransformer).parameters)
 VIT = ModelFamily("vit", "Vision Transformer (Dosovitskiy et al. 2021) and DeiT (Touvron et al. 2021)",
-                  _variants(), build, load_pretrained, summary)
+                  _variants(), build, load_pretrained, summary, config=ViTConfig, arguments=ARGUMENTS,
+                  check_config=check_vit_config)

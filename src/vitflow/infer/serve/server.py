@@ -1,0 +1,75 @@
+"""``vitflow serve``: uvicorn serving the application in worker processes under uvicorn's
+supervisor.
+
+The parent process prepares the model once (:func:`~vitflow.infer.serve.backends.prepare`:
+a bad source fails here with one line; ``--backend auto`` is timed here, not in every worker),
+binds the socket and starts ``--workers`` processes that each load the prepared model, warm it
+up and only then accept connections. uvicorn's supervisor (``uvicorn.supervisors.Multiprocess``)
+checks the workers every half second and starts a new one in place of one that died (a
+``SIGKILL``, an out-of-memory kill): the others keep answering meanwhile, the new one joins once
+warmed up.
+
+``SIGTERM`` (or ``SIGINT``) to the parent drains: the workers stop accepting connections, answer
+every request they accepted (queued ones included; each has its ``--timeout``), then exit, and the
+parent exits with status 0.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from vitflow.infer.serve.backends import prepare
+from vitflow.infer.serve.settings import ENV_VAR, ServeSettings
+
+APP = "vitflow.infer.serve.app:app_from_env"
+
+
+def describe(s: ServeSettings) -> str:
+    """The start-up line: what is served, how, and where."""
+    where = f"http://{s.host}:{s.port}"
+    return (f"serving {s.name} ({s.version}, backend {s.backend}, {s.torch_threads()} thread(s) each) on {where} "
+            f"with {s.workers} worker(s): max batch {s.max_batch}, max wait {s.max_wait_ms:g} ms, max queue "
+            f"{s.max_queue} images, timeout {s.timeout:g} s; API docs at {where}/docs")
+
+
+def _supervisor_class():
+    from uvicorn.supervisors import Multiprocess
+
+    class Supervisor(Multiprocess):
+        """uvicorn's supervisor that, on SIGTERM / SIGINT, closes its own copy of the listening socket
+        before the workers drain: once they have closed theirs, a new connection is refused at once
+        instead of waiting in the kernel's backlog until the parent exits."""
+
+        def terminate_all(self) -> None:
+            for sock in self.sockets:
+                sock.close()
+            super().terminate_all()
+
+    return Supervisor
+
+
+def run_server(settings: ServeSettings, say: Callable[[str], None] = print) -> int:
+    """Serve until SIGTERM / SIGINT; returns the exit status (0 after a drain, 1 when the workers
+    could not start). Raises FileNotFoundError / ValueError for a bad source or option, before
+    anything listens."""
+    import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
+
+    with tempfile.TemporaryDirectory(prefix="vitflow-serve-") as tmp:
+        prepared = prepare(settings, tmp, say)
+        gc.collect()  # the parent's copies of the models go; the workers load their own
+        metrics_dir = Path(tmp) / "metrics"
+        metrics_dir.mkdir()
+        os.environ[ENV_VAR] = prepared.to_json()
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # read by prometheus_client in each worker
+        config = uvicorn.Config(APP, factory=True, host=prepared.host, port=prepared.port, workers=prepared.workers,
+                                log_level="warning", access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=int(prepared.timeout) + 5)
+        say(describe(prepared))
+        supervisor = _supervisor_class()(config, sockets=[config.bind_socket()])
+        supervisor.run()
+        return 1 if any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes) else 0
