@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import check_checkpoint_plans, output_and_grads
-from vitflow.models import create_model, list_models
+from vitflow.models import create_model, list_models, model_args
 from vitflow.models.kernels import cpp
 from vitflow.models.kernels.pool import pool_qkv
 from vitflow.models.mvit.model import MultiScaleVit, grid_transfer
@@ -196,7 +196,7 @@ def test_registry_config_keys_layer_decay_and_other_sizes(caplog):
                  "mvitv2_base_cls", "mvitv2_large_cls", "mvitv2_huge_cls", "mvit_v2_s", "mvitv2_cifar_32"):
         assert name in list_models("mvit*")
     model = create_model("mvitv2_cifar_32", num_classes=10, drop_path_rate=0.1, attention="math", embed_dim=16,
-                         pos_embed="learned", attn_window=5, grad_checkpointing="every:2")
+                         grad_checkpointing="every:2")
     assert model.supports_pruning is False and model.attention_backend == "math"
     assert [b.attn.dim_out for b in model.blocks] == [16, 32, 32, 64, 64, 64, 64, 64]
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
@@ -220,6 +220,28 @@ def test_registry_config_keys_layer_decay_and_other_sizes(caplog):
             create_model("mvitv2_cifar_32", **{key: value})
     with pytest.raises(ValueError, match="unknown argument"):
         create_model("mvitv2_cifar_32", colour="red")
+
+
+def test_model_section_is_mvit_config():
+    """MViTConfig: the family's keys from the command line (per-stage depths), a ViT preset's
+    ViT-only keys left out, a ViT key given by the user refused in one line naming the family's
+    keys, a class-token pool refused on a variant without a class token."""
+    from vitflow.config import ConfigError, MViTConfig, build_config
+    from vitflow.models import check_config, config_class
+
+    cfg = build_config("cifar10-vit-tiny", overrides=["model.name=mvitv2_cifar_32", "model.depths=1,1,2",
+                                                      "model.num_heads=2", "model.attention=math"],
+                       model_config=config_class, checks={"model": check_config})
+    assert type(cfg.model) is MViTConfig and cfg.model.depths == (1, 1, 2) and not hasattr(cfg.model, "pos_embed")
+    model = create_model(**model_args(cfg.model, 10))
+    assert model.depths == (1, 1, 2) and [b.attn.num_heads for b in model.blocks] == [2, 4, 8, 8]
+    with pytest.raises(ConfigError, match=r"model.patch_drop_rate is not a key of MViTv2 models .*depths, num_heads"):
+        build_config(overrides=["model.name=mvitv2_cifar_32", "model.patch_drop_rate=0.5"], model_config=config_class)
+    with pytest.raises(ConfigError, match="model.attention"):
+        build_config(overrides=["model.name=mvitv2_cifar_32", "model.attention=linformer"], model_config=config_class)
+    with pytest.raises(ConfigError, match="model.global_pool='token' is invalid: mvitv2_tiny has no class token"):
+        build_config(overrides=["model.name=mvitv2_tiny", "model.global_pool=token"], model_config=config_class,
+                     checks={"model": check_config})
 
 
 def test_pretrained_file_of_another_size_and_class_count(tmp_path, caplog):

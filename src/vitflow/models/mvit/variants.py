@@ -13,24 +13,20 @@ names and configurations, and the model-config handling.
   depths 1 / 2 / 5 (MViTv2-T's: most blocks at the coarsest grid), MLP ratio 2 (as the CIFAR
   ViT and Swin), key / value stride 2 in stage 0 (8x8 keys for 16x16 queries; stride 1 after).
 
-Model-config keys (:class:`~vitflow.config.ModelConfig`, until an ``MViTConfig`` replaces this
-module's adapter): ``img_size``, ``num_classes``, ``embed_dim`` and ``num_heads`` (the first
-stage's, doubled per stage: timm's rule), ``mlp_ratio``, ``patch_size`` (the patch embedding's
-stride), ``global_pool`` (``avg``; ``token`` with a class token), ``attention`` (``sdpa``,
-``math``, ``auto``), ``drop_rate``, ``drop_path_rate``, ``cpu_bf16_matmul``,
-``grad_checkpointing`` (+ budget). ``model.depth`` is per stage (give ``depths``); the others are
-refused by name when set.
+Its ``model`` section is :class:`vitflow.config.MViTConfig`: the keys every family takes plus
+``depths`` (per stage), ``num_heads`` (the first stage's, doubled per stage: timm's rule; so is
+``embed_dim``), ``global_pool`` (``avg``; ``token`` with a class token) and ``attention``
+(``sdpa``, ``math``, ``auto``). A ViT's keys (``pos_embed``, ``patch_drop_rate``, ...) are refused
+by :func:`vitflow.config.build_config` and :func:`vitflow.create_model`, naming the family's keys.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import inspect
 from typing import Any
 
-import torch.nn as nn
-
-from vitflow.config import ModelConfig
-from vitflow.models.family import ModelFamily
+from vitflow.config import ConfigError, MViTConfig
+from vitflow.models.family import ModelFamily, constructor
 from vitflow.models.mvit.model import MultiScaleVit
 from vitflow.models.pretrained.weights import load_pretrained
 
@@ -49,18 +45,8 @@ _CLS = {  # timm's *_cls configurations
 }
 CIFAR = dict(img_size=32, patch_size=2, patch_kernel=3, embed_dim=64, num_heads=1, depths=(1, 2, 5),
              mlp_ratio=2.0, stride_kv_adaptive=2)
-_CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-_REASONS = {
-    "depth": "an MViT's depth is per stage: give depths=(1, 2, 5, 2) to vitflow.create_model",
-    "layer_scale_init": "MViTv2 has no LayerScale",
-    "patch_drop_rate": "PatchDropout would break the pooling grids",
-    "weight_init": "only timm's initialisation ('timm') is implemented",
-    "distilled": "no distillation token",
-}
-_BACKEND_OPTIONS = ("attn_block_size", "attn_window", "linformer_k", "performer_features")  # unused here
-_ARGS = {"img_size", "patch_size", "in_chans", "num_classes", "depths", "embed_dim", "num_heads", "mlp_ratio",
-         "qkv_bias", "expand_attn", "class_token", "global_pool", "residual_pooling", "kernel_qkv", "stride_q",
-         "stride_kv_adaptive", "patch_kernel", "drop_rate", "drop_path_rate", "attention", "cpu_bf16_matmul"}
+# what build takes beyond the config's keys: MultiScaleVit's other arguments (in_chans, class_token, ...)
+_ARGUMENTS = frozenset(inspect.signature(MultiScaleVit).parameters)
 
 
 def _variants() -> dict[str, dict[str, Any]]:
@@ -71,40 +57,7 @@ def _variants() -> dict[str, dict[str, Any]]:
     return out
 
 
-def _refuse_unsupported(kwargs: dict[str, Any]) -> None:
-    """Pop the model-config keys an MViT cannot honour (a non-default value raises, naming the key)."""
-    pos = kwargs.pop("pos_embed", "learned")
-    if pos not in ("learned", "relative"):
-        raise ValueError(f"model.pos_embed={pos!r} is not available for MViT models: their position encoding is the "
-                         "decomposed relative embedding in each block (leave model.pos_embed at its default)")
-    for key, why in _REASONS.items():
-        value = kwargs.pop(key, _CONFIG_DEFAULTS[key])
-        if value != _CONFIG_DEFAULTS[key]:
-            raise ValueError(f"model.{key}={value!r} is not available for MViT models: {why}")
-    for key in _BACKEND_OPTIONS:
-        kwargs.pop(key, None)
-    for key in ("block_heads", "block_mlp_hidden"):
-        if kwargs.pop(key, None) is not None:
-            raise ValueError(f"{key}: MViT models cannot be head- or MLP-pruned (vitflow prune handles the ViT "
-                             "family only)")
-    unknown = sorted(k for k in kwargs if k not in _ARGS)
-    if unknown:
-        raise ValueError(f"unknown argument(s) for MViT models: {', '.join(unknown)}")
-
-
-def build(grad_checkpointing: str | bool = "none", grad_checkpointing_budget: str | int | None = None,
-          **kwargs: Any) -> nn.Module:
-    """A :class:`MultiScaleVit` from a variant's arguments plus any keys of
-    :class:`~vitflow.config.ModelConfig` (``grad_checkpointing`` and its budget applied after
-    construction).
-
-    Raises:
-        ValueError: a model-config value MViT cannot honour (named), or bad arguments.
-    """
-    _refuse_unsupported(kwargs)
-    model = MultiScaleVit(**kwargs)
-    model.set_grad_checkpointing(grad_checkpointing, grad_checkpointing_budget)
-    return model
+build = constructor(MultiScaleVit)  # an MViT from its variant's arguments and MViTConfig's keys
 
 
 def summary(args: dict[str, Any]) -> str:
@@ -142,5 +95,17 @@ def timm_config(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     return cfg, model
 
 
+def check_mvit_config(m: MViTConfig) -> None:
+    """``model.global_pool=token`` names a variant with a class token (the ``*_cls`` ones).
+
+    Raises:
+        ConfigError: naming ``model.global_pool`` and the variants that have one.
+    """
+    if m.global_pool == "token" and not MVIT.variants[m.name].get("class_token"):
+        raise ConfigError(f"model.global_pool='token' is invalid: {m.name} has no class token (use avg, or a "
+                          "*_cls variant such as mvitv2_small_cls)", "model.global_pool")
+
+
 MVIT = ModelFamily("mvit", "MViTv2 (Li et al. 2022): multiscale stages with pooling attention",
-                   _variants(), build, load_pretrained, summary)
+                   _variants(), build, load_pretrained, summary, config=MViTConfig, arguments=_ARGUMENTS,
+                   check_config=check_mvit_config)
