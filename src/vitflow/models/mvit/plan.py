@@ -8,7 +8,7 @@ forward, every block runs once without gradients to find its input and once unde
 ``saved_tensors_hooks`` (explicit attention, so the plan is conservative:
 :func:`~vitflow.models.grad_checkpointing.saved_activation_bytes`); blocks are then checkpointed,
 largest saving first, until the kept bytes fit the budget
-(:func:`vitflow.models.swin.plan.choose_blocks`). The choice is logged and kept per input key.
+(:func:`vitflow.models.grad_checkpointing.choose_blocks`). The choice is logged and kept per input key.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import torch
 import torch.nn as nn
 
 from vitflow.models.attention import auto
-from vitflow.models.grad_checkpointing import saved_activation_bytes
-from vitflow.models.swin.plan import choose_blocks
+from vitflow.models.grad_checkpointing import choose_blocks, saved_activation_bytes
 from vitflow.timing import tracing
 
 log = logging.getLogger(__name__)
