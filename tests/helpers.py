@@ -214,3 +214,34 @@ def take_pretrained(cfg):
 
     cfg.model, pre = apply_pretrained(cfg.model, cfg.data, getattr(cfg, "key_origins", None))
     return pre
+
+
+def stage_attention_figures(checkpoint, tmp_path, layer):
+    """``vitflow attention`` of a hierarchical model's checkpoint on a random 8x8 image: the
+    figure's info for the last block and for block ``layer`` (PNGs written under ``tmp_path``)."""
+    import numpy as np
+    from PIL import Image
+
+    from vitflow.viz.attention import attention_figure
+
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    last = attention_figure(checkpoint, tmp_path / "a.png", tmp_path / "last.png")
+    first = attention_figure(checkpoint, tmp_path / "a.png", tmp_path / "first.png", layer=layer)
+    assert (tmp_path / "first.png").stat().st_size > 0 and (tmp_path / "last.png").stat().st_size > 0
+    return last, first
+
+
+def check_run_checkpoint(trainer, summary, name, key):
+    """A short run's checkpoint names model ``name`` and holds state key ``key``; the model rebuilt
+    from it computes the trainer's logits on two 16-px images; the test top-1 is a fraction."""
+    import torch
+
+    from vitflow import checkpoint as ckpt
+
+    state = ckpt.load_checkpoint(summary["checkpoint"])
+    assert state["model_args"]["name"] == name and key in state["model"]
+    model = ckpt.model_from_checkpoint(state).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), trainer.model.eval()(x))
+    assert 0.0 <= summary["test_top1"] <= 1.0

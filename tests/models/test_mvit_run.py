@@ -1,5 +1,6 @@
 """An MViTv2 through vitflow's pipeline: a few training steps of the 32x32 variant (shrunk) on the
-embedded digits with the Trainer (stochastic depth, a checkpointed block), its checkpoint rebuilt;
+embedded digits with the Trainer (stochastic depth, a checkpointed block; depths 1-1-2 from
+the MViT section's model.depths), its checkpoint rebuilt;
 one ONNX export checked at batch 1 and 7; INT8 (ONNX Runtime and PyTorch) of the trained
 checkpoint; LoRA and linear-probe fine-tuning; attention figure; bench infer against timm;
 pruning refused."""
@@ -7,13 +8,14 @@ pruning refused."""
 import pytest
 import torch
 
-from helpers import digits_config
+from helpers import check_run_checkpoint, digits_config, stage_attention_figures
 from vitflow import checkpoint as ckpt
 from vitflow.infer.export import export_onnx, verify
 from vitflow.infer.onnx_model import ModelInfo, OnnxModel
 from vitflow.infer.prune import prune_checkpoint
 
-SHRUNK = ("model.name=mvitv2_cifar_32", "model.img_size=16", "model.embed_dim=16", "train.batch_size=4",
+SHRUNK = ("model.name=mvitv2_cifar_32", "model.img_size=16", "model.embed_dim=16", "model.depths=1,1,2",
+          "train.batch_size=4",
           "data.train_split=train[:64]", "data.val_split=none", "data.test_split=train[64:96]", "train.eval_every=0",
           "train.log_every=2", "optim.warmup_steps=1", "train.precision=fp32")
 
@@ -31,14 +33,7 @@ def mvit_run(tmp_path_factory):
 def test_variant_trains_and_its_checkpoint_rebuilds(mvit_run):
     trainer, summary = mvit_run
     assert trainer.model.blocks[1].grad_checkpointing and trainer.model.blocks[1].attn.rel_pos_h.grad is None
-    state = ckpt.load_checkpoint(summary["checkpoint"])
-    assert state["model_args"]["name"] == "mvitv2_cifar_32"
-    assert "stages.1.blocks.0.attn.pool_q.weight" in state["model"]
-    model = ckpt.model_from_checkpoint(state).eval()
-    x = torch.randn(2, 3, 16, 16)
-    with torch.no_grad():
-        torch.testing.assert_close(model(x), trainer.model.eval()(x))
-    assert 0.0 <= summary["test_top1"] <= 1.0
+    check_run_checkpoint(trainer, summary, "mvitv2_cifar_32", "stages.1.blocks.0.attn.pool_q.weight")
 
 
 def test_onnx_batch_1_and_7_from_one_export_and_int8(mvit_run, tmp_path):
@@ -80,22 +75,16 @@ def test_lora_and_linear_probe_finetune_the_checkpoint(mvit_run, tmp_path):
         assert changed and all(any(t in k for t in trained) for k in changed), (mode, changed)
         if mode == "lora":
             adapted = [n for n, m in tr.model.named_modules() if isinstance(m, LoRALinear)]
-            assert len(adapted) == 2 * len(tr.model.blocks) and "stages.2.blocks.4.attn.qkv" in adapted
+            assert len(adapted) == 2 * len(tr.model.blocks) and "stages.2.blocks.1.attn.qkv" in adapted
 
 
 def test_attention_figure_bench_infer_and_pruning_refused(mvit_run, tmp_path):
-    import numpy as np
-    from PIL import Image
-
     from vitflow.infer.bench import bench_infer
-    from vitflow.viz.attention import attention_figure
 
     _, summary = mvit_run
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(tmp_path / "a.png")
-    last = attention_figure(summary["checkpoint"], tmp_path / "a.png", tmp_path / "last.png")
-    first = attention_figure(summary["checkpoint"], tmp_path / "a.png", tmp_path / "first.png", layer=0)
+    last, first = stage_attention_figures(summary["checkpoint"], tmp_path, layer=0)
     assert last["grid"] == [2, 2] and last["heads"] == 4  # 16 px / stride 2 -> 8x8, 4x4, 2x2
-    assert first["grid"] == [8, 8] and first["heads"] == 1 and (tmp_path / "first.png").stat().st_size > 0
+    assert first["grid"] == [8, 8] and first["heads"] == 1
     results, notes = bench_infer(summary["checkpoint"], paths=("timm_eager_fp32", "eager_fp32"), batch_size=2,
                                  repeats=1, latency_calls=1, min_time=0.0, log=lambda s: None)
     assert set(results) == {"timm_eager_fp32", "eager_fp32"} and "MultiScaleVit" in notes["timm_eager_fp32"]
