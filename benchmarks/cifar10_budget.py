@@ -1,7 +1,7 @@
 """Train on the shared CIFAR-10 JPEG tar for a fixed wall-clock budget and print the test top-1 on
 the 10,000 test images: through vitflow's plan alone (the default), or the hand-made recipe.
 
-    python benchmarks/cifar10_budget.py [--budget 15m] [--recipe] [--data PATH] [--json] [key=value ...]
+    python benchmarks/cifar10_budget.py [--budget 15m] [--recipe] [--data PATH] [--model vit|swin|mvit] [--json] [key=value ...]
 
 Default: ``vitflow train data.path=TAR train.time_budget=BUDGET`` as a user types it — the plan
 (:mod:`vitflow.train.plan`) chooses the model, pooling, positions, PatchDropout, batch, lr,
@@ -36,7 +36,12 @@ DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar1
 # Swin has no such key: it would break the window grid; the preset's ViT-only pos_embed is left out by
 # build_config); the attention backend timed
 SWIN = ["model.name=swin_cifar_patch2_window4_32", "model.attention=auto"]
+# --model mvit: the 32x32 MViTv2 (patch stride 2, three stages on 16x16 / 8x8 / 4x4 grids) on the same recipe,
+# without the ViT's PatchDropout (it would break the pooling grids; an MViT has no such key); the
+# pooling-attention backend timed
+MVIT = ["model.name=mvitv2_cifar_32", "model.attention=auto"]
 VIT = ["model.patch_drop_rate=0.5"]
+MODELS = {"vit": VIT, "swin": SWIN, "mvit": MVIT}
 RECIPE = ["train.batch_size=128", "optim.lr=7e-4", "optim.warmup_steps=100", "data.train_augment=none",
           "train.label_smoothing=0"]
 
@@ -47,16 +52,18 @@ def main() -> None:
     ap.add_argument("--recipe", action="store_true", help="the cifar10-vit-tiny preset + RECIPE instead of the plan")
     ap.add_argument("--data", default=str(DEFAULT_DATA), help="CIFAR-10 folder or tar with train/ and test/")
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
-    ap.add_argument("--model", default="vit", choices=("vit", "swin"), help="vit, or swin (SWIN; with --recipe)")
+    ap.add_argument("--model", default="vit", choices=tuple(MODELS),
+                    help="vit, swin (SWIN) or mvit (MVIT); with --recipe, the model's recipe keys")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides")
     args = ap.parse_args()
     t0, load = time.perf_counter(), os.getloadavg()[0]
     given = [f"data.path={args.data}", f"train.time_budget={args.budget}", "train.eval_every=0"]
     if args.recipe:
-        cfg = build_config("cifar10-vit-tiny", overrides=[*given, *RECIPE, *(SWIN if args.model == "swin" else VIT),
-                                                          *args.overrides], model_config=config_class)
+        cfg = build_config("cifar10-vit-tiny", overrides=[*given, *RECIPE, *MODELS[args.model], *args.overrides],
+                           model_config=config_class)
     else:
-        cfg = planned_config([*given, *(SWIN[:1] if args.model == "swin" else []), *args.overrides], CONFIG_CHECKS)
+        cfg = planned_config([*given, *(MODELS[args.model][:1] if args.model != "vit" else []), *args.overrides],
+                             CONFIG_CHECKS)
     r = train(cfg)
     wall = time.perf_counter() - t0
     how = "recipe" if args.recipe else "plan"

@@ -5,8 +5,9 @@
 For vit_tiny_patch16_224 and vit_small_patch16_224 (batch 32) and the 32x32 CIFAR variant
 vit_cifar_patch4_32 (dim 192, depth 9, 3 heads, MLP ratio 2, patch 4; batch 64), and for the
 pretrained backbones ``dinov2`` (vit_small_patch14_reg4_dinov2 at 224 px, batch 32) and ``siglip``
-(vit_base_patch16_siglip_224, batch 16), and Swin-T ``swin`` (swin_tiny_patch4_window7_224, batch 32,
-window attention through vitflow's ``auto``) against timm's model of the same name (vit-pytorch has
+(vit_base_patch16_siglip_224, batch 16), Swin-T ``swin`` (swin_tiny_patch4_window7_224, batch 32,
+window attention through vitflow's ``auto``) and MViTv2-T ``mvit`` (mvitv2_tiny, batch 32, pooling
+attention through ``auto``) against timm's model of the same name (vit-pytorch has
 none: its column reads ``-``, ``null`` in the JSON), in fp32 and bf16 autocast, it measures images/s of
 - training: forward, cross-entropy, backward, AdamW step (lr 1e-4, weight decay 0.05 off norms
   and biases), ``zero_grad``; the optimizer is built as each project's training script builds
@@ -33,7 +34,7 @@ the bf16 GEMM is the slower one, vitflow's ``cpu_bf16_matmul=auto`` picks the fp
 the backend column as ``gemm fp32``; fp32 cells show ``gemm onednn`` or ``gemm torch``, the GEMM of
 vitflow's large fp32 linear layers, ``vitflow.models.kernels.onednn``). With ``--json`` the last line is::
 
-    {"peak_gflops": {"fp32": ..., "bf16": ...}, "cells": [{"model": ..., "mode": "train"|"infer",
+    {"cpu": "CPU: ... flags: ...", "peak_gflops": {"fp32": ..., "bf16": ...}, "cells": [{"model": ..., "mode": "train"|"infer",
      "dtype": "fp32"|"bf16", "vitflow_ips": ..., "timm_ips": ..., "vit_pytorch_ips": ...,
      "vitflow_mfu": ...}, ...]}
 """
@@ -69,9 +70,26 @@ MODEL_SPECS = {  # key: (vitflow variant, batch, classes, input size (None: the 
     "siglip": ("vit_base_patch16_siglip_224", 16, 1000, None),
     # hierarchical: Swin-T (shifted 7x7 windows, 4 stages) against timm's model of the same name
     "swin": ("swin_tiny_patch4_window7_224", 32, 1000, None),
+    # hierarchical: MViTv2-T (pooling attention, 4 stages) against timm's model of the same name
+    "mvit": ("mvitv2_tiny", 32, 1000, None),
 }
 PLAIN = ("tiny", "small", "cifar")  # plain ViTs: timm's VisionTransformer and vit-pytorch's ViT of the same shape
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def cpu_line() -> str:
+    """The CPU's model name, core count and its GEMM-relevant flags (AMX, AVX512-BF16, AVX2) from
+    ``/proc/cpuinfo``: the machines these figures come from change."""
+    import os
+    import re
+
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return f"CPU: {os.cpu_count()} cores (no /proc/cpuinfo)"
+    name = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+    flags = sorted(set(re.findall(r"\b(amx\w*|avx512_bf16|avx2)\b", text)))
+    return f"CPU: {name[1] if name else '?'}, {os.cpu_count()} cores; flags: {' '.join(flags) or 'none of amx/avx512_bf16/avx2'}"
 
 
 def matmul_peak(dtype: torch.dtype, sizes=(1024, 2048, 4096), repeats: int = 3) -> float:
@@ -222,6 +240,7 @@ def main() -> None:
     # the peaks of the dtypes measured (fp32 always: bf16 cells are rated against the higher of the two);
     # a CPU without native bf16 runs it emulated (~1 GFLOP/s): timing 4096-square products there takes minutes
     peak = {d: matmul_peak(DTYPES[d] or torch.float32) for d in ("fp32", *args.dtypes.split(",")) if d in DTYPES}
+    print(cpu_line())
     print(f"matmul peak ({args.threads} threads): " + ", ".join(f"{d} {v:.0f} GFLOP/s" for d, v in peak.items()))
     print(f"{'model':24s} {'mode':5s} {'dtype':5s} {'vitflow img/s':>20s} {'timm':>18s} {'vit-pytorch':>18s} "
           f"{'x timm':>7s} {'x best':>7s} {'MFU':>5s}  backend")
@@ -253,7 +272,7 @@ def main() -> None:
                               "vitflow_mfu": round(mfu, 4)})
                 gc.collect()
     if args.json:
-        print(json.dumps({"peak_gflops": {k: round(v, 1) for k, v in peak.items()}, "cells": cells}))
+        print(json.dumps({"cpu": cpu_line(), "peak_gflops": {k: round(v, 1) for k, v in peak.items()}, "cells": cells}))
 
 
 def _auto_choices() -> list[tuple]:

@@ -170,6 +170,43 @@ class RecordedOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def output_and_grads(model, x):
+    """``model(x)`` weighted by class index, backpropagated: ``(output, input gradient, {name:
+    parameter gradient})``, the gradients cleared from the model afterwards."""
+    import torch
+
+    x = x.clone().requires_grad_()
+    out = model(x)
+    (out * torch.arange(out.shape[-1])).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return out.detach(), x.grad, grads
+
+
+def check_checkpoint_plans(model, x, spec):
+    """A hierarchical model's checkpointing plans give bit-identical gradients: ``all`` and the
+    block list ``spec`` against none; an index past the blocks is refused; ``auto`` with a 1 KiB
+    budget checkpoints every block, with 1 GiB none. Returns the per-block flags ``spec`` set."""
+    import pytest
+    import torch
+
+    plain = output_and_grads(model, x)
+    flags = []
+    for s in ("all", spec):
+        model.set_grad_checkpointing(s)
+        got = output_and_grads(model, x)
+        assert torch.equal(got[1], plain[1])
+        assert all(torch.equal(g, plain[2][n]) for n, g in got[2].items())
+        flags = [b.grad_checkpointing for b in model.blocks]
+    with pytest.raises(ValueError, match="out of range"):
+        model.set_grad_checkpointing(str(len(model.blocks)))
+    for budget, every in (("1KiB", True), ("1GiB", False)):
+        model.set_grad_checkpointing("auto", budget)
+        output_and_grads(model, x)
+        assert all(b.grad_checkpointing == every for b in model.blocks), budget
+    return flags
+
+
 def take_pretrained(cfg):
     """``cfg`` filled from ``model.pretrained`` as the trainer fills it (architecture for
     ``model.name=auto``, the weights' preprocessing); returns the resolved weights."""
@@ -214,3 +251,32 @@ def photo_folder(root: Path, cifar=(("train", 300), ("val", 50), ("test", 50)), 
                     m = members[int(i)]
                     (root / split / name / Path(m.name).name).write_bytes(tf.extractfile(m).read())
     return root
+def stage_attention_figures(checkpoint, tmp_path, layer):
+    """``vitflow attention`` of a hierarchical model's checkpoint on a random 8x8 image: the
+    figure's info for the last block and for block ``layer`` (PNGs written under ``tmp_path``)."""
+    import numpy as np
+    from PIL import Image
+
+    from vitflow.viz.attention import attention_figure
+
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    last = attention_figure(checkpoint, tmp_path / "a.png", tmp_path / "last.png")
+    first = attention_figure(checkpoint, tmp_path / "a.png", tmp_path / "first.png", layer=layer)
+    assert (tmp_path / "first.png").stat().st_size > 0 and (tmp_path / "last.png").stat().st_size > 0
+    return last, first
+
+
+def check_run_checkpoint(trainer, summary, name, key):
+    """A short run's checkpoint names model ``name`` and holds state key ``key``; the model rebuilt
+    from it computes the trainer's logits on two 16-px images; the test top-1 is a fraction."""
+    import torch
+
+    from vitflow import checkpoint as ckpt
+
+    state = ckpt.load_checkpoint(summary["checkpoint"])
+    assert state["model_args"]["name"] == name and key in state["model"]
+    model = ckpt.model_from_checkpoint(state).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), trainer.model.eval()(x))
+    assert 0.0 <= summary["test_top1"] <= 1.0

@@ -17,6 +17,7 @@ from vitflow.config import (
     LEGACY_MODEL_DEFAULTS,
     ConfigError,
     EvaConfig,
+    MViTConfig,
     SwinConfig,
     ViTConfig,
     ViTLayoutConfig,
@@ -38,6 +39,8 @@ def family_config(*overrides, **kw):
     ("deit3_small_patch16_224", ViTLayoutConfig, {"pos_embed": "sincos2d", "attention": "local", "attn_window": 2}),
     ("eva02_tiny_patch14_224", EvaConfig, {"layer_scale_init": 1e-5, "attn_block_size": 64, "global_pool": "token"}),
     (SWIN, SwinConfig, {"window_size": 2, "depths": (1, 1), "num_heads": (2, 4), "attention": "fused"}),
+    ("mvitv2_small_cls", MViTConfig, {"depths": (1, 1, 2, 1), "num_heads": 2, "global_pool": "avg",
+                                       "attention": "math"}),
 ])
 def test_each_family_takes_its_own_keys(name, cls, keys):
     cfg = family_config(f"model.name={name}", "model.depth=1" if cls in (EvaConfig, ViTLayoutConfig) else
@@ -53,8 +56,10 @@ def test_each_family_takes_its_own_keys(name, cls, keys):
 def test_every_family_names_its_section_class():
     assert {f.name: f.config for f in FAMILIES} == {
         "vit": ViTConfig, "deit3": ViTLayoutConfig, "dinov2": ViTLayoutConfig, "clip": ViTLayoutConfig,
-        "siglip": ViTLayoutConfig, "beit": EvaConfig, "eva02": EvaConfig, "dinov3": EvaConfig, "swin": SwinConfig}
+        "siglip": ViTLayoutConfig, "beit": EvaConfig, "eva02": EvaConfig, "dinov3": EvaConfig, "swin": SwinConfig,
+        "mvit": MViTConfig}
     assert field_names(SwinConfig)[-3:] == ["depths", "num_heads", "window_size"]
+    assert field_names(MViTConfig)[-2:] == ["depths", "num_heads"] and "pos_embed" not in field_names(MViTConfig)
     assert "pos_embed" not in field_names(EvaConfig) and "distilled" not in field_names(ViTLayoutConfig)
 
 

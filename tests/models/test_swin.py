@@ -4,6 +4,7 @@ window backends and checkpointing agree in value and gradient, config keys, atte
 import pytest
 import torch
 
+from helpers import check_checkpoint_plans, output_and_grads
 from vitflow.models import create_model, list_models
 from vitflow.models.attention.window import shift_mask
 from vitflow.models.kernels.matmul import set_gemm_mode
@@ -65,15 +66,6 @@ def _block_model(version):
     return model
 
 
-def _grads(model, x):
-    x = x.clone().requires_grad_()
-    out = model(x)
-    (out * torch.arange(out.shape[-1])).sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    return out.detach(), x.grad, grads
-
-
 @pytest.mark.parametrize("version", [1, 2])
 def test_backends_agree_in_value_and_gradients(version):
     """sdpa, math, fused (vitflow's C++ kernel; V2 runs math there) and auto on shifted-window
@@ -85,7 +77,7 @@ def test_backends_agree_in_value_and_gradients(version):
     results = {}
     for backend in ("sdpa", "math", "fused", "auto"):
         model.set_attention_backend(backend)
-        results[backend] = _grads(model, x)
+        results[backend] = output_and_grads(model, x)
     assert model.attention_backend == "auto"
     assert "fused" in model.blocks[0].attn.kernel.candidates  # the kernels build here (CI's machine too)
     for backend in ("math", "fused", "auto"):
@@ -107,10 +99,10 @@ def test_bf16_autocast_training_with_either_gemm(version, gemm):
     ran ~6x slower)."""
     model = _block_model(version)
     x = torch.randn(2, 3, 16, 16)
-    ref = _grads(model, x)
+    ref = output_and_grads(model, x)
     set_gemm_mode(model, gemm)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, gx, grads = _grads(model, x)
+        out, gx, grads = output_and_grads(model, x)
     torch.testing.assert_close(out.float(), ref[0], atol=0.1, rtol=0.05)
     assert out.dtype == torch.bfloat16 and torch.isfinite(gx).all()
     for n, g in grads.items():
@@ -121,23 +113,7 @@ def test_bf16_autocast_training_with_either_gemm(version, gemm):
 
 
 def test_checkpointed_gradients_identical_and_plans():
-    model = _block_model(1)
-    x = torch.randn(2, 3, 16, 16)
-    plain = _grads(model, x)
-    for spec in ("all", "1,3"):
-        model.set_grad_checkpointing(spec)
-        got = _grads(model, x)
-        assert torch.equal(got[1], plain[1])
-        assert all(torch.equal(g, plain[2][n]) for n, g in got[2].items())
-    assert [b.grad_checkpointing for b in model.blocks] == [False, True, False, True]
-    with pytest.raises(ValueError, match="out of range"):
-        model.set_grad_checkpointing("7")
-    model.set_grad_checkpointing("auto", "1KiB")  # below everything: all blocks
-    _grads(model, x)
-    assert all(b.grad_checkpointing for b in model.blocks)
-    model.set_grad_checkpointing("auto", "1GiB")  # everything fits: none
-    _grads(model, x)
-    assert not any(b.grad_checkpointing for b in model.blocks)
+    assert check_checkpoint_plans(_block_model(1), torch.randn(2, 3, 16, 16), "1,3") == [False, True, False, True]
 
 
 def test_shift_mask_separates_rolled_regions():

@@ -5,8 +5,7 @@ and 7; pruning refused."""
 import pytest
 import torch
 
-from helpers import digits_config
-from vitflow import checkpoint as ckpt
+from helpers import check_run_checkpoint, digits_config, stage_attention_figures
 from vitflow.infer.export import export_onnx, verify
 from vitflow.infer.onnx_model import ModelInfo, OnnxModel
 from vitflow.infer.prune import prune_checkpoint
@@ -29,14 +28,7 @@ def swin_run(tmp_path_factory):
 def test_variant_trains_and_its_checkpoint_rebuilds(swin_run):
     trainer, summary = swin_run
     assert trainer.model.blocks[1].grad_checkpointing and any(trainer.model.blocks[1].shift)
-    state = ckpt.load_checkpoint(summary["checkpoint"])
-    assert state["model_args"]["name"] == "swin_cifar_patch2_window4_32"
-    assert "layers.0.blocks.1.attn.relative_position_bias_table" in state["model"]
-    model = ckpt.model_from_checkpoint(state).eval()
-    x = torch.randn(2, 3, 16, 16)
-    with torch.no_grad():
-        torch.testing.assert_close(model(x), trainer.model.eval()(x))
-    assert 0.0 <= summary["test_top1"] <= 1.0
+    check_run_checkpoint(trainer, summary, "swin_cifar_patch2_window4_32", "layers.0.blocks.1.attn.relative_position_bias_table")
 
 
 def test_onnx_export_batch_1_and_7_from_one_export(tmp_path):
@@ -61,14 +53,7 @@ def test_pruning_is_refused(swin_run, tmp_path):
 
 def test_attention_figure_on_a_stage_grid(swin_run, tmp_path):
     """`vitflow attention` on a Swin: the requested block's stage grid, rollout within that stage."""
-    import numpy as np
-    from PIL import Image
-
-    from vitflow.viz.attention import attention_figure
-
     _, summary = swin_run
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(tmp_path / "a.png")
-    last = attention_figure(summary["checkpoint"], tmp_path / "a.png", tmp_path / "last.png")
-    first = attention_figure(summary["checkpoint"], tmp_path / "a.png", tmp_path / "first.png", layer=1)
+    last, first = stage_attention_figures(summary["checkpoint"], tmp_path, layer=1)
     assert last["grid"] == [2, 2] and last["heads"] == 12  # 16 px / patch 2 -> 8x8, 4x4, 2x2
-    assert first["grid"] == [8, 8] and first["heads"] == 3 and (tmp_path / "first.png").stat().st_size > 0
+    assert first["grid"] == [8, 8] and first["heads"] == 3

@@ -20,7 +20,7 @@ from helpers import CIFAR_TAR, HYMENOPTERA_TAR, IMAGENET_TAR, need, write_csv
 from vitflow.cli.commands import CONFIG_CHECKS
 from vitflow.config import build_config, parse_duration
 from vitflow.config.build import flatten
-from vitflow.models import create_model, model_args
+from vitflow.models import config_class, create_model, model_args
 from vitflow.train import clock as clock_module
 from vitflow.train import train
 from vitflow.train.clock import Clock
@@ -172,6 +172,12 @@ def test_size_warnings_name_the_tokens_and_the_upsampling():
     assert any("model.img_size=224 is over twice the images' median short side (64 px)" in w for w in warnings)
     assert size_warnings(build_config(overrides=["model.img_size=32", "model.patch_size=4"]).model, "auto",
                          DataProfile(100, 2, 32, 32)) == []
+    # a Swin's window attention and an MViT's pooled keys grow about linearly with the tokens: no
+    # patch-size advice, only the upsampling
+    for name in ("swin_tiny_patch4_window7_224", "mvitv2_tiny"):
+        cfg = build_config(overrides=[f"model.name={name}", "train.device=cpu"], model_config=config_class)
+        assert [w.split(":")[0] for w in size_warnings(cfg.model, "cpu", DataProfile(100, 2, 64, 64))] == [
+            "model.img_size=224 is over twice the images' median short side (64 px)"], name
 
 
 def test_hymenoptera_planned_measures_the_clock_and_ends_within_its_budget(tmp_path: Path, caplog):

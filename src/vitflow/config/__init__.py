@@ -30,6 +30,7 @@ from vitflow.config.model_keys import (
 from vitflow.config.model_schema import (
                                   EvaConfig,
                                   ModelConfig,
+                                  MViTConfig,
                                   SwinConfig,
                                   ViTConfig,
                                   ViTLayoutConfig,
@@ -47,6 +48,6 @@ from vitflow.config.schema import (
 
 __all__ = ["DEFAULT_PRESET", "IMAGENET_MEAN", "IMAGENET_STD", "LEGACY_MODEL_DEFAULTS", "RENAMED", "Config",
            "ConfigError", "DataConfig", "DistillConfig", "EvaConfig", "FinetuneConfig", "ModelConfig",
-           "ModelConfigClass", "OptimConfig", "SwinConfig", "TrainConfig", "ViTConfig", "ViTLayoutConfig", "all_keys", "build_config", "check_attributes",
+           "ModelConfigClass", "MViTConfig", "OptimConfig", "SwinConfig", "TrainConfig", "ViTConfig", "ViTLayoutConfig", "all_keys", "build_config", "check_attributes",
            "field_names", "flatten", "holds_old_default", "list_presets", "model_config_classes", "model_key_defaults",
            "not_a_key", "parse_duration", "parse_override", "preset_tree", "retype_model", "set_key", "to_yaml"]

@@ -155,6 +155,28 @@ class SwinConfig(ModelConfig):
                "model.num_heads", self.num_heads, f"one number per stage of model.depths={self.depths}")
 
 
+
+@dataclass
+class MViTConfig(ModelConfig):
+    """MViTv2 (Li et al. 2022): multiscale stages with pooling attention; depths are per stage,
+    ``embed_dim`` / ``num_heads`` the first stage's (doubled per stage, timm's rule), the position
+    encoding is the decomposed relative embedding in each block."""
+
+    label: ClassVar[str] = "MViTv2"
+
+    depths: tuple[int, ...] | None = None  # blocks per stage, e.g. 1,2,5,2; None = the variant's
+    num_heads: int | None = None  # the first stage's attention heads (doubled per stage); None = the variant's
+    # avg: the mean of the last stage's grid tokens; token: the class token (the *_cls variants); None = the variant's
+    global_pool: Literal["avg", "token"] | None = None
+    # pooling attention: sdpa | math (vitflow's, with a hand-written backward) | auto (times them)
+    attention: Literal["sdpa", "math", "auto"] = "sdpa"
+
+    def validate(self) -> None:
+        super().validate()
+        _check(self.num_heads is None or self.num_heads > 0, "model.num_heads", self.num_heads, "> 0")
+        _check(self.depths is None or (len(self.depths) > 0 and min(self.depths) > 0), "model.depths", self.depths,
+               "one positive number per stage")
+
 def model_config_classes() -> list[type[ModelConfig]]:
     """:class:`ModelConfig` and every subclass (the families' sections), each parent before its
     children (depth first, in definition order)."""

@@ -40,7 +40,7 @@ def timm_model(model_args: dict) -> torch.nn.Module:
     SigLIP, BEiT, EVA-02, DINOv3, Swin) ``timm.create_model(name, pretrained=False, img_size=...,
     num_classes=..., <sizes that differ>)`` (:func:`vitflow.infer.hub_folder.timm_model_args`); for
     the ViT family timm's ``VisionTransformer`` from the basic arguments (pruning ignored: the
-    unpruned configuration).
+    unpruned configuration); for MViTv2 timm's ``MultiScaleVit`` of the same configuration.
 
     Raises:
         ValueError: timm is not installed or has no model of that name; an option timm's model
@@ -52,6 +52,8 @@ def timm_model(model_args: dict) -> torch.nn.Module:
     except ImportError:
         raise ValueError("vitflow bench infer compares against timm: pip install timm") from None
 
+    if family_of(model_args["name"]).name == "mvit":
+        return _timm_mvit(model_args)
     if family_of(model_args["name"]).name != "vit":
         name, targs = timm_model_args(model_args)
         if not timm.is_model(name):
@@ -65,6 +67,19 @@ def timm_model(model_args: dict) -> torch.nn.Module:
                    mlp_ratio=kw.get("mlp_ratio", 4.0), global_pool="avg" if avg else "token",
                    class_token=not avg).eval()
 
+
+
+def _timm_mvit(model_args: dict) -> torch.nn.Module:
+    """timm's ``MultiScaleVit`` of an MViTv2 ``model_args``, built from its configuration
+    (:func:`vitflow.models.mvit.variants.timm_config`): for a variant timm names (``mvitv2_tiny``)
+    the model ``timm.create_model`` builds, for vitflow's own (``mvitv2_cifar_32``) the same class."""
+    from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
+
+    from vitflow.models.mvit.variants import timm_config
+
+    args = {k: v for k, v in model_args.items() if k != "lora"}
+    cfg, kw = timm_config(model_kwargs(args.pop("name"), **args))
+    return MultiScaleVit(MultiScaleVitCfg(**cfg), **kw).eval()
 
 def tuned_settings() -> dict:
     """vitflow's OpenVINO settings for this machine: bf16 float layers where oneDNN has native

@@ -47,6 +47,22 @@ def is_hub_folder(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / CONFIG_NAME).is_file()
 
 
+def _named_family_args(name: str, kw: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """:func:`timm_model_args` of a family registered under timm's names (``kw``: the model's
+    keyword arguments). Raises ValueError for an MViTv2 timm cannot rebuild."""
+    family, arch = family_of(name), name
+    if family.name == "swin" and not _timm_knows(name):  # vitflow's own Swin: its structure, explicitly
+        arch = SWIN_V2_BASE if name.startswith("swinv2") else SWIN_BASE
+    out = {"img_size": kw["img_size"], "num_classes": kw.get("num_classes", 1000)}
+    extra = timm_overrides(arch, family.variants[arch], kw)
+    if family.name == "mvit":  # timm's MultiScaleVit takes its structure from the name alone
+        bad = sorted(set(extra) - {"in_chans", "global_pool"}) or ([] if _timm_knows(name) else ["name"])
+        if bad:
+            raise ValueError(f"model.{bad[0]}={kw.get(bad[0], name)!r}: timm builds MViTv2 from its own "
+                             "variant names only (mvitv2_*) with their structure, so it cannot rebuild this model")
+    return arch, {**out, **extra}
+
+
 def timm_model_args(model_args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """``(architecture, model_args)`` that make timm build the model a vitflow ``model_args`` names
     (``timm.create_model(architecture, **model_args)``); LoRA arguments are dropped (the weights
@@ -56,11 +72,12 @@ def timm_model_args(model_args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     ``num_heads``, ``mlp_ratio``, ``qkv_bias``, ``class_token``, ``global_pool``, ``init_values``),
     so that variants timm has no name for (``vit_digits_patch2_8``) build too; the architecture is
     the vitflow name when timm knows it (checked when timm is installed). The other families
-    (DeiT III, DINOv2, CLIP, SigLIP, BEiT, EVA-02, DINOv3, Swin) are registered under timm's names
+    (DeiT III, DINOv2, CLIP, SigLIP, BEiT, EVA-02, DINOv3, Swin, MViTv2) are registered under timm's names
     with timm's configurations: the name, ``img_size``, ``num_classes`` and every size that differs
     from the variant (e.g. ``depth``), in timm's argument names
     (:func:`vitflow.models.pretrained.timm_args.timm_overrides`); a Swin variant timm has no name for
-    (``swin_cifar_patch2_window4_32``) is :data:`SWIN_BASE` with the sizes that differ from it.
+    (``swin_cifar_patch2_window4_32``) is :data:`SWIN_BASE` with the sizes that differ from it; an
+    MViTv2 only by timm's own name and structure (timm's ``MultiScaleVit`` takes no sizes).
 
     A ViT with fixed 2-D sin-cos positions (``pos_embed=sincos2d``) is described as timm's plain
     ViT with a learned ``pos_embed``: :func:`hub_tensors` writes the fixed table there, which gives
@@ -75,13 +92,8 @@ def timm_model_args(model_args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     args, _ = split_lora_args(model_args)
     name = args.pop("name")
     kw = model_kwargs(name, **args)
-    family = family_of(name)
-    if family.name != "vit":
-        arch = name
-        if family.name == "swin" and not _timm_knows(name):  # vitflow's own Swin: its structure, explicitly
-            arch = SWIN_V2_BASE if name.startswith("swinv2") else SWIN_BASE
-        out = {"img_size": kw["img_size"], "num_classes": kw.get("num_classes", 1000)}
-        return arch, {**out, **timm_overrides(arch, family.variants[arch], kw)}
+    if family_of(name).name != "vit":
+        return _named_family_args(name, kw)
     refusals = {"block_heads": kw.get("block_heads") is not None, "block_mlp_hidden": kw.get("block_mlp_hidden") is not None,
                 "attention": kw.get("attention", "sdpa") not in (*EXACT_BACKENDS, "auto")}
     for key, bad in refusals.items():

@@ -3,7 +3,9 @@ the attention backend and bf16 GEMM switches, the gradient-checkpointing plan an
 :class:`~vitflow.models.vit.model.VisionTransformer` (ViT, DeiT, DeiT III, DINOv2, CLIP, SigLIP) and
 :class:`~vitflow.models.eva.model.Eva` (BEiT, EVA-02, DINOv3) both take it; it reads their ``blocks``
 (a :class:`~vitflow.models.block.Blocks` whose blocks have ``attn.set_backend``),
-``attention_options``, ``embed_dim``, ``num_classes`` and ``cpu_bf16_matmul``."""
+``attention_options``, ``embed_dim``, ``num_classes`` and ``cpu_bf16_matmul``.
+:class:`StageControls` is the same for the hierarchical families (Swin, MViTv2), whose ``blocks``
+is a plain list over their stages."""
 
 from __future__ import annotations
 
@@ -84,3 +86,58 @@ class EncoderControls:
         """Replace the head with a freshly initialised ``Linear(embed_dim, num_classes)``."""
         self.num_classes = num_classes
         self.head = classifier_head(self.embed_dim, num_classes, self.cpu_bf16_matmul)
+
+
+class StageControls:
+    """Model-level controls of the hierarchical encoders (Swin, MViTv2; mixed in before
+    ``nn.Module``): ``blocks`` is a plain list of every block over all stages (block indices count
+    over it), the head is ``head.fc`` on ``num_features``; an ``auto`` checkpoint plan is resolved
+    per input shape by the family's own planner (which calls :meth:`set_checkpointed`)."""
+
+    blocks: list
+    num_features: int
+    num_classes: int
+    cpu_bf16_matmul: str
+    checkpoint_plan: CheckpointPlan
+
+    @property
+    def attention_backend(self) -> str:
+        return self.blocks[0].attn.backend
+
+    def set_attention_backend(self, backend: str, **options) -> None:
+        """Switch every block's attention kernel (the family's backends); weights unchanged.
+        Raises ValueError for a backend the family does not run."""
+        for blk in self.blocks:
+            blk.attn.set_backend(backend, **options)
+
+    def set_cpu_bf16_matmul(self, mode: str) -> None:
+        """The GEMM of every vitflow linear layer under bf16 CPU autocast (``auto``, ``bf16``,
+        ``fp32``; :mod:`vitflow.models.kernels.matmul`). Raises ValueError for another mode."""
+        self.cpu_bf16_matmul = set_gemm_mode(self, mode)
+
+    def set_grad_checkpointing(self, enable: bool | str | Sequence[int] = True,
+                               memory_budget: int | str | None = None) -> None:
+        """Recompute some blocks in the backward pass; block indices count over all stages in
+        order (``"all"``, ``"none"``, ``"every:K"``, ``"0,3,6"``, or ``"auto"`` with
+        ``memory_budget``: planned per input shape by the family).
+
+        Raises:
+            ValueError: an unreadable spec, indices outside the model, ``auto`` without a budget.
+        """
+        plan = CheckpointPlan.parse(enable, memory_budget)
+        self.set_checkpointed(plan.blocks(len(self.blocks)) if plan.mode != "auto" else frozenset())
+        self.checkpoint_plan = plan
+
+    def set_checkpointed(self, indices: frozenset[int]) -> None:
+        """Checkpoint exactly the blocks ``indices`` (over all stages)."""
+        for i, blk in enumerate(self.blocks):
+            blk.grad_checkpointing = i in indices
+
+    @property
+    def grad_checkpointing(self) -> bool:
+        return self.checkpoint_plan.enabled
+
+    def reset_classifier(self, num_classes: int) -> None:
+        """A fresh ``head.fc`` for ``num_classes`` (0: pooled features)."""
+        self.num_classes = num_classes
+        self.head.fc = classifier_head(self.num_features, num_classes, self.cpu_bf16_matmul)

@@ -155,3 +155,22 @@ def saved_activation_bytes(fn: Callable[[], torch.Tensor], exclude: Sequence[tor
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return sum(storages.values())
+
+
+def choose_blocks(per_block: list[tuple[int, int]], budget: int) -> frozenset[int]:
+    """Indices to checkpoint for a model whose blocks differ in size (the hierarchical families,
+    ``grad_checkpointing=auto``): ``per_block[i] = (saved, input)`` bytes of block ``i``; largest
+    saving first until the kept bytes fit ``budget`` (all blocks, with a warning, if they never do)."""
+    total = sum(s for s, _ in per_block)
+    chosen: set[int] = set()
+    for i in sorted(range(len(per_block)), key=lambda i: per_block[i][1] - per_block[i][0]):
+        if total <= budget:
+            break
+        saved, inp = per_block[i]
+        if saved > inp:
+            chosen.add(i)
+            total -= saved - inp
+    if total > budget:
+        log.warning("grad checkpointing auto: %.1f MiB budget is below even all-checkpointed (%.1f MiB)",
+                    budget / 2**20, total / 2**20)
+    return frozenset(chosen)

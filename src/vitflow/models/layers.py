@@ -120,20 +120,22 @@ class PatchEmbed(nn.Module):
 
 
 class Mlp(nn.Module):
-    """Two-layer MLP: ``fc1 -> act -> dropout -> fc2 -> dropout``; ``(B, N, D) -> (B, N, D)``;
-    ``act_layer`` one of :data:`ACT_LAYERS` (default exact GELU).
+    """Two-layer MLP: ``fc1 -> act -> dropout -> fc2 -> dropout``; ``(B, N, D) -> (B, N, D)``
+    (``(B, N, out_dim)`` with ``out_dim``: MViTv2's stage transitions); ``act_layer`` one of
+    :data:`ACT_LAYERS` (default exact GELU).
 
     Without autograd (inference) a GELU (or QuickGELU) runs in place on fc1's output, which saves
     the largest activation allocation of the block. With ``residual`` (``(B, N, D)``) it returns
     ``residual + mlp(x)``, the add inside fc2's GEMM (:class:`~vitflow.models.kernels.matmul.Linear`)
     while dropout is inactive."""
 
-    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0, act_layer: str = "gelu"):
+    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0, act_layer: str = "gelu",
+                 out_dim: int | None = None):
         super().__init__()
         self.fc1 = Linear(dim, hidden_dim)
         self.act = make_act(act_layer)
         self.drop1 = nn.Dropout(drop)
-        self.fc2 = Linear(hidden_dim, dim)
+        self.fc2 = Linear(hidden_dim, out_dim or dim)
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

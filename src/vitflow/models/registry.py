@@ -22,12 +22,13 @@ from vitflow.models.eva.beit import BEIT
 from vitflow.models.eva.variants import DINOV3, EVA02
 from vitflow.models.family import ModelFamily
 from vitflow.models.grad_checkpointing import CheckpointPlan
+from vitflow.models.mvit.variants import MVIT
 from vitflow.models.pretrained.hub import offline_model_name
 from vitflow.models.swin.variants import SWIN
 from vitflow.models.vit.pretrained import PRETRAINED_FAMILIES
 from vitflow.models.vit.variants import VIT
 
-FAMILIES: tuple[ModelFamily, ...] = (VIT, *PRETRAINED_FAMILIES, BEIT, EVA02, DINOV3, SWIN)
+FAMILIES: tuple[ModelFamily, ...] = (VIT, *PRETRAINED_FAMILIES, BEIT, EVA02, DINOV3, SWIN, MVIT)
 MODELS: dict[str, dict[str, Any]] = {name: args for f in FAMILIES for name, args in f.variants.items()}
 
 

@@ -85,8 +85,8 @@ def _profile(path: str, images: int, classes: int, sizes: list[tuple[int, int]])
 
 def size_warnings(m: ModelConfig, device: str, profile: DataProfile) -> list[str]:
     """Warnings when the input is far above what the images hold: over 256 tokens per image on a
-    CPU for a model with global attention (a Swin attends within fixed windows: its cost grows
-    linearly with the tokens), or an input size over twice the images' median short side
+    CPU for a model with global attention (a Swin attends within fixed windows, an MViT to keys
+    pooled over the grid: their cost grows about linearly with the tokens), or an input size over twice the images' median short side
     (upsampled pixels carry no detail, and cost ``(size / patch)^2`` tokens). None for
     ``model.name=auto`` (the weights' architecture is known only once they are read). ``m``: the
     model section; ``device``: ``train.device``."""
@@ -95,7 +95,7 @@ def size_warnings(m: ModelConfig, device: str, profile: DataProfile) -> list[str
     out, defaults = [], model_kwargs(m.name)
     image, patch_size = m.img_size or defaults["img_size"], m.patch_size or defaults["patch_size"]
     tokens = (image // patch_size) ** 2
-    windowed = family_of(m.name).name == "swin"
+    windowed = family_of(m.name).name in ("swin", "mvit")
     if tokens > 256 and not windowed and not device.startswith("cuda"):
         better = max(patch_size, image // 8)
         out.append(f"{tokens} tokens per image ({image} px in {patch_size}-px patches) on a CPU: attention cost grows "

@@ -154,9 +154,9 @@ def attention_maps(predictor: Predictor, pixels: torch.Tensor, layer: int = -1, 
     prob, idx = model(x).float().softmax(-1)[0].max(0)
     grid = (x.shape[-2] // model.patch_size, x.shape[-1] // model.patch_size)
     p, kind = model.num_prefix_tokens, attention_kind(model)
-    if hasattr(model, "attention_grid"):  # hierarchical (Swin): the layer's stage grid, rollout within its stage
+    if hasattr(model, "attention_grid"):  # hierarchical (Swin, MViT): the layer's stage grid, rollout within it
         grid = model.attention_grid(layer % depth, (x.shape[-2], x.shape[-1]))
-        maps = [m for m in maps[:layer % depth + 1] if m.shape[-1] == grid[0] * grid[1]]
+        maps = [m for m in maps[:layer % depth + 1] if m.shape[-1] == p + grid[0] * grid[1]]
     heads = token_grid(maps[-1 if hasattr(model, "attention_grid") else layer][0], p, grid, kind)
     rollout = token_grid(attention_rollout(maps, head_fusion)[0], p, grid, kind)
     label = predictor.classes[int(idx)]

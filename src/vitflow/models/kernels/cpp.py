@@ -5,7 +5,8 @@ seconds, once: the library is cached under ``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``) with ``-O3 -march=native`` and PyTorch's OpenMP, and register
 their operators under ``torch.ops.vitflow``: ``window_attention_forward`` / ``_backward``
 (:func:`vitflow.models.attention.window.fused_window_attention`) and ``layer_norm_backward``
-(:class:`vitflow.models.layers.LayerNorm`, Swin's norms). The library's name carries a fingerprint of the
+(:class:`vitflow.models.layers.LayerNorm`, Swin's norms) and ``pool_qkv_forward`` / ``_backward``
+(:func:`vitflow.models.kernels.pool.pool_qkv`, MViTv2's conv pooling). The library's name carries a fingerprint of the
 CPU's instruction sets and of the sources, so a cache shared between machines never hands one
 CPU's build to another, and an edited source is rebuilt.
 
@@ -29,7 +30,7 @@ from vitflow.timing import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("window_attention.cpp", "layer_norm.cpp")  # plus the header vec.h
+SOURCES = ("window_attention.cpp", "layer_norm.cpp", "pool_qkv.cpp")  # plus the header vec.h
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
 

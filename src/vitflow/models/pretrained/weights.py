@@ -5,7 +5,8 @@
 vision_transformer / big_vision) with ``numpy.load(allow_pickle=False)``. Foreign names are
 converted to timm's layout: Hugging Face ViT and Flax by :mod:`vitflow.models.convert.vit`, Hugging
 Face DINOv2 / DINOv3 / CLIP / SigLIP / BEiT by :mod:`vitflow.models.convert.hf`, Hugging Face
-Swin / Swin V2 by :mod:`vitflow.models.convert.hf_swin`, OpenCLIP by
+Swin / Swin V2 by :mod:`vitflow.models.convert.hf_swin`, torchvision's MViTv2 by
+:mod:`vitflow.models.convert.torchvision_mvit`, OpenCLIP by
 :mod:`vitflow.models.convert.openclip`. :func:`load_pretrained` is every family's loader.
 """
 
@@ -20,10 +21,12 @@ import torch
 from vitflow.models.convert.hf import CONVERTERS, detect_hf_layout
 from vitflow.models.convert.hf_swin import detect_hf_swin, hf_swin_to_timm
 from vitflow.models.convert.openclip import convert_openclip, is_openclip
+from vitflow.models.convert.torchvision_mvit import is_torchvision_mvit, torchvision_mvit_to_timm
 from vitflow.models.convert.vit import convert_hf_vit, convert_jax_npz, is_hf_vit, read_npz
 from vitflow.models.lora import has_lora_weights, merge_lora_state_dict
 from vitflow.models.position import resample_pos_embed, resample_relative_table
 from vitflow.models.pretrained.hub import resolve_pretrained
+from vitflow.models.pretrained.mvit_fit import adapt_mvit_state_dict, is_mvit_model
 from vitflow.models.pretrained.swin_fit import adapt_swin_state_dict, is_swin_model
 
 log = logging.getLogger(__name__)
@@ -57,11 +60,13 @@ def _first_sentence(text: str) -> str:
 def detect_layout(sd: dict[str, torch.Tensor]) -> str:
     """The naming layout of a state_dict: ``"openclip"``, a Hugging Face family (``"hf_vit"``,
     ``"hf_dinov2"``, ``"hf_dinov3"``, ``"hf_clip"``, ``"hf_siglip"``, ``"hf_beit"``, ``"hf_swin"``,
-    ``"hf_swinv2"``), ``"timm"``
-    (timm / vitflow names), or ``"unknown"``; from the key names alone."""
+    ``"hf_swinv2"``), torchvision's MViT (``"torchvision_mvit"``), ``"timm"`` (timm / vitflow
+    names), or ``"unknown"``; from the key names alone."""
     keys = set(sd)
     if is_openclip(keys):
         return "openclip"
+    if is_torchvision_mvit(keys):
+        return "torchvision_mvit"
     family = detect_hf_swin(keys) or detect_hf_layout(keys)
     if family:
         return family
@@ -87,7 +92,7 @@ def convert_layout(sd: dict[str, torch.Tensor], where: str | Path, known: bool =
         raise ValueError(f"{where}: weights of an unknown layout (neither timm, Hugging Face nor OpenCLIP names); "
                          f"unexpected names e.g. {', '.join(list(sd)[:4])}")
     convert = {"openclip": convert_openclip, "hf_vit": convert_hf_vit, "hf_swin": hf_swin_to_timm,
-               "hf_swinv2": hf_swin_to_timm, **CONVERTERS}.get(layout)
+               "hf_swinv2": hf_swin_to_timm, "torchvision_mvit": torchvision_mvit_to_timm, **CONVERTERS}.get(layout)
     if convert is None:
         return sd
     try:
@@ -166,9 +171,12 @@ def adapt_state_dict(sd: dict[str, torch.Tensor], model: torch.nn.Module) -> dic
     ``no_embed_class``); resample relative position bias tables; drop a learned ``pos_embed``
     the model does not use (``sincos2d`` / ``relative`` / RoPE); reset a head of another class
     count (dropped here, logged ``head reset: 1000 -> 5 classes``). A Swin model's state_dict goes
-    to :func:`vitflow.models.pretrained.swin_fit.adapt_swin_state_dict` (window tables, head) instead."""
+    to :func:`vitflow.models.pretrained.swin_fit.adapt_swin_state_dict` (window tables, head) instead, an
+    MViT's to :func:`vitflow.models.pretrained.mvit_fit.adapt_mvit_state_dict` (relative tables, head)."""
     if is_swin_model(model):
         return adapt_swin_state_dict(sd, model)
+    if is_mvit_model(model):
+        return adapt_mvit_state_dict(sd, model)
     sd = dict(sd)
     own = model.state_dict()
     grid = model_grid(model)

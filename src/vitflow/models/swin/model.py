@@ -21,8 +21,8 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from vitflow.models.block import wanted_layers
+from vitflow.models.encoder import StageControls
 from vitflow.models.grad_checkpointing import CheckpointPlan
-from vitflow.models.kernels.matmul import set_gemm_mode
 from vitflow.models.layers import LayerNorm, classifier_head
 from vitflow.models.swin.block import PatchMerging, SwinBlock
 from vitflow.models.swin.plan import plan_swin_checkpointing
@@ -76,7 +76,7 @@ class SwinHead(nn.Module):
         return x if pre_logits else self.fc(x)
 
 
-class SwinTransformer(nn.Module):
+class SwinTransformer(StageControls, nn.Module):
     """Swin (``version=1``) or Swin V2 (``version=2``) image classifier.
 
     Args:
@@ -189,49 +189,6 @@ class SwinTransformer(nn.Module):
         and ``logit_scale`` (timm's ``no_weight_decay`` keywords)."""
         keys = ("relative_position_bias_table", "cpb_mlp", "logit_scale")
         return {n for n, _ in self.named_parameters() if any(k in n for k in keys)}
-
-    @property
-    def attention_backend(self) -> str:
-        return self.blocks[0].attn.backend
-
-    def set_attention_backend(self, backend: str, **options) -> None:
-        """Switch every block's window kernel (``sdpa``, ``math``, ``auto``); weights unchanged.
-        Raises ValueError for another backend."""
-        for blk in self.blocks:
-            blk.attn.set_backend(backend, **options)
-
-    def set_cpu_bf16_matmul(self, mode: str) -> None:
-        """The GEMM of every vitflow linear layer under bf16 CPU autocast (``auto``, ``bf16``,
-        ``fp32``; :mod:`vitflow.models.kernels.matmul`). Raises ValueError for another mode."""
-        self.cpu_bf16_matmul = set_gemm_mode(self, mode)
-
-    def set_grad_checkpointing(self, enable: bool | str | Sequence[int] = True,
-                               memory_budget: int | str | None = None) -> None:
-        """Recompute some blocks in the backward pass; block indices count over all stages in
-        order (``"all"``, ``"none"``, ``"every:K"``, ``"0,3,6"``, or ``"auto"`` with
-        ``memory_budget``: planned per input shape by :mod:`vitflow.models.swin.plan`).
-
-        Raises:
-            ValueError: an unreadable spec, indices outside the model, ``auto`` without a budget.
-        """
-        plan = CheckpointPlan.parse(enable, memory_budget)
-        chosen = plan.blocks(len(self.blocks)) if plan.mode != "auto" else frozenset()
-        self.set_checkpointed(chosen)
-        self.checkpoint_plan = plan
-
-    def set_checkpointed(self, indices: frozenset[int]) -> None:
-        """Checkpoint exactly the blocks ``indices`` (over all stages)."""
-        for i, blk in enumerate(self.blocks):
-            blk.grad_checkpointing = i in indices
-
-    @property
-    def grad_checkpointing(self) -> bool:
-        return self.checkpoint_plan.enabled
-
-    def reset_classifier(self, num_classes: int) -> None:
-        """A fresh ``head.fc`` for ``num_classes`` (0: pooled features)."""
-        self.num_classes = num_classes
-        self.head.fc = classifier_head(self.num_features, num_classes, self.cpu_bf16_matmul)
 
     def attention_maps(self, x: torch.Tensor, layers: int | Sequence[int] | None = None) -> list[torch.Tensor]:
         """Per-block attention placed back on each block's own grid: one float32

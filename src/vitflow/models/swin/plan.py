@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from vitflow.models.attention import auto
-from vitflow.models.grad_checkpointing import saved_activation_bytes
+from vitflow.models.grad_checkpointing import choose_blocks, saved_activation_bytes
 from vitflow.timing import tracing
 
 log = logging.getLogger(__name__)
@@ -42,24 +42,6 @@ def _stage_costs(model: nn.Module, x: torch.Tensor) -> list[tuple[int, int]]:
             else:
                 costs.append((0, 0))
     return costs
-
-
-def choose_blocks(per_block: list[tuple[int, int]], budget: int) -> frozenset[int]:
-    """Indices to checkpoint: ``per_block[i] = (saved, input)`` bytes of block ``i``; largest
-    saving first until the kept bytes fit ``budget`` (all blocks, with a warning, if they never do)."""
-    total = sum(s for s, _ in per_block)
-    chosen: set[int] = set()
-    for i in sorted(range(len(per_block)), key=lambda i: per_block[i][1] - per_block[i][0]):
-        if total <= budget:
-            break
-        saved, inp = per_block[i]
-        if saved > inp:
-            chosen.add(i)
-            total -= saved - inp
-    if total > budget:
-        log.warning("grad checkpointing auto: %.1f MiB budget is below even all-checkpointed (%.1f MiB)",
-                    budget / 2**20, total / 2**20)
-    return frozenset(chosen)
 
 
 def plan_swin_checkpointing(model: nn.Module, x: torch.Tensor) -> None:
