@@ -14,12 +14,16 @@ Every error answer is ``{"error": "<one line>", "kind": "<kind>", "status": N}``
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from contextlib import asynccontextmanager
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -71,6 +75,31 @@ async def answer(request: Request, route: str, settings: ServeSettings) -> Respo
     return JSONResponse(out)
 
 
+def _drain_on_signals(service: Service) -> Callable[[], None]:
+    """On SIGTERM / SIGINT, besides uvicorn's own handling (stop accepting, wait for the open
+    requests), the batchers stop waiting for more images (:meth:`Service.drain`), so a batch
+    gathering for up to ``--max-wait-ms`` does not hold the drain that long. Returns the function
+    that puts the previous handlers back. Outside the main thread (a Ray Serve replica: Ray handles
+    its signals) nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    loop = asyncio.get_running_loop()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(sig, frame) -> None:
+        loop.call_soon_threadsafe(service.drain)
+        if callable(previous[sig]):
+            previous[sig](sig, frame)
+
+    def restore() -> None:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+    for sig in previous:
+        signal.signal(sig, handler)
+    return restore
+
+
 def create_app(settings: ServeSettings) -> FastAPI:
     """The application for prepared ``settings`` (:func:`vitflow.infer.serve.backends.prepare`);
     the model is loaded and warmed up in its lifespan start-up, before it accepts requests."""
@@ -79,7 +108,9 @@ def create_app(settings: ServeSettings) -> FastAPI:
     async def lifespan(app: FastAPI):
         app.state.service = Service(settings)
         await app.state.service.start()
+        restore = _drain_on_signals(app.state.service)
         yield
+        restore()
         await app.state.service.stop()
 
     app = FastAPI(title="vitflow serve", version="1", lifespan=lifespan,

@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+_FLUSH: Any = object()  # queued by Batcher.drain: run what is gathered now
+
 
 class Overloaded(Exception):
     """The service holds its maximum of images; ``retry_after`` (whole seconds, >= 1) is an
@@ -118,6 +120,12 @@ class Batcher:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
+    def drain(self) -> None:
+        """Stop waiting for more images (a drain: SIGTERM): what is gathered runs now, and every
+        later batch as soon as its first image is queued (``max_wait`` becomes 0)."""
+        self.max_wait = 0.0
+        self._queue.put_nowait(_FLUSH)
+
     async def stop(self) -> None:
         """Answer what is queued, then end the loop."""
         if self._task is not None:
@@ -154,6 +162,8 @@ class Batcher:
         first = await self._queue.get()
         if first is None:
             return None
+        if first is _FLUSH:
+            return []
         batch, until = [first], first.admitted + self.max_wait
         while len(batch) < self.max_batch:
             try:
@@ -168,6 +178,8 @@ class Batcher:
                     break
             if item is None:  # stop after this batch
                 self._queue.put_nowait(None)
+                break
+            if item is _FLUSH:  # draining: no more waiting
                 break
             batch.append(item)
         now = time.monotonic()

@@ -102,6 +102,12 @@ class Service:
         self.metrics.info.labels(self.s.name, self.s.version, self.s.backend).set(1)
         self.ready = True
 
+    def drain(self) -> None:
+        """The batchers stop waiting for more images (:meth:`Batcher.drain`): a drain's queued requests
+        are answered at once, not after ``--max-wait-ms``."""
+        for b in self.batchers.values():
+            b.drain()
+
     async def stop(self) -> None:
         self.ready = False
         for b in self.batchers.values():
