@@ -1,4 +1,4 @@
-"""RandAugment, TrivialAugment and random erasing run batched on the device (vitflow.data.policies):
+"""RandAugment, TrivialAugment and random erasing run batched on the device (vitflow.data.augment.policies):
 image k of a batch is bit-equal to torchvision's transform of that image after
 ``torch.manual_seed(seeds[k])``, on real photos, for fixed seeds."""
 
@@ -10,7 +10,7 @@ from torchvision.transforms import v2
 
 from helpers import CIFAR_TAR, need
 from vitflow.data import open_split
-from vitflow.data.policies import BatchPolicy
+from vitflow.data.augment.policies import BatchPolicy
 from vitflow.data.transforms import train_transform
 
 SEEDS = list(range(7000, 7048))

@@ -19,7 +19,7 @@ from helpers import CIFAR_TAR, digits_config, make_folder, need, snapshot
 from vitflow.config import ConfigError, DataConfig
 from vitflow.data import open_split
 from vitflow.data.stats import measure, split_fingerprint
-from vitflow.data.stats_store import SIDECAR, cache_path, dataset_normalization, measure_split
+from vitflow.data.stats.store import SIDECAR, cache_path, dataset_normalization, measure_split
 
 
 @pytest.fixture(autouse=True)

@@ -220,7 +220,7 @@ def cmd_attention(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from vitflow.config import DataConfig
     from vitflow.data.prepare import prepare
-    from vitflow.data.stats_store import measure_split
+    from vitflow.data.stats.store import measure_split
 
     if args.out is None and not args.stats:
         raise ValueError("vitflow prepare: give OUT, the packed dataset to write (or --stats alone to measure SRC's "

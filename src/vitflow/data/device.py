@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from vitflow.data.augment import MixupCutmix, batch_generator, pad_crop_flip, random_resized_crop_flip
-from vitflow.data.policies import BatchPolicy
+from vitflow.data.augment.policies import BatchPolicy
 from vitflow.data.transforms import model_input
 from vitflow.runtime import mix_seed
 
@@ -101,13 +101,13 @@ class DevicePipeline:
     ``mean`` / ``std``; ``targets`` int64 ``(B,)`` or, with Mixup/CutMix, float32
     ``(B, num_classes)``. An optional batched augmentation runs first on the ``uint8`` batch:
     ``resized_crop = (size, scale, ratio)`` takes one random-resized crop of ``size x size`` per
-    image (:func:`~vitflow.data.augment.random_resized_crop_flip` with ``interpolation``, flipped
+    image (:func:`~vitflow.data.augment.crops.random_resized_crop_flip` with ``interpolation``, flipped
     when ``hflip``; the batch may have any fixed ``H x W``), else ``crop_padding`` (not ``None``)
-    pad-crop-flips it (:func:`~vitflow.data.augment.pad_crop_flip`). Both draw from one generator
+    pad-crop-flips it (:func:`~vitflow.data.augment.crops.pad_crop_flip`). Both draw from one generator
     seeded with ``mix_seed(seed, epoch, index, 1)``.
     Setting ``resolution`` (pixels) resizes the batch to ``resolution x resolution``
     (antialiased bilinear) for progressive resizing; ``None`` keeps the loader's size. ``policy``
-    (:class:`~vitflow.data.policies.BatchPolicy`: RandAugment / TrivialAugment, random erasing)
+    (:class:`~vitflow.data.augment.policies.BatchPolicy`: RandAugment / TrivialAugment, random erasing)
     follows the crop, each image seeded from the batch's key and its place in the batch.
     All randomness is seeded from ``(seed, batch["epoch"], batch["index"])``.
     ``host_threads``: on a CPU device, the intra-op threads the batched work may use (``None``:

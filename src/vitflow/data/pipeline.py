@@ -24,11 +24,11 @@ import torch
 
 from vitflow.config import DataConfig
 from vitflow.data.augment import MixupCutmix
+from vitflow.data.augment.policies import POLICIES, BatchPolicy
 from vitflow.data.cache import CenterCropSource, cache_in_memory, cache_resolution, in_ram, photo_cache_size
 from vitflow.data.decode import CorruptImageError
 from vitflow.data.device import DevicePipeline, Prefetcher
 from vitflow.data.loader import EpochSampler, epoch_sampler, make_loader
-from vitflow.data.policies import POLICIES, BatchPolicy
 from vitflow.data.remote.fs import RemoteError
 from vitflow.data.remote.fs import configure_from as configure_remote
 from vitflow.data.sources.base import DataError, FileSource, ImageSource
@@ -135,7 +135,7 @@ def is_batched(source: ImageSource, cfg: DataConfig, image_size: int) -> bool:
     no per-image-only augmentation, and images of one fixed size that is the training size
     (``pad_crop``, ``none``) or any size (``random_resized_crop``: the device crops and resizes,
     e.g. a RAM cache at :func:`~vitflow.data.cache.photo_cache_size`). RandAugment, TrivialAugment and
-    random erasing run batched too (:mod:`vitflow.data.policies`); AutoAugment and color jitter are
+    random erasing run batched too (:mod:`vitflow.data.augment.policies`); AutoAugment and color jitter are
     per-image."""
     augment = resolve_augment(cfg.train_augment, image_size)
     if augment == "random_resized_crop":

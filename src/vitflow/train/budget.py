@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 class ProgressiveResizing:
     """The training resolution of each step (FFCV's and fast.ai's progressive resizing; see
-    :func:`vitflow.data.augment.progressive_resolution`), or ``None`` throughout when off
+    :func:`vitflow.data.augment.crops.progressive_resolution`), or ``None`` throughout when off
     (``min_size`` is ``None``). Evaluation always runs at full size.
 
     Args:

@@ -1,5 +1,5 @@
 """The run's datasets, normalised as ``data.normalize`` says: with ``dataset``, the training split's
-own mean and std (:func:`vitflow.data.stats_store.dataset_normalization`) go into ``cfg.data`` before
+own mean and std (:func:`vitflow.data.stats.store.dataset_normalization`) go into ``cfg.data`` before
 the splits are opened, so that the device pipeline, every evaluation and the checkpoint's
 preprocessing (hence ``vitflow eval``, ``predict``, ``export`` and serving) use them."""
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from vitflow.config import Config
 from vitflow.data import Datasets, open_datasets
-from vitflow.data.stats_store import dataset_normalization
+from vitflow.data.stats.store import dataset_normalization
 from vitflow.train.distributed import DistEnv
 
 
@@ -22,7 +22,7 @@ def open_run_datasets(cfg: Config, image_size: int, dist: DistEnv, resumed: dict
 
     Raises:
         ConfigError, DataError, ValueError, OSError: see
-        :func:`~vitflow.data.stats_store.dataset_normalization` and :func:`~vitflow.data.open_datasets`.
+        :func:`~vitflow.data.stats.store.dataset_normalization` and :func:`~vitflow.data.open_datasets`.
     """
     d = cfg.data
     if d.normalize == "dataset" and resumed is not None:

@@ -1,5 +1,5 @@
 """Per-channel mean and standard deviation of a split's pixels, measured in one streaming pass, and
-the split's content fingerprint they are stored under (:mod:`vitflow.data.stats_store`).
+the split's content fingerprint they are stored under (:mod:`vitflow.data.stats.store`).
 
 The pass decodes every image as training decodes it (:meth:`ImageSource.load`: ``uint8
 (3, H, W)``, grayscale replicated to three channels, alpha dropped, at its own size: no resizing,

@@ -1,4 +1,4 @@
-"""Where a split's statistics (:mod:`vitflow.data.stats`) are kept, and ``data.normalize=dataset``.
+"""Where a split's statistics (:mod:`vitflow.data.stats.measure`) are kept, and ``data.normalize=dataset``.
 
 They are measured once (``vitflow prepare --stats``, or by training at start-up) and kept in a
 small JSON file keyed by the split's content fingerprint (:func:`~vitflow.data.stats.split_fingerprint`):
@@ -30,7 +30,7 @@ from pathlib import Path
 from vitflow.config import ConfigError, DataConfig
 from vitflow.data.remote.fs import is_remote
 from vitflow.data.sources.dispatch import open_split, source_kind
-from vitflow.data.stats import DatasetStats, fmt3, measure, split_fingerprint
+from vitflow.data.stats.measure import DatasetStats, fmt3, measure, split_fingerprint
 
 log = logging.getLogger(__name__)
 
