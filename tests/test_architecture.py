@@ -230,6 +230,13 @@ def test_no_class_over_300_lines():
     assert long_classes(SRC) == []
 
 
+def test_the_trainer_reads_as_a_loop():
+    """Side concerns are callbacks and set-up functions: the Trainer class stays at most 200 lines."""
+    tree = ast.parse((SRC / "train" / "loop.py").read_text())
+    trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    assert trainer.end_lineno - trainer.lineno + 1 <= 200
+
+
 def test_model_families_do_not_import_each_other():
     graph = import_graph(SRC)
     assert {model_family(m) for m in graph} >= {"vit", "eva", "swin"}  # the check sees the families

@@ -186,3 +186,21 @@ def run_summary(trainer, results: dict[str, dict[str, Any]], checkpoint: Path | 
     if trainer.dist.is_main and (samples := write_samples(shown, trainer.run_dir)):
         summary["samples"] = samples
     return summary
+
+
+def finish_run(trainer) -> dict[str, Any]:
+    """The end of a :class:`~vitflow.train.loop.Trainer`'s run: the monitored split's evaluation
+    (unless the stopping one was at this step), the final checkpoint, the test split's single
+    evaluation, and the summary (:func:`run_summary`, also written as the ``summary`` record)."""
+    trainer.finishing, records = True, trainer.metrics.offsets()  # the final checkpoint's: a resume evaluates once
+    last = trainer.last_eval
+    stopped_here = trainer.stop_reason and last and last.get("step") == trainer.step
+    results = {trainer.evaluator.monitored: last if stopped_here else trainer.evaluate()}
+    path = trainer.save(records)
+    if trainer.evaluator.monitored == "val" and "test" in trainer.evaluator.splits:  # once, chose nothing
+        results["test"] = trainer.evaluate("test")
+    trainer.epochs.end_partial(trainer.step)  # after the checkpoint: a resume from it records the epoch whole
+    summary = run_summary(trainer, results, path)
+    trainer.metrics.write("summary", **summary)
+    return summary
+

@@ -19,27 +19,23 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from vitflow import checkpoint as ckpt
 from vitflow.config import Config, to_yaml
 from vitflow.data import train_loader
 from vitflow.data.remote.fs import RemoteError
 from vitflow.data.sources.evals import open_evals
-from vitflow.data.sources.pyobjects import DatasetSource
 from vitflow.models import model_kwargs
 from vitflow.models.pretrained.config import apply_pretrained
-from vitflow.rundir import BEST
 from vitflow.runtime import settled_heap
 from vitflow.train.budget import ProgressiveResizing
 from vitflow.train.callbacks import Callback, CallbackList, LiveReport, StepOutput
-from vitflow.train.class_weights import write_distribution
 from vitflow.train.distributed import micro_batch, run_precision, shutdown
 from vitflow.train.elastic import apply_launch
-from vitflow.train.evaluator import RunEvaluator, run_summary
+from vitflow.train.evaluator import RunEvaluator, finish_run
 from vitflow.train.logging import EpochTracker, MetricsLog, start_record
 from vitflow.train.normalize import open_run_datasets
 from vitflow.train.preempt import interrupted_end
-from vitflow.train.resume import locate_run, restore_training, seed_ranks, training_state
-from vitflow.train.run_dir import open_run_dir, write_samples
+from vitflow.train.resume import locate_run, restore_training, seed_ranks, write_checkpoint
+from vitflow.train.run_dir import create_run_folder
 from vitflow.train.schedules import schedule_of
 from vitflow.train.selection import Selection
 from vitflow.train.setup import build_model, build_optimization, builtin_callbacks, start_process
@@ -89,11 +85,7 @@ class Trainer:
                                                         self.dist.is_main, self.loader.describe(), self.selection)
                                       + list(callbacks))
         if self.dist.is_main:  # created now that the data and the model are known to be good
-            open_run_dir(self.run_dir, to_yaml(cfg), cfg.preset)
-            write_distribution(self.run_dir, self.data)  # each split's class counts, for the report
-            held_out = self.data.val or self.data.test
-            if not isinstance(getattr(held_out, "base", held_out), DatasetSource):  # a user's Dataset: at the end
-                write_samples(held_out, self.run_dir)  # held-out images: predict, the report (RUN_DIR/samples)
+            create_run_folder(self.run_dir, to_yaml(cfg), cfg.preset, self.data)
         saved = self.state or {}
         self.metrics = MetricsLog(self.run_dir, t.tensorboard, self.dist.is_main,
                                   saved.get("records", {} if start_over else None), self.step if self.state else None,
@@ -177,7 +169,7 @@ class Trainer:
             finally:
                 self.callbacks.call("on_train_end", self)
                 self.loader.close()
-            summary = interrupted_end(self) if self.interrupted else self._finish()
+            summary = interrupted_end(self) if self.interrupted else finish_run(self)
             return summary
         finally:
             self.callbacks.call("on_fit_end", self, summary)
@@ -245,36 +237,12 @@ class Trainer:
             self.callbacks.call("on_evaluation", self, name, figures)
         return result
 
-    def _finish(self) -> dict[str, Any]:
-        """The end of a run: the monitored split's evaluation (unless the stopping one was at this
-        step), the final checkpoint, the test split's single evaluation, and the summary."""
-        self.finishing, records = True, self.metrics.offsets()  # the final checkpoint's: a resume evaluates once
-        stopped_here = self.stop_reason and self.last_eval and self.last_eval.get("step") == self.step
-        results = {self.evaluator.monitored: self.last_eval if stopped_here else self.evaluate()}
-        path = self.save(records)
-        if self.evaluator.monitored == "val" and "test" in self.evaluator.splits:  # once, chose nothing
-            results["test"] = self.evaluate("test")
-        self.epochs.end_partial(self.step)  # after the checkpoint: a resume from it records the epoch whole
-        summary = run_summary(self, results, path)
-        self.metrics.write("summary", **summary)
-        return summary
-
     def save(self, records: dict[str, int] | None = None, best: bool = False) -> Path | None:
-        """Write a checkpoint of this step (:func:`~vitflow.train.resume.training_state`; ``records``: the
-        records files' sizes a resume cuts back to) and keep the newest ``train.keep_checkpoints``; ``best``:
-        ``best.pt``, never rotated. Every rank calls it; rank 0 writes and returns the path, others ``None``."""
-        state = training_state(self, records)
-        path = None
-        if state is not None:
-            path = ckpt.checkpoint_path(self.run_dir, self.step)
-            try:
-                path = ckpt.save_checkpoint(state, path.with_name(BEST) if best else path)
-            except ckpt.CheckpointWriteError as e:  # the run stops here; its previous checkpoints are intact
-                raise ckpt.CheckpointWriteError(f"{e}; then continue with: vitflow resume {self.run_dir}") from None
-            ckpt.prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
+        """:func:`~vitflow.train.resume.write_checkpoint` of this step (every rank calls it; rank 0
+        writes and returns the path, others ``None``), then the callbacks' ``on_checkpoint``."""
+        path = write_checkpoint(self, records, best)
         self.callbacks.call("on_checkpoint", self, path)
         return path
-
 
 def train(cfg: Config, on_eval: Callable[[Path], Any] | None = None, callbacks: Sequence[Callback] = ()
           ) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from vitflow.config import (
 from vitflow.evaluation import scalar_metrics
 from vitflow.models import config_class
 from vitflow.models.kernels import onednn
-from vitflow.rundir import CONFIG
+from vitflow.rundir import BEST, CONFIG
 from vitflow.runtime import mix_seed, rng_state, set_rng_state
 from vitflow.train.distributed import DistEnv
 from vitflow.train.run_dir import RunClaim, check_new_run, claim_run_dir, run_dir_for
@@ -331,3 +331,25 @@ def seed_ranks(state: dict | None, dist: DistEnv, seed: int, step: int) -> None:
         set_rng_state(saved[dist.rank] if same_world else (saved or [state["rng"]])[0])
     if dist.enabled and not same_world:
         torch.manual_seed(mix_seed(seed, step, dist.rank))
+
+
+def write_checkpoint(trainer, records: dict[str, int] | None = None, best: bool = False) -> Path | None:
+    """Write a checkpoint of ``trainer``'s step (:func:`training_state`; ``records``: the records
+    files' sizes a resume cuts back to) and keep the newest ``train.keep_checkpoints``; ``best``:
+    ``best.pt``, never rotated. Every rank calls it; rank 0 writes and returns the path, others ``None``.
+
+    Raises:
+        vitflow.checkpoint.CheckpointWriteError: the write failed (the run's earlier checkpoints are
+            intact; the message says how to continue).
+    """
+    state = training_state(trainer, records)
+    if state is None:
+        return None
+    path = ckpt.checkpoint_path(trainer.run_dir, trainer.step)
+    try:
+        path = ckpt.save_checkpoint(state, path.with_name(BEST) if best else path)
+    except ckpt.CheckpointWriteError as e:  # the run stops here; its previous checkpoints are intact
+        raise ckpt.CheckpointWriteError(f"{e}; then continue with: vitflow resume {trainer.run_dir}") from None
+    ckpt.prune_checkpoints(trainer.run_dir, trainer.cfg.train.keep_checkpoints)
+    return path
+

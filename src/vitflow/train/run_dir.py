@@ -42,7 +42,9 @@ from vitflow import checkpoint as ckpt
 from vitflow.config import TrainConfig
 from vitflow.config.messages import MESSAGES
 from vitflow.data.sources.base import ImageSource, export_samples
+from vitflow.data.sources.pyobjects import DatasetSource
 from vitflow.rundir import CONFIG, RUN, SAMPLES, is_run_dir
+from vitflow.train.class_weights import write_distribution
 
 log = logging.getLogger(__name__)
 
@@ -315,6 +317,19 @@ def check_new_run(path: Path, resume_mode: str) -> bool:
     shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
     raise RunDirError(MESSAGES["run_dir_taken" if is_run_dir(path) else "run_dir_not_empty"].format(path=path,
                                                                                                    shown=shown))
+
+
+def create_run_folder(path: Path, config_yaml: str, preset: str, data) -> None:
+    """Rank 0, once the data and the model are known to be good: the run directory
+    (:func:`open_run_dir`), each split's class counts for the report
+    (:func:`~vitflow.train.class_weights.write_distribution`) and, for data read from files, held-out
+    sample images (:func:`write_samples`; a user's Python ``Dataset`` gets them at the end of the run:
+    reading it here, before the loader workers fork, would share its lazily opened files with them)."""
+    open_run_dir(path, config_yaml, preset)
+    write_distribution(path, data)
+    held_out = data.val or data.test
+    if not isinstance(getattr(held_out, "base", held_out), DatasetSource):
+        write_samples(held_out, path)
 
 
 def open_run_dir(path: Path, config_yaml: str, preset: str) -> Path:
