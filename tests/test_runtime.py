@@ -45,3 +45,18 @@ def test_settled_heap_freezes_the_objects_alive_on_entry_and_gives_them_back():
         assert not any(o is kept[0] for o in gc.get_objects(2))  # out of the oldest generation's walks
     assert gc.get_freeze_count() == 0  # a later run's collections see them again
     assert any(o is kept[0] for o in gc.get_objects(2))
+
+
+def test_a_run_without_threads_gets_the_count_back_that_an_earlier_run_changed():
+    from vitflow.runtime import use_threads
+
+    default = torch.get_num_threads()
+    try:
+        assert use_threads(None) == default
+        assert use_threads(1) == 1 and torch.get_num_threads() == 1  # a run with train.threads=1
+        assert use_threads(None) == default and torch.get_num_threads() == default  # the next run, without
+        use_threads(1)
+        torch.set_num_threads(3)  # the user's own choice in between is kept
+        assert use_threads(None) == 3
+    finally:
+        torch.set_num_threads(default)

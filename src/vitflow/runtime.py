@@ -31,6 +31,24 @@ GEMM_PROBE_SIZE = 1024  # the square product timed by cpu_gemm_gflops
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
 
 
+_THREADS: dict[str, int] = {}  # the thread count before use_threads set one, and the one it set
+
+
+def use_threads(threads: int | None) -> int:
+    """Set torch's intra-op threads for a run or an evaluation in this process: ``threads``, or
+    (``None``/0) the count the process had before an earlier call set one — so that a notebook that
+    trains a run with ``train.threads=1`` and then one without gets torch's default back, as a new
+    ``vitflow train`` process would, not the earlier run's count. A count the user set with
+    ``torch.set_num_threads`` in between is kept. Returns the count now in effect."""
+    current = torch.get_num_threads()
+    before = _THREADS["before"] if _THREADS.get("set") == current else current
+    target = threads or before
+    if target != current:
+        torch.set_num_threads(target)
+    _THREADS.update(before=before, set=target)
+    return target
+
+
 @functools.cache
 def configure_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = (1 << 31) - 1) -> bool:
     """Make glibc serve allocations up to ``mmap_threshold`` bytes from its heap and keep freed

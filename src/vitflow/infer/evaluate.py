@@ -20,7 +20,7 @@ from vitflow.infer.predict import Predictor, is_exported
 from vitflow.infer.tta import parse_tta, with_tta
 from vitflow.models import config_class
 from vitflow.models.kernels import onednn
-from vitflow.runtime import Precision, resolve_device, resolve_precision
+from vitflow.runtime import Precision, resolve_device, resolve_precision, use_threads
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,7 @@ def eval_setup(path, overrides=(), device: str | None = None) -> EvalSetup:
     state = load_checkpoint(path)
     cfg = build_config(base=state["config"], overrides=overrides, checks={"data": check_data_config},
                        model_config=config_class)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    use_threads(cfg.train.threads)
     dev = resolve_device(device or cfg.train.device)
     # an INT8 (dynamic quantized) checkpoint runs in fp32 on the CPU
     quantized = bool(state.get("quantization"))
