@@ -23,6 +23,7 @@ from vitflow.data import open_split
 from vitflow.data.transforms import Preprocess, eval_transform, transform_encoded
 from vitflow.data.wds.spool import PREFIX, spool_root
 from vitflow.data.wds.stream import open_shard_stream, shard_loader
+from vitflow.train.run_dir import write_samples
 
 CLASSES = ("a", "b", "c", "d")
 TRAIN = "train-{000000..000005}.tar"  # 40 samples, 7 a shard
@@ -96,7 +97,7 @@ def _args(run, data) -> list[str]:
     """The overrides of a short training run from the shards ``data`` into ``run``."""
     return [f"data.path={data}", "data.num_workers=0", "data.shuffle_buffer=16", "data.hflip=true", "model.img_size=8",
             "model.drop_rate=0.1", "train.batch_size=8", f"train.total_steps={STEPS}", f"train.run_dir={run}",
-            "train.precision=fp32", "train.threads=1", "train.eval_every=0", f"data.val_split={VAL}",
+            "train.precision=fp32", "train.threads=1", "train.eval_every=0", "train.eval_interval=null", f"data.val_split={VAL}",
             "data.remote_retries=2", "data.remote_backoff=0.05"]
 
 
@@ -196,7 +197,7 @@ def test_a_store_lost_during_an_evaluation_is_evaluated_again_on_resume(shards, 
     code, err = _train(capsys, tmp_path / "full", data, "train", *_args(tmp_path / "full", data), *every)
     assert code == 0, err[-2000:]
     before = base.server.requests
-    open_split(data, VAL)
+    write_samples(open_split(data, VAL), tmp_path / "samples")  # as a run's start: open it, write held-out samples
     opening = base.server.requests - before  # the val split's requests before its first evaluation
     base.server.die_after_requests(opening + 3, matching="/val-")  # in the step-4 evaluation: its 2nd image read
     run = tmp_path / "cut"

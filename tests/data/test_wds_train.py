@@ -18,7 +18,7 @@ def _train_cmd(run_dir, data, steps, *extra):
     return [sys.executable, "-m", "vitflow", "train", f"data.path={data}", "data.num_workers=2",
             "data.shuffle_buffer=16", "data.hflip=true", "model.img_size=8", "model.drop_path_rate=0.1",
             "train.batch_size=8", f"train.total_steps={steps}", f"train.run_dir={run_dir}",
-            "train.keep_checkpoints=100", "train.precision=fp32", "train.threads=1", *extra]
+            "train.keep_checkpoints=100", "train.precision=fp32", "train.threads=1", "train.eval_interval=null", *extra]
 
 
 def _json_line(text: str) -> dict:
@@ -56,4 +56,4 @@ def test_sigkill_mid_epoch_then_resume_from_shards_matches_uninterrupted_run_bit
     from_folder = _json_line(capsys.readouterr().out)
     a, b = split_results(from_shards)["val"], split_results(from_folder)["val"]
     assert a["images"] == b["images"] == 12 and a["skipped"] == 0
-    assert a["loss"] == b["loss"] and a["top1"] == b["top1"] and a["top5"] == b["top5"]
+    assert a["loss"] == b["loss"] and a["top1"] == b["top1"] and a.get("top5") == b.get("top5")

@@ -68,7 +68,7 @@ def _images(cfg: Config, size: int, n: int) -> tuple[torch.Tensor, float]:
     transform, images, t0 = eval_transform(pp), [], time.perf_counter()
     try:
         src = open_training(cfg.data)
-        picks = np.linspace(0, len(src) - 1, min(n, len(src))).astype(int)
+        picks = [] if getattr(src, "streamed", False) else np.linspace(0, len(src) - 1, min(n, len(src))).astype(int)
         for i in picks:
             try:
                 images.append(transform(src.load(int(i))))
