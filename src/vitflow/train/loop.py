@@ -68,7 +68,8 @@ class Trainer:
         t = cfg.train
         self.precision = run_precision(t.precision, self.device, self.dist)  # a resumed run's recorded choices known
         image_size = cfg.model.img_size or model_kwargs(cfg.model.name)["img_size"]
-        self.data = open_run_datasets(cfg, image_size, self.dist, self.state)  # data.normalize=dataset first
+        self.data = open_run_datasets(cfg.data, image_size, self.dist, self.state,  # data.normalize=dataset first
+                                      getattr(cfg, "key_origins", None))
         named = open_evals(cfg.data, self.data.classes)  # data.evals, and what keep_best / early stopping watch:
         self.selection = Selection(t.keep_best, t.early_stopping_patience, t.early_stopping_min_delta,
                                    t.early_stopping_metric, [self.data.monitored, *named])
