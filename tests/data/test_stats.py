@@ -177,9 +177,9 @@ def test_a_resumed_run_keeps_the_numbers_it_was_trained_with(tmp_path):
             "data.normalize=dataset"]
     saved = {"config": {"data": {"mean": [0.1, 0.2, 0.3], "std": [0.4, 0.5, 0.6]}}}
     resumed = build_config(overrides=keys)
-    open_run_datasets(resumed.data, 8, DistEnv(), saved)
+    open_run_datasets(resumed.data, 8, DistEnv(), saved, resumed.key_origins)
     assert (resumed.data.mean, resumed.data.std) == ((0.1, 0.2, 0.3), (0.4, 0.5, 0.6))
     assert not (root / SIDECAR).exists()
     new = build_config(overrides=keys)
-    open_run_datasets(new.data, 8, DistEnv(), None)
+    open_run_datasets(new.data, 8, DistEnv(), None, new.key_origins)
     assert new.data.mean == measure_split(DataConfig(path=str(root)))[0].mean and (root / SIDECAR).exists()
