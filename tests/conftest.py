@@ -18,6 +18,17 @@ os.environ.setdefault("VITFLOW_CHOICES_CACHE", "off")
 from helpers import make_folder  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _roomy_signal_stack():
+    """Before each test, a 256 KiB alternate signal stack for the main thread in place of a smaller
+    one: a library an earlier test loads (among test_bench_infer's peers) leaves a 20 KiB one, and
+    on a CPU with AMX a SIGCHLD delivered on it (PyTorch's DataLoader installs a handler) then
+    killed pytest with SIGSEGV (exit 139) in a later test (:func:`vitflow.runtime.ensure_signal_stack`)."""
+    from vitflow.runtime import ensure_signal_stack
+
+    ensure_signal_stack()
+
+
 @pytest.fixture
 def image_folder(tmp_path: Path) -> Path:
     return make_folder(tmp_path / "imgs")

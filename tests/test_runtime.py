@@ -12,7 +12,9 @@ import torch
 def test_precision_auto_on_a_cpu_takes_bf16_only_where_its_gemm_is_faster(monkeypatch, caplog, native, gflops,
                                                                             expected):
     from vitflow import runtime as amp
+    from vitflow import timing
 
+    timing.forget("precision")  # the process's recorded choice (another case's) would be taken again
     monkeypatch.setattr(amp, "cpu_bf16_supported", lambda: native)
     monkeypatch.setattr(amp, "cpu_gemm_gflops", lambda: gflops)
     with caplog.at_level("INFO", logger="vitflow"):
@@ -60,3 +62,18 @@ def test_a_run_without_threads_gets_the_count_back_that_an_earlier_run_changed()
         assert use_threads(None) == 3
     finally:
         torch.set_num_threads(default)
+
+
+def test_a_small_alternate_signal_stack_is_replaced_by_a_roomy_one():
+    import ctypes
+
+    from vitflow.runtime import ALT_STACK_BYTES, _StackT, ensure_signal_stack
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    small = ctypes.create_string_buffer(20144)  # what a library left in the suite
+    assert libc.sigaltstack(ctypes.byref(_StackT(ctypes.cast(small, ctypes.c_void_p), 0, 20144)), None) == 0
+    assert ensure_signal_stack() is True
+    now = _StackT()
+    libc.sigaltstack(None, ctypes.byref(now))
+    assert (now.ss_size, now.ss_flags) == (ALT_STACK_BYTES, 0)
+    assert ensure_signal_stack() is False  # roomy already

@@ -31,6 +31,47 @@ GEMM_PROBE_SIZE = 1024  # the square product timed by cpu_gemm_gflops
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
 
 
+ALT_STACK_BYTES = 256 * 1024
+_ALT_STACK: list = []  # the alternate signal stacks ensure_signal_stack gave threads (kept alive while in use)
+
+
+class _StackT(ctypes.Structure):  # struct stack_t of sigaltstack(2)
+    _fields_ = [("ss_sp", ctypes.c_void_p), ("ss_flags", ctypes.c_int), ("ss_size", ctypes.c_size_t)]
+
+
+def ensure_signal_stack(size: int = ALT_STACK_BYTES) -> bool:
+    """Give the calling thread a ``size``-byte alternate signal stack where it has a smaller one.
+
+    Python 3.11's ``faulthandler`` (which pytest and ``python -X faulthandler`` enable) gives the main
+    thread a 16 KiB alternate stack, and Python's own signal handlers run on it (``SA_ONSTACK``). On
+    a CPU with AMX the kernel needs about 12 KiB for the saved register state alone
+    (``AT_MINSIGSTKSZ``: 11,952 bytes here), so a signal that arrives while the tile registers are
+    live — the ``SIGCHLD`` of an exiting loader worker or subprocess, whose handler PyTorch's
+    DataLoader installs — cannot be delivered and the kernel kills the process with ``SIGSEGV``
+    (``si_code=SI_KERNEL``; seen here as pytest exiting 139). A thread without an alternate stack
+    is left alone (its signal frames go on its own stack). Linux; elsewhere nothing is done.
+
+    Returns:
+        whether the thread's alternate stack was replaced.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        old = _StackT()
+        if libc.sigaltstack(None, ctypes.byref(old)) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    ss_onstack, ss_disable = 1, 2
+    if old.ss_flags & (ss_onstack | ss_disable) or old.ss_size >= size:
+        return False
+    buf = ctypes.create_string_buffer(size)
+    new = _StackT(ctypes.cast(buf, ctypes.c_void_p), 0, size)
+    if libc.sigaltstack(ctypes.byref(new), None) != 0:
+        return False
+    _ALT_STACK.append(buf)
+    return True
+
+
 _THREADS: dict[str, int] = {}  # the thread count before use_threads set one, and the one it set
 
 

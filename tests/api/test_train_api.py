@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -48,14 +49,14 @@ class CifarJpegs(torch.utils.data.Dataset):
             self.members = sorted(m.name for m in tf.getmembers() if m.isfile() and f"/{split}/" in m.name)
         self.classes = sorted({m.split("/")[-2] for m in self.members})
         self.targets = [self.classes.index(m.split("/")[-2]) for m in self.members]
-        self._tar = None
+        self._tar, self._pid = None, None
 
     def __len__(self):
         return len(self.members)
 
     def __getitem__(self, i):
-        if self._tar is None:
-            self._tar = tarfile.open(self.tar_path)
+        if self._tar is None or self._pid != os.getpid():  # opened in each process: a forked loader worker
+            self._tar, self._pid = tarfile.open(self.tar_path), os.getpid()  # must not share the parent's offset
         return Image.open(io.BytesIO(self._tar.extractfile(self.members[i]).read())), self.targets[i]
 
     def __getstate__(self):

@@ -16,7 +16,7 @@ from vitflow.config import DistillConfig, FinetuneConfig, ModelConfig, OptimConf
 from vitflow.config.build import flatten
 from vitflow.data import Datasets
 from vitflow.models import model_args
-from vitflow.runtime import Precision, configure_allocator, resolve_device, use_threads
+from vitflow.runtime import Precision, configure_allocator, ensure_signal_stack, resolve_device, use_threads
 from vitflow.train.budget import BudgetStop
 from vitflow.train.callbacks import Callback
 from vitflow.train.class_weights import setup_imbalance
@@ -43,6 +43,7 @@ def start_process(t: TrainConfig) -> tuple[DistEnv, torch.device]:
     ``(dist, device)``. The precision is resolved once a resumed run's recorded choices are known
     (:func:`~vitflow.train.distributed.run_precision`)."""
     configure_allocator()
+    ensure_signal_stack()  # before loader workers: their SIGCHLD on an AMX machine (see the function)
     use_threads(t.threads)
     dist = init_distributed(t.device)
     timing.set_agreement(dist.broadcast if dist.enabled else None)
