@@ -3,6 +3,8 @@ the explicit math kernel in value and in every gradient, on the shapes Swin uses
 ones (tokens and head widths that are not multiples of 16), in float32 and bfloat16; a Swin model
 on the fused backend against math; the fallbacks; the LayerNorm backward against float64."""
 
+import logging
+
 import pytest
 import torch
 
@@ -105,6 +107,7 @@ def test_fused_kernel_falls_back_where_it_does_not_apply():
 
 
 def test_unavailable_kernels_say_why(monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG, logger="vitflow")  # whatever level an earlier in-process command left
     monkeypatch.setattr(cpp, "_STATE", {})
     monkeypatch.setenv("VITFLOW_CPU_KERNELS", "0")
     assert not cpp.available()

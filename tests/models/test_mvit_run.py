@@ -85,8 +85,8 @@ def test_attention_figure_bench_infer_and_pruning_refused(mvit_run, tmp_path):
     last, first = stage_attention_figures(summary["checkpoint"], tmp_path, layer=0)
     assert last["grid"] == [2, 2] and last["heads"] == 4  # 16 px / stride 2 -> 8x8, 4x4, 2x2
     assert first["grid"] == [8, 8] and first["heads"] == 1
-    results, notes = bench_infer(summary["checkpoint"], paths=("timm_eager_fp32", "eager_fp32"), batch_size=2,
-                                 repeats=1, latency_calls=1, min_time=0.0, log=lambda s: None)
-    assert set(results) == {"timm_eager_fp32", "eager_fp32"} and "MultiScaleVit" in notes["timm_eager_fp32"]
+    r = bench_infer(summary["checkpoint"], paths=("timm_eager_fp32", "eager_fp32"), batch_size=2, repeats=1,
+                    latency_calls=1, min_time=0.0, log=lambda s: None)
+    assert set(r["results"]) == {"timm_eager_fp32", "eager_fp32"} and "MultiScaleVit" in r["notes"]["timm_eager_fp32"]
     with pytest.raises(ValueError, match="mvitv2_cifar_32 cannot be pruned"):
         prune_checkpoint(summary["checkpoint"], tmp_path / "pruned")
