@@ -143,17 +143,3 @@ def test_the_cache_can_be_turned_off(tmp_path, monkeypatch, value):
     timing.forget("test")
     assert list(tmp_path.iterdir()) == []
 
-
-def test_a_new_run_after_a_resume_in_the_same_process_makes_its_own_choices():
-    """A notebook resumes one run (its checkpoint's choices become the process's), then trains a new
-    one: the new run must not inherit them (it computes as `vitflow train` would)."""
-    from vitflow.models.kernels import onednn
-    from vitflow.train.resume import reuse_choices
-
-    before = onednn.fp32_mode()
-    other = "torch" if before != "torch" else "onednn"
-    key = "(3, 3, 'toy')"
-    reuse_choices({"path": "old.pt", "fp32_gemm": other, "choices": {"attention": {key: "math"}}}, retime=False)
-    assert onednn.fp32_mode() == other and timing.remembered("attention", key) == "math"
-    reuse_choices(None, retime=False)  # a new run
-    assert onednn.fp32_mode() == before and timing.remembered("attention", key) is None

@@ -60,20 +60,20 @@ def test_injected_nan_loss_is_skipped_and_counted(tmp_path):
     tr.criterion = poisoned
     it = iter(tr.loader)
     for _ in range(2):
-        tr.train_step([tr.fetch(it)])
+        tr.train_step([tr.epochs.fetch(it)])
     before = [p.detach().clone() for p in tr.model.parameters()]
     adam_steps = tr.optimizer.state[tr.model.head.weight]["step"].item()
     lr = tr.scheduler.get_last_lr()
-    loss, norm, stepped = tr.train_step([tr.fetch(it)])  # call 3: NaN
+    loss, norm, stepped = tr.train_step([tr.epochs.fetch(it)])  # call 3: NaN
     assert not stepped and math.isnan(loss) and tr.step == 2 and tr.guard.skipped == 1
     assert all(torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))
     assert tr.optimizer.state[tr.model.head.weight]["step"].item() == adam_steps and tr.scheduler.get_last_lr() == lr
     assert all(p.grad is None for p in tr.model.parameters())
-    assert tr.train_step([tr.fetch(it)])[2] and tr.step == 3 and tr.guard.in_a_row == 0  # call 4: fine
+    assert tr.train_step([tr.epochs.fetch(it)])[2] and tr.step == 3 and tr.guard.in_a_row == 0  # call 4: fine
     with pytest.raises(NonFiniteError, match=r"stopping at step 3: 3 steps in a row had a non-finite loss.*"
                                              r"likely cause: the optimisation diverged; lower optim.lr"):
         for _ in range(3):  # calls 5, 6, 7
-            tr.train_step([tr.fetch(it)])
+            tr.train_step([tr.epochs.fetch(it)])
     assert tr.guard.skipped == 4
     pipeline, seen = tr.loader.pipeline, []
 
@@ -84,7 +84,7 @@ def test_injected_nan_loss_is_skipped_and_counted(tmp_path):
 
     tr.loader.pipeline = nan_first
     with pytest.raises(NonFiniteError, match="likely cause: the input batch itself holds NaN/Inf values"):
-        tr.train_step([tr.fetch(it), tr.fetch(it)])
+        tr.train_step([tr.epochs.fetch(it), tr.epochs.fetch(it)])
     assert len(seen) == 2
 
 
@@ -161,8 +161,10 @@ def test_metrics_csv_eval_json_and_report(digits_run, tmp_path):
     out = tmp_path / "rep" / "report.html"
     assert main(["report", str(run), "-o", str(out)]) == 0
     page = out.read_text()
-    # the four curves, the reliability diagram and the attention maps of a sample image
-    assert page.count('src="data:image/png;base64,') == 6 and not re.search(r'(src|href)="(?!data:)', page)
+    # the four curves, the reliability diagram, the attention maps of a sample image, and the held-out samples
+    samples = len([p for p in (run / "samples").iterdir() if p.suffix in (".png", ".jpg")])
+    assert samples == 10 and page.count('src="data:image/png;base64,') == 6 + samples
+    assert not re.search(r'(src|href)="(?!data:)', page)
     assert all((out.parent / "report" / f"{n}.png").stat().st_size > 5000
                for n in ("loss", "accuracy", "lr", "throughput"))
     assert f"{r['test_top1']:.2%}" in page and page.count('<td class=num style="background:') == 100  # 10 x 10
@@ -201,7 +203,7 @@ def test_compiled_training_step_matches_eager(tmp_path):
     for compiled in (False, True):
         tr = Trainer(digits_config(tmp_path / f"c{compiled}", f"train.compile={compiled}", "train.total_steps=3"))
         it = iter(tr.loader)
-        results.append([tr.train_step([tr.fetch(it)])[:2] for _ in range(3)])
+        results.append([tr.train_step([tr.epochs.fetch(it)])[:2] for _ in range(3)])
         tr.loader.close()
     for (loss_e, norm_e), (loss_c, norm_c) in zip(*results):
         assert loss_c == pytest.approx(loss_e, rel=1e-4) and norm_c == pytest.approx(norm_e, rel=1e-4)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import yaml
@@ -147,27 +147,15 @@ def locate_run(t: TrainConfig, preset: str, config: dict[str, Any], dist: DistEn
     return state, Path(run_dir), over, claim or RunClaim(Path(run_dir))
 
 
-_UNDO: list[Callable[[], None]] = []  # what a resume's choices changed in this process, undone by a new run here
-
-
-def _forget(choices: Mapping[str, Any]) -> None:
-    for kind in choices:
-        timing.forget(kind)
-
-
 def reuse_choices(state: dict[str, Any] | None, retime: bool, warn: bool = True) -> None:
     """A resumed run computes as its first steps did: the choices made by timing that its checkpoint
     recorded (:mod:`vitflow.timing`: the fp32 GEMM, ``precision=auto``, the attention backend and the
     bf16 GEMM per shape, Swin's window kernel) become this process's, and a line lists them. With
     ``retime`` (``train.retime``, ``--retime``) every choice is timed again, the machine's cache
     unread, and (resuming, ``warn``: rank 0) a warning says that the run is then not promised to
-    round as an uninterrupted one. A new run (``state`` ``None``) first undoes what a resume earlier in
-    this process adopted (a notebook that resumed one run and then trains another): it makes its own
-    choices, as the same run started by ``vitflow train`` would."""
+    round as an uninterrupted one."""
     timing.set_retime(retime)
     if state is None:
-        while _UNDO:
-            _UNDO.pop()()
         return
     if retime:
         if warn:
@@ -175,11 +163,9 @@ def reuse_choices(state: dict[str, Any] | None, retime: bool, warn: bool = True)
                         "not promised to be bit-identical to an uninterrupted one", state["path"])
         return
     if state.get("fp32_gemm"):  # (also in checkpoints from before the record)
-        _UNDO.append(onednn.restorer())
         onednn.set_fp32_gemm(state["fp32_gemm"])
     choices = state.get("choices") or {}
     timing.adopt(choices)
-    _UNDO.append(lambda: _forget(choices))
     shown = [f"fp32 GEMM {state['fp32_gemm']}"] if state.get("fp32_gemm") else []
     shown += [f"{kind} " + ", ".join(f"{v} x{n}" for v, n in sorted(Counter(table.values()).items()))
               for kind, table in sorted(choices.items()) if kind != onednn.KIND]

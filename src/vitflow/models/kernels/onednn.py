@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -72,13 +72,6 @@ def forced(mode: str) -> Iterator[None]:
         yield
     finally:
         _STATE.update(saved)
-
-
-def restorer() -> Callable[[], None]:
-    """A function that puts back this process's fp32 GEMM setting (mode and ``auto``'s choice) as it
-    is now: what a resumed run's :func:`set_fp32_gemm` is undone with when a new run starts."""
-    saved = dict(_STATE)
-    return lambda: _STATE.update(saved)
 
 
 @contextlib.contextmanager
