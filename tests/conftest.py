@@ -19,6 +19,21 @@ from helpers import make_folder  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
+def _logging_as_new():
+    """Each test starts with logging as a new process has it: nothing disabled, vitflow's loggers at
+    their default level and propagating, the root at WARNING (an earlier test's library or in-process
+    command must not hide the records a test's caplog looks for)."""
+    import logging
+
+    logging.disable(logging.NOTSET)
+    logging.root.setLevel(logging.WARNING)
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith("vitflow") and isinstance(logger, logging.Logger):
+            logger.setLevel(logging.NOTSET)
+            logger.propagate = True
+
+
+@pytest.fixture(autouse=True)
 def _roomy_signal_stack():
     """Before each test, a 256 KiB alternate signal stack for the main thread in place of a smaller
     one: a library an earlier test loads (among test_bench_infer's peers) leaves a 20 KiB one, and
