@@ -42,13 +42,14 @@ class _StackT(ctypes.Structure):  # struct stack_t of sigaltstack(2)
 def ensure_signal_stack(size: int = ALT_STACK_BYTES) -> bool:
     """Give the calling thread a ``size``-byte alternate signal stack where it has a smaller one.
 
-    Python 3.11's ``faulthandler`` (which pytest and ``python -X faulthandler`` enable) gives the main
-    thread a 16 KiB alternate stack, and Python's own signal handlers run on it (``SA_ONSTACK``). On
-    a CPU with AMX the kernel needs about 12 KiB for the saved register state alone
-    (``AT_MINSIGSTKSZ``: 11,952 bytes here), so a signal that arrives while the tile registers are
-    live — the ``SIGCHLD`` of an exiting loader worker or subprocess, whose handler PyTorch's
-    DataLoader installs — cannot be delivered and the kernel kills the process with ``SIGSEGV``
-    (``si_code=SI_KERNEL``; seen here as pytest exiting 139). A thread without an alternate stack
+    Python's own signal handlers run on a thread's alternate stack when it has one (``SA_ONSTACK``;
+    ``faulthandler``, which pytest enables, installs one: 59,760 bytes here). A library loaded by
+    ``bench infer``'s peers (ONNX Runtime / OpenVINO / NNCF; not narrowed further) replaced it with
+    a 20,144-byte one. On a CPU with AMX the kernel needs 11,952 bytes (``AT_MINSIGSTKSZ`` here) for
+    the saved register state alone, so a signal then delivered on that stack — the ``SIGCHLD`` of
+    an exiting loader worker or subprocess, whose handler PyTorch's DataLoader installs — could not
+    be delivered and the kernel killed the process with ``SIGSEGV`` (``si_code=SI_KERNEL``; seen
+    as pytest exiting 139). A thread without an alternate stack
     is left alone (its signal frames go on its own stack). Linux; elsewhere nothing is done.
 
     Returns:
