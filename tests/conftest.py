@@ -15,7 +15,11 @@ os.environ.setdefault("VITFLOW_FP32_GEMM", "onednn")
 # attention=auto and cpu_bf16_matmul=auto see their timing; the cache's own tests set VITFLOW_CHOICES_CACHE.
 os.environ.setdefault("VITFLOW_CHOICES_CACHE", "off")
 
+import torch  # noqa: E402
+
 from helpers import make_folder  # noqa: E402
+
+_DEFAULT_THREADS = torch.get_num_threads()  # before any test sets it
 
 
 @pytest.fixture(autouse=True)
@@ -31,6 +35,16 @@ def _logging_as_new():
         if name.startswith("vitflow") and isinstance(logger, logging.Logger):
             logger.setLevel(logging.NOTSET)
             logger.propagate = True
+
+
+@pytest.fixture(autouse=True)
+def _threads_as_new():
+    """Each test starts with torch's intra-op thread count as a new process has it: an in-process
+    ``vitflow bench ... --threads 1`` sets it for the process, and a later test's timing-choice
+    fingerprint (:func:`vitflow.timing.machine_fingerprint`) or rounding would differ from its
+    ``python -m vitflow`` children's."""
+    if torch.get_num_threads() != _DEFAULT_THREADS:
+        torch.set_num_threads(_DEFAULT_THREADS)
 
 
 @pytest.fixture(autouse=True)

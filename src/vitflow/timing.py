@@ -180,10 +180,12 @@ def adopt(choices: Mapping[str, Mapping[str, str]]) -> int:
     return sum(len(v) for v in choices.values())
 
 
-def forget(kind: str) -> None:
-    """Forget ``kind``'s choices in this process, adopted ones included (the cache stays)."""
-    choice_table(kind).clear()
-    _KNOWN.pop(kind, None)
+def forget(kind: str | None = None) -> None:
+    """Forget ``kind``'s choices in this process (every kind's when ``None``: as a new process
+    has them), adopted ones included (the cache stays)."""
+    for name in [kind] if kind is not None else list({*_TABLES, *_KNOWN}):
+        choice_table(name).clear()
+        _KNOWN.pop(name, None)
 
 
 def set_retime(retime: bool) -> None:
@@ -191,8 +193,7 @@ def set_retime(retime: bool) -> None:
     cache is not read (it is rewritten); ``False``: the default."""
     _STATE["retime"] = bool(retime)
     if retime:
-        for kind in list(_TABLES):
-            forget(kind)
+        forget()
 
 
 def set_agreement(agree: Callable[[str], str] | None) -> None:
