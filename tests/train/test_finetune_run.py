@@ -71,7 +71,7 @@ def test_auto_takes_the_whole_architecture_from_a_run(source_run: Path):
 
 
 def test_planned_finetune_of_a_run_loads_it_and_says_so(source_run: Path, tmp_path: Path, caplog, monkeypatch):
-    monkeypatch.setattr("vitflow.train.plan.measure_clock", lambda cfg, classes: CLOCK)
+    monkeypatch.setattr("vitflow.train.plan.measure_clock", lambda *a: CLOCK)
     data = make_folder(tmp_path / "two", classes=("x", "y"), per_class=8, size=24, split="train", seed=2)
     make_folder(data, classes=("x", "y"), per_class=4, size=24, split="val", seed=3)
     with caplog.at_level(logging.INFO, logger="vitflow"):

@@ -148,7 +148,7 @@ def test_a_named_swin_keeps_its_own_sizes_and_position_encoding(tmp_path: Path, 
     assert (swin["model.img_size"], swin["model.patch_size"], swin["model.pos_embed"]) == (None, None, "learned")
     # end to end on the CIFAR JPEG tar: the preset's ViT-only sin-cos positions are not handed to the Swin (its
     # section has no pos_embed), and the model is built with the variant's patch 2 (a 16 x 16 grid), not the plan's 4
-    monkeypatch.setattr("vitflow.train.plan.measure_clock", lambda cfg, classes: CLOCK)
+    monkeypatch.setattr("vitflow.train.plan.measure_clock", lambda *a: CLOCK)
     cfg = planned_config(["model.name=swin_cifar_patch2_window4_32", f"data.path={need(CIFAR_TAR)}",
                           f"train.run_dir={tmp_path / 'run'}"], CONFIG_CHECKS)
     assert (cfg.model.img_size, cfg.model.patch_size, hasattr(cfg.model, "pos_embed")) == (None, None, False)
@@ -217,7 +217,7 @@ def imagenet_csv(tmp_path_factory) -> Path:
 
 def test_imagenet_sample_relabelled_trains_planned_from_a_label_file(imagenet_csv: Path, tmp_path: Path, caplog,
                                                                      monkeypatch):
-    monkeypatch.setattr("vitflow.train.plan.measure_clock", lambda cfg, classes: CLOCK)
+    monkeypatch.setattr("vitflow.train.plan.measure_clock", lambda *a: CLOCK)
     with caplog.at_level(logging.INFO, logger="vitflow"):
         summary = train(planned_config([f"data.path={imagenet_csv}", f"train.run_dir={tmp_path / 'run'}", *SHORT],
                                        CONFIG_CHECKS))

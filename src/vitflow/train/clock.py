@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vitflow.config import Config, parse_duration
+from vitflow.config import DataConfig, ModelConfig, OptimConfig, TrainConfig, parse_duration
 from vitflow.data import model_input
 from vitflow.data.sources.base import CorruptImageError
 from vitflow.data.sources.dispatch import open_training
@@ -60,14 +60,14 @@ class Clock:
     probe_s: float
 
 
-def _images(cfg: Config, size: int, n: int) -> tuple[torch.Tensor, float]:
+def _images(d: DataConfig, size: int, n: int) -> tuple[torch.Tensor, float]:
     """``uint8 (n, 3, size, size)`` images of the training split (decoded, resized and
     center-cropped as evaluation does; repeated when the split is smaller; random pixels for a
     split without random access) and the seconds one took to decode."""
-    pp = Preprocess(size, crop_pct=min(1.0, max(cfg.data.crop_pct, 1e-3)), interpolation=cfg.data.interpolation)
+    pp = Preprocess(size, crop_pct=min(1.0, max(d.crop_pct, 1e-3)), interpolation=d.interpolation)
     transform, images, t0 = eval_transform(pp), [], time.perf_counter()
     try:
-        src = open_training(cfg.data)
+        src = open_training(d)
         picks = [] if getattr(src, "streamed", False) else np.linspace(0, len(src) - 1, min(n, len(src))).astype(int)
         for i in picks:
             try:
@@ -83,34 +83,34 @@ def _images(cfg: Config, size: int, n: int) -> tuple[torch.Tensor, float]:
     return batch[torch.arange(n) % len(batch)], decode_s
 
 
-def measure_clock(cfg: Config, classes: int) -> Clock:
+def measure_clock(m: ModelConfig, d: DataConfig, t: TrainConfig, o: OptimConfig, classes: int) -> Clock:
     """Time a few optimizer steps (after one untimed step: per-shape kernel choices happen there) of
-    a fresh ``cfg.model`` (no pretrained weights: the cost is the architecture's) at ``cfg.train``'s
-    micro-batch, accumulation and precision, on a batch of the training split's images; then one
+    a fresh model ``m`` (no pretrained weights: the cost is the architecture's; optimizer ``o``) at
+    ``t``'s micro-batch, accumulation and precision, on a batch of ``d``'s training images; then one
     evaluation forward. Unless ``train.threads`` is set, the steps are timed with one thread and
     with torch's default (the cores), and the faster is the clock's ``threads``: on a machine other
     processes keep busy, OpenMP threads waiting for each other can make two threads several times
-    slower than one. ``classes``: the head's width. ``cfg.model.name`` must be a registered variant
+    slower than one. ``classes``: the head's width. ``m.name`` must be a registered variant
     (resolve ``auto`` first). Leaves torch's thread count as it found it.
 
     Raises:
         DataError: the training split cannot be opened (as :func:`vitflow.data.open_split`).
-        ValueError: the model cannot be built from ``cfg.model``.
+        ValueError: the model cannot be built from ``m``.
     """
-    t, started, default = cfg.train, time.perf_counter(), torch.get_num_threads()
+    started, default = time.perf_counter(), torch.get_num_threads()
     device = resolve_device(t.device)
     precision = resolve_precision(t.precision, device)
-    size = cfg.model.img_size or model_kwargs(cfg.model.name)["img_size"]
+    size = m.img_size or model_kwargs(m.name)["img_size"]
     micro = t.batch_size // t.accum_steps
-    raw, decode_s = _images(cfg, size, micro)
-    x = model_input(raw, cfg.data.mean, cfg.data.std, device)
+    raw, decode_s = _images(d, size, micro)
+    x = model_input(raw, d.mean, d.std, device)
     y = torch.arange(micro, device=device) % classes
     candidates = [t.threads] if t.threads else ([1, default] if default > 1 and device.type == "cpu" else [default])
     medians: dict[int, float] = {}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the run's seed stream stays
         torch.manual_seed(0)
-        model = create_model(**model_args(cfg.model, classes)).to(device).train()
-        optimizer = build_optimizer(model, cfg.optim)
+        model = create_model(**model_args(m, classes)).to(device).train()
+        optimizer = build_optimizer(model, o)
         try:
             for n in candidates:
                 torch.set_num_threads(n)

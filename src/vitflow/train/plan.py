@@ -120,13 +120,14 @@ def _source(m: ModelConfig) -> tuple[str, str | None, dict] | None:
     return pre.origin or f"the config of {m.pretrained}", pre.model_name, kwargs
 
 
-def make_facts(base: Config, profile: DataProfile, user: set[str]) -> Facts:
-    """The :class:`~vitflow.train.plan_rules.Facts` of a run built as ``base`` on data ``profile``."""
-    source = _source(base.model)
-    family = "vit" if base.model.name == "auto" or source else family_of(base.model.name).name
+def make_facts(m: ModelConfig, device: str, profile: DataProfile, user: set[str]) -> Facts:
+    """The :class:`~vitflow.train.plan_rules.Facts` of a run of model ``m`` on ``device``
+    (``train.device``) on data ``profile``; ``user``: the keys the user set."""
+    source = _source(m)
+    family = "vit" if m.name == "auto" or source else family_of(m.name).name
     monitored = profile.val_images or profile.test_images
     return Facts(profile.images, profile.classes, profile.short_side, profile.uniform,
-                 resolve_device(base.train.device).type, family, source, eval_images=monitored,
+                 resolve_device(device).type, family, source, eval_images=monitored,
                  final_images=profile.val_images + profile.test_images, user=frozenset(user))
 
 
@@ -140,7 +141,7 @@ def _measure(preset: str, planned: list, overrides: list[str], checks, classes: 
     # model.name=auto: the source's architecture (its weights are not needed to time it)
     cfg.model, _ = apply_pretrained(cfg.model, cfg.data, getattr(cfg, "key_origins", None))
     cfg.model.pretrained = None
-    return measure_clock(cfg, classes)
+    return measure_clock(cfg.model, cfg.data, cfg.train, cfg.optim, classes)
 
 
 def planned_config(overrides: list[str], checks, preset: str | None = None) -> Config:
@@ -161,7 +162,7 @@ def planned_config(overrides: list[str], checks, preset: str | None = None) -> C
     log.info("plan: %d training images of %d classes, median %dx%d px; %d validation and %d test images",
              profile.images, profile.classes, profile.long_side, profile.short_side, profile.val_images,
              profile.test_images)
-    facts, values = make_facts(base, profile, user), flatten(base.to_dict())
+    facts, values = make_facts(base.model, base.train.device, profile, user), flatten(base.to_dict())
     planned = _family_keys(run_rules(facts, values, 0), base.model)
     clock = _measure(preset, planned, overrides, checks, profile.classes)
     facts = dataclasses.replace(facts, clock=clock)
