@@ -11,7 +11,9 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from helpers import HYMENOPTERA_TAR, ROOT, need
 from vitflow.data import open_split
@@ -64,6 +66,10 @@ def test_the_guide_runs_as_written(photos_here, small_models, capsys):
     ns = module.__dict__
     out = capsys.readouterr().out
     assert "unknown key 'train.total_stepz'; did you mean 'train.total_steps'? (in the arguments)" in out
+    assert "tta='flp': cannot read 'flp': expected flip, crops5, " in out and "; did you mean 'flip'?" in out
+    assert ns["in_tar"].targets == [n.split("/")[-2] for n in ns["in_tar"].names] and len(ns["in_tar"]) == 32
+    first = Image.open(sorted((photos_here / "photos" / "train").rglob("*.jpg"))[0])
+    assert np.array_equal(np.asarray(ns["in_tar"][0][0]), np.asarray(first))  # the tar's bytes, read per process
     assert ns["cfg"].data.path.startswith("python:") and ns["cfg"].data.source == "python"
     assert (photos_here / "photos.onnx").is_file() and (photos_here / "photos-int8.onnx").is_file()
     assert ns["more"].step == 20 and ns["result"]["images"] == 16

@@ -18,6 +18,7 @@ from vitflow.infer import Predictor, collect_images
 from vitflow.infer.backbone import Backbone, foreign_snapshot, load_plain_weights
 from vitflow.infer.embed import embed_images
 from vitflow.infer.predict import ImageRef
+from vitflow.infer.tta import parse_tta
 from vitflow.viz.attention import attention_maps
 
 
@@ -172,8 +173,10 @@ def load(source: Any, device: str = "auto", precision: str = "fp32", weights: st
         tta: test-time augmentation (``flip``, ``flip,crops5``; :mod:`vitflow.infer.tta`).
     Raises:
         FileNotFoundError: no such file or folder. ValueError: unreadable, corrupt or incompatible
-        files (naming them), weights without a head or label names.
+        files (naming them), weights without a head or label names, a bad ``tta`` (one line:
+        ``tta='flp': cannot read 'flp'; did you mean 'flip'? expected ...``).
     """
+    check_tta(tta)  # a typo fails before any loading
     spec = os.fspath(getattr(source, "folder", source))
     if spec.startswith("hf-hub:") or (Path(spec).is_dir() and foreign_snapshot(Path(spec))):
         hub = load_plain_weights(spec, None, head=True)
@@ -182,6 +185,19 @@ def load(source: Any, device: str = "auto", precision: str = "fp32", weights: st
         predictor = Predictor(hub.model, hub.classes, hub.preprocess, device, precision, spec)
     else:
         predictor = Predictor.load(spec, device, precision, weights)
-    predictor.set_tta(tta)
+    predictor.set_tta(tta, TTA_FLAG)
     return Classifier(predictor, spec)
+
+
+TTA_FLAG = "tta="  # how the Python face's messages name the setting (the command line's: --tta)
+
+
+def check_tta(tta: Any) -> None:
+    """Check that ``tta`` is a TTA spec (``None``, ``"flip"``, ``"flip,crops5"``, ...).
+
+    Raises:
+        ValueError: one line naming the value, the nearest valid spec and the choices
+            (:func:`vitflow.infer.tta.parse_tta`).
+    """
+    parse_tta(tta, TTA_FLAG)
 

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from vitflow import config as schema
-from vitflow.api.classifier import Classifier, load
+from vitflow.api.classifier import Classifier, check_tta, load
 from vitflow.api.config import build, data_items, yaml_value
 from vitflow.api.display import Report, figures_html
 from vitflow.checkpoint import choose_checkpoint, latest_checkpoint
@@ -97,10 +97,11 @@ class Run:
         ``which`` is ``newest``, ``best`` or a checkpoint file name; ``kwargs`` as :func:`vitflow.load`."""
         return load(self._checkpoint(which), **kwargs)
 
-    def predict(self, images: Any, topk: int = 5, which: str = "newest") -> dict | list[dict]:
-        """``self.load(which).predict(images, topk)``: see
+    def predict(self, images: Any, topk: int = 5, which: str = "newest", tta: str | None = None
+                ) -> dict | list[dict]:
+        """``self.load(which, tta=tta).predict(images, topk)``: see
         :meth:`~vitflow.api.classifier.Classifier.predict`."""
-        return self.load(which).predict(images, topk)
+        return self.load(which, tta=tta).predict(images, topk)
 
     def evaluate(self, data: Any = None, tta: str | None = None, which: str = "newest", weights: str = "auto",
                  **overrides: Any) -> dict[str, Any]:
@@ -121,6 +122,7 @@ class Run:
         """
         from vitflow.infer.evaluate import evaluate_checkpoint
 
+        check_tta(tta)  # a typo fails before any work, named as Python spells it
         items = {} if data is None else data_items(data)
         if data is not None and not isinstance(data, (str, os.PathLike)):  # Python data: evaluated whole
             items.update({"data.test_split": "train", "data.val_split": "none"})
@@ -143,6 +145,7 @@ class Run:
         from vitflow.infer.hub_folder import save_hub_folder
 
         ckpt = self._checkpoint(which)
+        check_tta(tta)
         if format == "hub":
             return Path(save_hub_folder(ckpt, path)["path"])
         target = "gpu" if torch.cuda.is_available() else "cpu"  # as vitflow export: fused for this machine

@@ -113,7 +113,8 @@ def _cache(source: ImageSource, cfg: DataConfig, image_size: int, desc: str, res
         if size < image_size:
             raise DataError(f"data.cache_resolution={size} is smaller than model.img_size={image_size}")
         log.info("%s: caching at %dx%d (%s)", desc, size, size, why)
-    return cache_in_memory(source, cfg.max_in_memory, os.cpu_count() or 1, desc, resize_to=size,
+    workers = source.reader_processes(cfg.num_workers)  # a user's dataset: data.num_workers (logged)
+    return cache_in_memory(source, cfg.max_in_memory, workers, desc, resize_to=size,
                            interpolation=cfg.interpolation, center_on=image_size if size else None, exact=exact)
 
 

@@ -25,7 +25,7 @@ from vitflow.data.transforms import Preprocess, eval_transform
 from vitflow.infer.hub_folder import is_hub_folder, read_hub_folder
 from vitflow.infer.onnx_model import OnnxModel, RuntimeModel, is_onnx
 from vitflow.infer.openvino_model import OpenVinoModel, is_openvino
-from vitflow.infer.tta import parse_tta, with_tta
+from vitflow.infer.tta import parse_tta, tta_where, with_tta
 from vitflow.runtime import configure_allocator, resolve_device, resolve_precision
 
 
@@ -105,18 +105,20 @@ class Predictor:
         self.transform = eval_transform(pp)
         self.name, self.tta = name, "none"
 
-    def set_tta(self, spec: str | None) -> None:
+    def set_tta(self, spec: str | None, flag: str = "--tta") -> None:
         """From now on, average the probabilities over test-time views (``spec``: ``flip``,
         ``flip,crops5``, ``scales=...``; :mod:`vitflow.infer.tta`). Raises ValueError for a bad spec
-        or ``scales`` with an ONNX model (a fixed input size)."""
-        parsed = parse_tta(spec)
+        or ``scales`` with an ONNX model (a fixed input size), naming the setting as ``flag`` does
+        (``--tta``, or ``tta=`` from Python; :func:`~vitflow.infer.tta.tta_where`)."""
+        parsed = parse_tta(spec, flag)
         if not parsed.enabled:
             return
         if self.tta != "none":
             raise ValueError(f"{self.name} already averages test-time views ({self.tta}, exported with --tta): "
-                             "predict without --tta")
+                             f"predict without {flag.rstrip('=')}")
         if parsed.scales != (1.0,) and isinstance(self.model, RuntimeModel):
-            raise ValueError(f"--tta {spec}: scales need a PyTorch checkpoint; {self.name} has a fixed input size")
+            raise ValueError(f"{tta_where(spec, flag)}: scales need a PyTorch checkpoint; {self.name} has a fixed "
+                             "input size")
         self.model, self.tta = with_tta(self.model, parsed, self.task), str(parsed)
 
     @classmethod

@@ -28,6 +28,7 @@ flip averaging of softmax outputs).
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass
 
@@ -62,16 +63,29 @@ class TTASpec:
         return ",".join(parts) or "none"
 
 
-def parse_tta(spec: str | TTASpec | None) -> TTASpec:
+PARTS = ("flip", "crops5", "scales", "none")  # the words of a spec (scales takes =S1,S2,...)
+
+
+def tta_where(spec: object, flag: str = "--tta") -> str:
+    """How a message names the setting: ``--tta flp`` on the command line (``flag="--tta"``),
+    ``tta='flp'`` from Python (``flag="tta="``)."""
+    return f"{flag} {spec}" if flag.startswith("--") else f"{flag}{spec!r}"
+
+
+def parse_tta(spec: str | TTASpec | None, flag: str = "--tta") -> TTASpec:
     """Parse ``flip``, ``crops5``, ``scales=0.875,1.0,1.143`` (or ``scales:...``), comma-joined, or
-    ``none`` / ``None``.
+    ``none`` / ``None``. ``flag`` names the setting in messages (:func:`tta_where`).
 
     Raises:
-        ValueError: an unknown part, a scale that is not a number > 0, a repeated part, or numbers
-            that follow no ``scales=``; the message names the spec.
+        ValueError: an unknown part (with the nearest spec: ``did you mean 'flip'?``), a scale
+            that is not a number > 0, a repeated part, or numbers that follow no ``scales=``; one
+            line naming the spec.
     """
     if isinstance(spec, TTASpec):
         return spec
+    where = tta_where(spec, flag)
+    if spec is not None and not isinstance(spec, str):
+        raise ValueError(f"{where} is not a TTA spec: give text such as 'flip' or 'flip,crops5' (or None)")
     if spec is None or spec.strip().lower() in ("", "none"):
         return TTASpec()
     flip = crops5 = False
@@ -86,16 +100,31 @@ def parse_tta(spec: str | TTASpec | None) -> TTASpec:
                 continue
         if in_scales and _number(part) is not None:
             if _number(part) <= 0:
-                raise ValueError(f"--tta {spec}: scale {part} is not > 0")
+                raise ValueError(f"{where}: scale {part} is not > 0")
             scales.append(_number(part))
         elif part in ("flip", "crops5") and not (flip if part == "flip" else crops5):
             flip, crops5, in_scales = flip or part == "flip", crops5 or part == "crops5", False
+        elif part in ("flip", "crops5"):
+            raise ValueError(f"{where}: {part!r} is there twice; give each part once")
         else:
-            raise ValueError(f"--tta {spec}: cannot read {raw.strip()!r}; expected flip, crops5, "
-                             "scales=S1,S2,... (numbers > 0, last) or none, comma-separated, each once")
+            raise ValueError(f"{where}: cannot read {raw.strip()!r}: expected flip, crops5, scales=S1,S2,... "
+                             f"(numbers > 0, last) or none, comma-separated{_did_you_mean(spec, raw)}")
     if scales == []:
-        raise ValueError(f"--tta {spec}: scales= needs at least one number, e.g. scales=0.875,1.0,1.143")
+        raise ValueError(f"{where}: scales= needs at least one number, e.g. scales=0.875,1.0,1.143")
     return TTASpec(flip, crops5, tuple(scales) if scales else (1.0,))
+
+
+def _did_you_mean(spec: str, raw: str) -> str:
+    """``; did you mean 'SPEC'?``: ``spec`` with the unreadable part ``raw`` replaced by the nearest
+    word of :data:`PARTS` (``flp`` -> ``flip``, ``scale=0.9`` -> ``scales=0.9``), or ``""``."""
+    head, sep, value = raw.strip().lower().replace(":", "=", 1).partition("=")
+    close = difflib.get_close_matches(head, PARTS, n=1, cutoff=0.6)
+    if not close or close[0] == head:
+        return ""
+    fixed = close[0] + (f"={value}" if sep and close[0] == "scales" else "")
+    parts = [p.strip() for p in spec.split(",")]
+    parts[parts.index(raw.strip())] = fixed
+    return f"; did you mean {','.join(parts)!r}?"
 
 
 def _number(text: str) -> float | None:

@@ -98,6 +98,12 @@ class ImageSource:
         to fix it), or ``None`` when it can (every source vitflow opens itself can)."""
         return None
 
+    def reader_processes(self, num_workers: int | str) -> int:
+        """The processes that decode this source into the RAM cache
+        (:func:`~vitflow.data.cache.cache_in_memory`) for ``data.num_workers``: one per core for
+        the sources vitflow reads itself (a user's dataset: ``pyobjects.DatasetSource``)."""
+        return os.cpu_count() or 1
+
 
 class FileSource(ImageSource):
     """Encoded image files read through a :class:`~vitflow.data.sources.readers.FolderReader` (``keys``

@@ -24,13 +24,23 @@ Loader worker processes (``data.num_workers``) receive a dataset by pickling whe
 spawned (macOS, Windows, Python 3.14's forkserver): a dataset that does not pickle is refused for
 ``num_workers > 0`` everywhere, in one line naming its class (``auto`` loads it in-process), so that
 code that runs here runs there.
+
+An item that cannot be read (``__getitem__`` raises, or returns no ``(image, label)`` pair or an
+image of another kind) stops the run with one :class:`DatasetItemError` line naming the dataset's
+class, the index and the original error, in this process and in loader worker processes alike.
+
+In the RAM cache (``data.max_in_memory``) a dataset is read once, at start-up, by
+``data.num_workers`` processes (:meth:`DatasetSource.reader_processes`); epochs then take their
+batches from that copy.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import pickle
+from multiprocessing.pool import RemoteTraceback
 from pathlib import Path
 from typing import Any
 
@@ -200,11 +210,34 @@ class DatasetSource(ImageSource):
         return f"{self.about}[{int(self.rows[i])}]"
 
     def load(self, i: int) -> torch.Tensor:
-        image, _ = _pair(self.dataset[int(self.rows[i])], self.about, int(self.rows[i]))
+        """Item ``rows[i]``'s image as ``uint8 (3, H, W)``. Raises DatasetItemError (module text)."""
+        row = int(self.rows[i])
+        image, _ = _pair(_item(self.dataset, self.about, row), self.about, row)
         try:
             return as_image(image, self.name(i))
         except TypeError as e:
-            raise DataError(str(e)) from None
+            raise DatasetItemError(str(e)) from None
+
+    def reader_processes(self, num_workers: int | str) -> int:
+        """The processes that read the dataset into the RAM cache: ``data.num_workers`` (0 or 1: this
+        process), as a DataLoader's workers would call its ``__getitem__``; ``auto``: one per core,
+        or this process when it does not pickle (forked readers would share its open files). Logged
+        in one line, since epochs then read the RAM copy, not the dataset.
+
+        Raises:
+            DataError: ``num_workers > 0`` for a dataset that does not pickle (:meth:`worker_problem`).
+        """
+        if num_workers == "auto":
+            n = 0 if self.worker_problem() else os.cpu_count() or 1
+        elif int(num_workers) > 0 and (problem := self.worker_problem()):
+            raise DataError(problem)
+        else:
+            n = int(num_workers)
+        how = "in this process" if n <= 1 else f"in {n} worker processes"
+        log.info("%s: reading its %d items into RAM once, %s (data.num_workers=%s); the epochs then take their "
+                 "batches from RAM (data.max_in_memory=0 reads the dataset every epoch)", self.about, len(self),
+                 how, num_workers)
+        return n
 
     def subset(self, idx: np.ndarray) -> "DatasetSource":
         sub = DatasetSource(self.dataset, self.classes, self.labels[idx], self.rows[idx])
@@ -233,12 +266,41 @@ class _Discard:
         return len(data)
 
 
+class DatasetItemError(DataError):
+    """An item of a user's dataset that cannot be read: one line naming the dataset's class, the
+    index and the error (``Photos[5]: __getitem__ raised KeyError: 'x'``), the original error as
+    ``__cause__``.
+
+    Raised in a loader worker process, it reaches this process through torch's ``Caught
+    DatasetItemError in DataLoader worker process N`` text around the worker's traceback; the line
+    is taken back out of it and the traceback kept as ``__cause__`` (a ``RemoteTraceback``, as a
+    multiprocessing pool keeps it)."""
+
+    def __init__(self, message: str):
+        text = str(message)
+        if text.startswith("Caught ") and "\nOriginal Traceback" in text:  # torch's re-raise in the main process
+            self.__cause__ = RemoteTraceback(text.split("\nOriginal ", 1)[1])
+            last = text.rstrip().splitlines()[-1]
+            text = last.partition(f"{type(self).__name__}: ")[2] or last
+        super().__init__(text)
+
+
+def _item(dataset, about: str, i: int) -> Any:
+    """``dataset[i]``; what its ``__getitem__`` raises becomes one :class:`DatasetItemError` line."""
+    try:
+        return dataset[i]
+    except Exception as e:  # noqa: BLE001 - whatever the user's code raises is the reason
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise DatasetItemError(f"{about}[{i}]: __getitem__ raised {type(e).__name__}"
+                               f"{': ' + first if first else ''}") from e
+
+
 def _pair(item: Any, about: str, i: int) -> tuple[Any, Any]:
     if isinstance(item, dict) and "image" in item:
         return item["image"], item.get("label", item.get("labels"))
     if isinstance(item, (tuple, list)) and len(item) >= 2:
         return item[0], item[1]
-    raise DataError(f"{about}[{i}] is a {type(item).__name__}: vitflow reads (image, label) items")
+    raise DatasetItemError(f"{about}[{i}] is a {type(item).__name__}: vitflow reads (image, label) items")
 
 
 def _raw_labels(dataset, about: str) -> list:
@@ -250,7 +312,7 @@ def _raw_labels(dataset, about: str) -> list:
             values = values.tolist() if isinstance(values, (np.ndarray, torch.Tensor)) else list(values)
             return [_plain(v) for v in values]
     log.info("%s has no targets attribute: reading its %d labels item by item", about, len(dataset))
-    return [_plain(_pair(dataset[i], about, i)[1]) for i in range(len(dataset))]
+    return [_plain(_pair(_item(dataset, about, i), about, i)[1]) for i in range(len(dataset))]
 
 
 def _check_labels(raw: list, about: str, training: bool) -> None:
