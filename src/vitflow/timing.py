@@ -51,7 +51,8 @@ def fastest(calls: dict[str, Callable[[], object]], rounds: int, device: torch.d
     """Each call's fastest time in seconds: one warm-up round, then ``rounds`` timed rounds, the
     order rotating from round to round so that no candidate always runs first. A call that raises
     one of ``errors`` is reported to ``on_error``, not called again, and gets ``inf``; other
-    exceptions propagate."""
+    exceptions propagate. Rounds of one call spread over :data:`SPREAD_LIMIT` mark the machine busy:
+    a choice made from these times is used and recorded, but not cached (:func:`choose`)."""
     names = list(calls)
     times: dict[str, list[float]] = {n: [] for n in names}
     failed: set[str] = set()
@@ -71,10 +72,13 @@ def fastest(calls: dict[str, Callable[[], object]], rounds: int, device: torch.d
                 continue
             if r:
                 times[n].append(time.perf_counter() - t0)
+    _STATE["busy"] = {n: spread(t) for n, t in times.items()  # sub-ms calls jitter on a quiet machine too
+                      if n not in failed and t and statistics.median(t) >= BUSY_MIN_S and spread(t) > SPREAD_LIMIT}
     return {n: float("inf") if n in failed else min(times[n]) for n in names}
 
 
 SPREAD_LIMIT = 0.2  # rounds of one measurement further apart than this (relative to their median): a busy machine
+BUSY_MIN_S = 5e-4  # calls shorter than this are not taken as a sign of a busy machine (timer and cache jitter)
 
 
 def spread(values: Sequence[float]) -> float:
@@ -99,10 +103,11 @@ def busy_warning(measured: dict[str, Sequence[float]], limit: float = SPREAD_LIM
 # the choices made by timing: one record per process, kept in checkpoints, cached per machine
 
 CACHE_ENV = "VITFLOW_CHOICES_CACHE"  # the cache file; "off" (or "0", "none") keeps none
-CACHE_FORMAT, CACHE_VERSION = "vitflow-choices", 1
+CACHE_FORMAT, CACHE_VERSION = "vitflow-choices", 2  # 2: only choices timed on a quiet machine (1 kept busy ones)
 _TABLES: dict[str, dict] = {}  # kind -> this process's choices, key (a tuple) -> choice: the choosers' own tables
 _KNOWN: dict[str, dict[str, str]] = {}  # kind -> str(key) -> choice: a resumed checkpoint's (adopt)
-_STATE: dict[str, Any] = {"retime": False, "agree": None, "local": 0, "cache": None, "said": False}
+_STATE: dict[str, Any] = {"retime": False, "agree": None, "local": 0, "cache": None, "said": False, "busy": {},
+                          "said_busy": False}
 
 
 def choice_table(kind: str) -> dict:
@@ -122,6 +127,7 @@ def choose(kind: str, key: Hashable, time_it: Callable[[], str]) -> str:
         return table[key]
     value = remembered(kind, key)
     if value is None:
+        _STATE["busy"] = {}  # what time_it's own timing finds
         value = time_it()
         value = _agree(value)
         _cache_store(kind, str(key), value)
@@ -186,6 +192,8 @@ def forget(kind: str | None = None) -> None:
     for name in [kind] if kind is not None else list({*_TABLES, *_KNOWN}):
         choice_table(name).clear()
         _KNOWN.pop(name, None)
+    if kind is None:
+        _STATE.update(said=False, said_busy=False, busy={})  # the once-per-process log lines too
 
 
 def set_retime(retime: bool) -> None:
@@ -273,9 +281,19 @@ def _read_cache(path: Path | None) -> dict[str, Any]:
 
 def _cache_store(kind: str, key: str, value: str) -> None:
     """Add a timed choice to the cache file (merged under a lock, replaced atomically); a cache
-    that cannot be written is skipped (logged at debug level)."""
+    that cannot be written is skipped (logged at debug level). A choice whose timing found the
+    machine busy (the last :func:`fastest`) is not cached: other processes' load can make the slower
+    candidate win, and a cached choice would outlive that load in every later run (measured here:
+    choices cached under load made later bf16 inference 0.6x as fast as freshly timed ones)."""
     path = cache_path()
     if path is None:
+        return
+    if _STATE["busy"]:
+        if not _STATE["said_busy"]:
+            _STATE["said_busy"] = True
+            _log.info("choices made by timing: not cached, the machine looked busy (rounds of %s over %.0f%% apart); "
+                      "this run uses them and its checkpoints record them",
+                      ", ".join(f"{n} {s:.0%}" for n, s in _STATE["busy"].items()), SPREAD_LIMIT * 100)
         return
     _cache().setdefault(kind, {})[key] = value
     try:

@@ -77,7 +77,7 @@ def test_a_second_run_on_the_machine_takes_the_cached_choices_and_times_nothing(
         Trainer(digits_config(tmp_path / "first", "train.total_steps=2", threads, *COMMON)).fit()
     n = len(_timed(caplog))
     data = json.loads(cache.read_text())
-    assert data["format"] == "vitflow-choices" and data["version"] == 1
+    assert data["format"] == "vitflow-choices" and data["version"] == timing.CACHE_VERSION
     mine = data["machines"][timing.machine_fingerprint()]["choices"]
     assert set(mine["attention"].values()) == {"math"} and len(mine["attention"]) == n >= 2
     second = tmp_path / "second"  # a new process on the same machine
@@ -135,6 +135,42 @@ def test_choices_are_recorded_cached_adopted_and_agreed(tmp_path, monkeypatch):
         timing.set_agreement(None)
         timing.forget("test")
     assert calls == ["a", "c", "e", "mine", "mine"]
+
+
+def test_a_choice_timed_on_a_busy_machine_is_used_and_recorded_but_not_cached(tmp_path, monkeypatch, caplog):
+    cache = tmp_path / "c.json"
+    monkeypatch.setenv(timing.CACHE_ENV, str(cache))
+    now = [0.0]  # a clock each call advances by its scripted seconds (warm-up round first)
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+
+    def timer(a: tuple, b: tuple):
+        def call(rounds):
+            it = iter(rounds)
+            return lambda: now.__setitem__(0, now[0] + next(it))
+
+        def time_it() -> str:
+            best = timing.fastest({"a": call(a), "b": call(b)}, 3)
+            return min(best, key=best.get)
+        return time_it
+
+    timing.forget()
+    steady = (0.003,) * 4
+    with caplog.at_level(logging.INFO, logger="vitflow.timing"):  # b's rounds 2, 9, 2 ms: another process's load
+        assert timing.choose("test", ("busy",), timer(steady, (0.01, 0.002, 0.009, 0.002))) == "b"
+    assert "not cached, the machine looked busy (rounds of b 350% over 20% apart)" in caplog.text
+    assert timing.recorded()["test"] == {"('busy',)": "b"}  # used and recorded (a checkpoint keeps it)
+    assert not cache.exists()
+    assert timing.choose("test", ("quiet",), timer(steady, (0.002, 0.0021, 0.002, 0.0022))) == "b"
+    assert json.loads(cache.read_text())["machines"][timing.machine_fingerprint()]["choices"] == {
+        "test": {"('quiet',)": "b"}}
+    timing.forget()  # a new process: the busy choice is timed again, the quiet one comes from the cache
+    assert timing.choose("test", ("busy",), timer(steady, (0.004,) * 4)) == "a"
+    assert timing.choose("test", ("quiet",), timer(steady, (0.004,) * 4)) == "b"
+    sub_ms = (0.0001, 0.0001, 0.0004, 0.0001)  # jitter of sub-millisecond calls is no sign of a busy machine
+    assert timing.choose("test", ("short",), timer((0.0002,) * 4, sub_ms)) == "b"
+    assert json.loads(cache.read_text())["machines"][timing.machine_fingerprint()]["choices"]["test"] == {
+        "('quiet',)": "b", "('busy',)": "a", "('short',)": "b"}
+    timing.forget()
 
 
 @pytest.mark.parametrize("value", ["off", "0"])
