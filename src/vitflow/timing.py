@@ -72,9 +72,19 @@ def fastest(calls: dict[str, Callable[[], object]], rounds: int, device: torch.d
                 continue
             if r:
                 times[n].append(time.perf_counter() - t0)
-    _STATE["busy"] = {n: spread(t) for n, t in times.items()  # sub-ms calls jitter on a quiet machine too
-                      if n not in failed and t and statistics.median(t) >= BUSY_MIN_S and spread(t) > SPREAD_LIMIT}
+    _STATE["busy"] = _busy({n: t for n, t in times.items() if n not in failed and t})
     return {n: float("inf") if n in failed else min(times[n]) for n in names}
+
+
+def _busy(times: dict[str, list[float]]) -> dict[str, float]:
+    """The candidates whose timed rounds spread over :data:`SPREAD_LIMIT` (calls of
+    :data:`BUSY_MIN_S` and more: shorter ones jitter on a quiet machine too), ``{}`` when none or
+    when the fastest's slowest round still beats every round of the next (a choice no load flipped)."""
+    wide = {n: spread(t) for n, t in times.items() if statistics.median(t) >= BUSY_MIN_S and spread(t) > SPREAD_LIMIT}
+    ranked = sorted(times, key=lambda n: min(times[n]))
+    if wide and len(ranked) > 1 and max(times[ranked[0]]) < min(times[ranked[1]]):
+        return {}
+    return wide
 
 
 SPREAD_LIMIT = 0.2  # rounds of one measurement further apart than this (relative to their median): a busy machine
