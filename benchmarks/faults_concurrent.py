@@ -69,16 +69,26 @@ def _one_runs_files(run: Path, seed: int) -> bool:
 
 def two_trains(suite, gap: float, first_seed: int) -> None:
     """Two ``vitflow train`` into one new folder, ``gap`` seconds apart (seeds 1 and 2, ``first_seed``
-    started first): one runs, one refuses naming it, the folder holds the winner's run only."""
+    started first): one runs, one refuses naming it, the folder holds the winner's run only. With a
+    gap, the first is held (SIGSTOP) once it has claimed the folder until the second has ended, so
+    that the second meets a running first run however fast the machine (a 4-step run can end
+    within 8 s, and the second then meets a finished run: another case)."""
     run = suite.tmp / f"two-{gap:g}s-{first_seed}" / "run"
     run.parent.mkdir()
     seeds = [first_seed, 3 - first_seed]
-    procs = []
-    for i, seed in enumerate(seeds):
-        if i:
-            time.sleep(gap)
-        procs.append(_train(suite, run, *SHORT, f"train.seed={seed}"))
-    outs = [(p.pid, seed, *p.communicate(), p.returncode) for p, seed in zip(procs, seeds)]
+    started = time.monotonic()
+    procs = [_train(suite, run, *SHORT, f"train.seed={seeds[0]}")]
+    if gap:
+        lock = run.parent / f".{run.name}.lock"
+        while procs[0].poll() is None and not (lock.exists() and lock.stat().st_size):
+            time.sleep(0.02)
+        procs[0].send_signal(signal.SIGSTOP)
+        time.sleep(max(0.0, started + gap - time.monotonic()))
+    procs.append(_train(suite, run, *SHORT, f"train.seed={seeds[1]}"))
+    second = procs[1].communicate() if gap else None
+    procs[0].send_signal(signal.SIGCONT)
+    results = [procs[0].communicate(), second or procs[1].communicate()]
+    outs = [(p.pid, seed, *out, p.returncode) for p, seed, out in zip(procs, seeds, results)]
     won = [(pid, seed) for pid, seed, _, _, rc in outs if rc == 0]
     refusal = next((err.strip().splitlines()[-1] for *_, err, rc in outs if rc == 2 and err.strip()), "")
     ok = (len(won) == 1 and f"is in use by another vitflow run (pid {won[0][0]} on host" in refusal
