@@ -87,7 +87,7 @@ def two_trains(suite, gap: float, first_seed: int) -> None:
     procs.append(_train(suite, run, *SHORT, f"train.seed={seeds[1]}"))
     second = procs[1].communicate() if gap else None
     procs[0].send_signal(signal.SIGCONT)
-    results = [procs[0].communicate(), second or procs[1].communicate()]
+    results = [procs[0].communicate(), second if gap else procs[1].communicate()]
     outs = [(p.pid, seed, *out, p.returncode) for p, seed, out in zip(procs, seeds, results)]
     won = [(pid, seed) for pid, seed, _, _, rc in outs if rc == 0]
     refusal = next((err.strip().splitlines()[-1] for *_, err, rc in outs if rc == 2 and err.strip()), "")

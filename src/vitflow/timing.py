@@ -80,7 +80,7 @@ def _busy(times: dict[str, list[float]]) -> dict[str, float]:
     """The candidates whose timed rounds spread over :data:`SPREAD_LIMIT` (calls of
     :data:`BUSY_MIN_S` and more: shorter ones jitter on a quiet machine too), ``{}`` when none or
     when the fastest's slowest round still beats every round of the next (a choice no load flipped)."""
-    wide = {n: spread(t) for n, t in times.items() if statistics.median(t) >= BUSY_MIN_S and spread(t) > SPREAD_LIMIT}
+    wide = wide_spreads(times, SPREAD_LIMIT, BUSY_MIN_S)
     ranked = sorted(times, key=lambda n: min(times[n]))
     if wide and len(ranked) > 1 and max(times[ranked[0]]) < min(times[ranked[1]]):
         return {}
@@ -99,10 +99,18 @@ def spread(values: Sequence[float]) -> float:
     return (max(values) - min(values)) / mid if mid else float("inf")
 
 
+def wide_spreads(measured: Mapping[str, Sequence[float]], limit: float = SPREAD_LIMIT,
+                 shortest: float = 0.0) -> dict[str, float]:
+    """``{name: spread}`` of the measurements (name -> rounds: seconds, images/s, ...) whose rounds
+    spread more than ``limit`` (:func:`spread`), leaving out those whose median is under ``shortest``
+    (in the rounds' unit)."""
+    return {k: spread(v) for k, v in measured.items() if v and statistics.median(v) >= shortest and spread(v) > limit}
+
+
 def busy_warning(measured: dict[str, Sequence[float]], limit: float = SPREAD_LIMIT) -> str | None:
     """A warning naming the measurements (name -> rounds) whose rounds spread more than ``limit``,
     or ``None``: their figures are unreliable, the machine was busy."""
-    wide = {k: spread(v) for k, v in measured.items() if spread(v) > limit}
+    wide = wide_spreads(measured, limit)
     if not wide:
         return None
     return ("the machine looks busy: rounds of " + ", ".join(f"{k} spread {s:.0%}" for k, s in wide.items())
