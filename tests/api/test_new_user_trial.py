@@ -90,6 +90,29 @@ def test_a_tta_typo_is_one_line_with_the_choices_and_the_nearest_spec(run, tta, 
     assert vitflow.load(run, tta="flip").predictor.tta == "flip"  # a valid spec still loads
 
 
+@pytest.mark.parametrize("fmt, tta, expected", [
+    ("torchscript", "flip", "tta='flip' goes with format='onnx' (its metadata records the views), not "
+                            "format='torchscript': that export holds the plain model"),
+    ("hub", "flip", "tta='flip' goes with format='onnx' (its metadata records the views), not format='hub': "
+                    "that export holds the plain model"),
+    ("onnx", "scales=0.9,1", "tta='scales=0.9,1': an export has one input size; use flip and/or crops5")])
+def test_an_export_that_cannot_hold_the_views_says_so_in_python_terms(run, tmp_path, fmt, tta, expected):
+    with pytest.raises(ValueError) as e:
+        run.export(tmp_path / "m", format=fmt, tta=tta)
+    assert str(e.value) == expected
+    assert not list(tmp_path.iterdir())  # refused before any work
+
+
+def test_export_tta_on_the_command_line_names_the_flags():
+    from vitflow.infer.tta import check_export_tta
+
+    with pytest.raises(ValueError, match=r"^--tta flip goes with --format onnx \(its metadata records the views\), "
+                                         r"not --format triton: that export holds the plain model$"):
+        check_export_tta("flip", "triton")
+    assert str(check_export_tta("flip,crops5", "onnx")) == "flip,crops5"
+    assert not check_export_tta(None, "hub").enabled  # no views: every format
+
+
 def test_a_raising_getitem_is_one_line_in_this_process(cifar, tmp_path):
     with pytest.raises(DatasetItemError) as e:  # the RAM cache's probe reads the first 32 items here
         vitflow.train(data=Photos(cifar / "train", bad=(3,)), val=Photos(cifar / "test"), data__num_workers=0,

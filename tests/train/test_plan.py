@@ -81,6 +81,8 @@ def test_the_plan_chooses_from_what_was_measured_and_says_why():
     v = {k: value for k, value, _ in got}
     assert (v["model.img_size"], v["model.patch_size"], v["model.name"]) == (64, 8, "vit_compact_patch8_64")
     assert (v["model.global_pool"], v["model.pos_embed"], v["model.patch_drop_rate"]) == ("avg", "sincos2d", 0.5)
+    assert v["model.attention"] == "math"  # on a CPU
+    assert "data.crop_pct" not in v  # photos of many sizes: the preset's 0.875 center crop
     assert v["train.batch_size"] == 32 and v["optim.lr"] == pytest.approx(3.5e-4)
     assert v["train.time_budget"] == "15m" and v["train.eval_interval"] == "75s" and v["train.eval_every"] == 0
     # 15 minutes at 0.5 s a step, 11 evaluations of 153 images at 2 ms, the final one and 5 s kept back
@@ -92,20 +94,33 @@ def test_the_plan_chooses_from_what_was_measured_and_says_why():
     assert 200 < epochs < 300 and v["data.scale"] == (0.08, 1.0) and v["train.label_smoothing"] == 0.1
     why = {k: reason for k, _, reason in got}
     assert "53.9% vs 45.4%" in why["model.patch_drop_rate"] and "48.6% vs 35.3%" in why["model.global_pool"]
+    assert "541 vs 350 img/s" in why["model.attention"]
     assert "train.default_budget=15m" in why["train.time_budget"] and "0.5 s a step" in why["train.total_steps"]
     assert all(len(reason) > 20 for reason in why.values())
     # a GPU keeps epochs: 224 px in 16-px patches, 100 epochs, evaluations in steps
     gpu = plan(dataclasses.replace(HYMENOPTERA, device="cuda"))
     assert (gpu["model.img_size"], gpu["model.patch_size"], gpu["model.name"]) == (224, 16, "vit_tiny_patch16_224")
+    assert gpu["model.attention"] == "sdpa"  # the model's default: flash / memory-efficient kernels on a GPU
     assert gpu["train.time_budget"] is None and gpu["train.total_steps"] == 700 and gpu["train.eval_every"] == 58
     # a busy machine: one thread measured faster than two is planned, and the fit follows its speed
     busy = plan(dataclasses.replace(HYMENOPTERA, clock=dataclasses.replace(CLOCK, threads=1, step_s=0.8)))
     assert busy["train.threads"] == 1 and busy["train.total_steps"] < v["train.total_steps"]
 
 
+def test_images_at_the_models_size_are_evaluated_whole():
+    cifar = dataclasses.replace(HYMENOPTERA, images=50_000, classes=10, short_side=32, uniform=True,
+                                eval_images=10_000, final_images=10_000)
+    got = {k: (value, why) for k, value, why in run_rules(cifar, {**flatten(build_config("photos-auto").to_dict())}, 0)}
+    assert got["model.img_size"][0] == 32 and got["data.crop_pct"][0] == 1.0
+    assert "zoom the evaluated images 1.16x" in got["data.crop_pct"][1]  # round(32 / 0.875) = 37 px
+    assert plan(cifar, **{"model.img_size": 48})["data.crop_pct"] == 0.875  # resized: the preset's crop
+    assert plan(dataclasses.replace(cifar, uniform=False))["data.crop_pct"] == 0.875
+
+
 ALTERNATIVES = {  # a value the user might set for every key the plan sets
     "model.img_size": 96, "model.patch_size": 16, "model.name": "vit_tiny_patch16_224", "model.global_pool": "token",
-    "model.pos_embed": "learned", "model.patch_drop_rate": 0.0, "train.batch_size": 64, "optim.lr": 1e-3,
+    "model.pos_embed": "learned", "model.patch_drop_rate": 0.0, "model.attention": "sdpa", "data.crop_pct": 0.9,
+    "train.batch_size": 64, "optim.lr": 1e-3,
     "optim.layer_decay": 0.8, "train.threads": 2, "train.time_budget": "5m", "train.eval_interval": "30s",
     "train.total_steps": 300, "optim.warmup_steps": 7, "train.eval_every": 50, "train.checkpoint_every": 100,
     "data.train_augment": "pad_crop", "data.scale": (0.5, 1.0), "train.label_smoothing": 0.2,

@@ -14,11 +14,12 @@ import torch
 import yaml
 
 from vitflow import config as schema
-from vitflow.api.classifier import Classifier, check_tta, load
+from vitflow.api.classifier import TTA_FLAG, Classifier, check_tta, load
 from vitflow.api.config import build, data_items, yaml_value
 from vitflow.api.display import Report, figures_html
 from vitflow.checkpoint import choose_checkpoint, latest_checkpoint
 from vitflow.evaluation import split_results
+from vitflow.infer.tta import check_export_tta
 from vitflow.rundir import CONFIG, EVAL, METRICS, is_run_dir, read_metrics
 from vitflow.train.callbacks import Callback
 from vitflow.train.loop import train as train_loop
@@ -145,7 +146,7 @@ class Run:
         from vitflow.infer.hub_folder import save_hub_folder
 
         ckpt = self._checkpoint(which)
-        check_tta(tta)
+        check_export_tta(tta, format, TTA_FLAG)
         if format == "hub":
             return Path(save_hub_folder(ckpt, path)["path"])
         target = "gpu" if torch.cuda.is_available() else "cpu"  # as vitflow export: fused for this machine

@@ -15,9 +15,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
     from vitflow.infer.export import export_checkpoint
+    from vitflow.infer.tta import check_export_tta
 
-    if args.format in ("hub", "triton") and args.tta:
-        raise ValueError(f"--tta goes with --format onnx (a {args.format} export holds the plain model)")
+    check_export_tta(args.tta, args.format)
     args.checkpoint = chosen(args)
     if args.format == "hub":
         return _export_hub(args)

@@ -236,6 +236,29 @@ def tta_probs(model: torch.nn.Module, images: torch.Tensor, spec: str | TTASpec,
 tta_logits = tta_probs  # the name in INTERFACES.md (it returns probabilities)
 
 
+def check_export_tta(spec: str | TTASpec | None, fmt: str, flag: str = "--tta") -> TTASpec:
+    """Check that an export to ``fmt`` can hold ``spec``'s views in its graph: only ONNX records them
+    (in its metadata), and only flip / crops5 (an export has one input size). ``flag`` names the
+    settings in messages: ``--tta`` / ``--format`` on the command line, ``tta=`` / ``format=`` from
+    Python (:func:`tta_where`).
+
+    Raises:
+        ValueError: a bad spec, ``scales``, or a format other than ``onnx``; one line naming both.
+    """
+    parsed = parse_tta(spec, flag)
+    if not parsed.enabled:
+        return parsed
+    where = tta_where(spec, flag)
+    fmt_where = f"--format {fmt}" if flag.startswith("--") else f"format={fmt!r}"
+    onnx = "--format onnx" if flag.startswith("--") else "format='onnx'"
+    if fmt != "onnx":
+        raise ValueError(f"{where} goes with {onnx} (its metadata records the views), not {fmt_where}: "
+                         "that export holds the plain model")
+    if parsed.scales != (1.0,):
+        raise ValueError(f"{where}: an export has one input size; use flip and/or crops5")
+    return parsed
+
+
 def tta_for_export(model: torch.nn.Module, spec: str | TTASpec | None, info, fmt: str) -> torch.nn.Module:
     """``model`` with ``spec``'s views averaged inside the exported graph (``vitflow export --tta``),
     ``info.tta`` (:class:`~vitflow.infer.onnx_model.ModelInfo`) set to record it in the file's
@@ -246,12 +269,8 @@ def tta_for_export(model: torch.nn.Module, spec: str | TTASpec | None, info, fmt
         ValueError: a bad spec, ``scales`` (an export has one input size), or a format other than
             ``onnx`` (only its metadata records the TTA).
     """
-    parsed = parse_tta(spec)
+    parsed = check_export_tta(spec, fmt)
     if not parsed.enabled:
         return model
-    if fmt != "onnx":
-        raise ValueError(f"--tta {spec} goes with --format onnx (its metadata records it), not {fmt}")
-    if parsed.scales != (1.0,):
-        raise ValueError(f"--tta {spec}: an export has one input size; use flip and/or crops5")
     info.tta = str(parsed)
     return TTAModel(model, parsed, info.task)

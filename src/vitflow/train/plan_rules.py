@@ -140,6 +140,22 @@ def _patch_drop(f: Facts, v: Values) -> Choice:
                  "53.9% vs 45.4% at a fixed 5 minutes on CIFAR-10 (benchmarks guide)")
 
 
+def _attention(f: Facts, v: Values) -> Choice:
+    if not f.scratch_vit or f.gpu:
+        return None
+    return "math", ("CPU: vitflow's explicit attention (the logits in one GEMM, a hand-written backward) trains the "
+                    "compact ViT's ~65 tokens faster than SDPA: 541 vs 350 img/s in 15-minute CIFAR-10 runs in bf16, "
+                    "the same otherwise (benchmarks guide); in fp32 they tie")
+
+
+def _crop_pct(f: Facts, v: Values) -> Choice:
+    size = v["model.img_size"]
+    if f.source is not None or not f.uniform or size is None or f.short_side != size:
+        return None
+    return 1.0, (f"every image is {size} px, the model's input size: evaluated whole, as training sees it (a 0.875 "
+                 f"center crop would zoom the evaluated images {round(size / 0.875) / size:.2f}x)")
+
+
 def _batch(f: Facts, v: Values) -> Choice:
     top = 32 if f.source is not None else 128
     batch = min(top, _pow2_at_most(f.images / 4))
@@ -342,6 +358,8 @@ RULES: tuple[Rule, ...] = (
     Rule("model.global_pool", (), _global_pool),
     Rule("model.pos_embed", (), _pos_embed),
     Rule("model.patch_drop_rate", (), _patch_drop),
+    Rule("model.attention", (), _attention),
+    Rule("data.crop_pct", ("model.img_size",), _crop_pct),
     Rule("train.batch_size", (), _batch),
     Rule("optim.lr", ("train.batch_size",), _lr),
     Rule("optim.layer_decay", (), _layer_decay),
