@@ -117,6 +117,17 @@ def test_images_at_the_models_size_are_evaluated_whole():
     assert plan(dataclasses.replace(cifar, uniform=False))["data.crop_pct"] == 0.875
 
 
+def test_a_fine_tune_shorter_than_its_budget_evaluates_in_steps_over_its_own_length():
+    source = ("vitflow run runs/photos", "vit_cifar_patch4_32", {"img_size": 32, "patch_size": 4})
+    short = dataclasses.replace(HYMENOPTERA, source=source, clock=dataclasses.replace(CLOCK, step_s=0.18))
+    v = plan(short)  # 30 epochs of 245 images at batch 32: 210 steps, ~38 s of a 15-minute budget
+    assert v["train.total_steps"] == 210 and v["train.eval_interval"] is None
+    assert v["train.eval_every"] == v["train.checkpoint_every"] == 210 // 12  # the first after ~8% of the run
+    long = dataclasses.replace(short, images=20_000, clock=dataclasses.replace(CLOCK, step_s=0.5))
+    v = plan(long)  # 5,000 steps at 0.5 s do not fit 15 minutes: evaluations in time, as from scratch
+    assert v["train.eval_interval"] == "75s" and v["train.eval_every"] == 0 and v["train.total_steps"] < 5000
+
+
 ALTERNATIVES = {  # a value the user might set for every key the plan sets
     "model.img_size": 96, "model.patch_size": 16, "model.name": "vit_tiny_patch16_224", "model.global_pool": "token",
     "model.pos_embed": "learned", "model.patch_drop_rate": 0.0, "model.attention": "sdpa", "data.crop_pct": 0.9,

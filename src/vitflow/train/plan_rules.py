@@ -235,7 +235,7 @@ def _total_steps(f: Facts, v: Values) -> Choice:
     fitted = budget_steps(f, v)
     if fitted is None:
         return steps, f"{epochs} epochs of {f.images} images"
-    if f.source is not None and steps <= fitted:
+    if finetune_fits(f, v):
         return steps, f"fine-tune: {epochs} epochs of {f.images} images (they fit train.time_budget)"
     top = max(fitted + 1, int(fitted * HEADROOM))
     return top, (f"the schedule's most steps: {HEADROOM:g} x the {fitted} that fit train.time_budget="
@@ -273,10 +273,20 @@ def evaluation_count(seconds: float, one: float) -> int:
     return n if n * one <= MOST_SHARE * seconds else max(2, int(MOST_SHARE * seconds / one))
 
 
+def finetune_fits(f: Facts, v: Values) -> bool:
+    """Whether a fine-tune's planned epochs (:func:`epochs_steps`) fit ``train.time_budget`` at the
+    measured speed: it then trains those epochs, however short, instead of filling the budget."""
+    fitted = budget_steps(f, {**v, "train.eval_interval": None})
+    return f.source is not None and fitted is not None and epochs_steps(f, v["train.batch_size"])[1] <= fitted
+
+
 def _eval_interval(f: Facts, v: Values) -> Choice:
     budget = v["train.time_budget"]
     if not budget or "train.eval_every" in f.user:
         return None
+    if finetune_fits(f, v):
+        return None, (f"fine-tune: its {epochs_steps(f, v['train.batch_size'])[0]} epochs fit train.time_budget="
+                      f"{budget}: evaluations spaced in steps over them (see train.eval_every)")
     seconds = parse_duration(budget)
     one = f.eval_images * f.clock.eval_image_s if f.clock else 0.0
     n = evaluation_count(seconds, one)
