@@ -210,3 +210,16 @@ class EvalClock(Callback):
 def eval_clock(text: str | None) -> list[Callback]:
     """``[EvalClock]`` for ``train.eval_interval=text``, or nothing when unset."""
     return [EvalClock(parse_duration(text), text)] if text else []
+
+
+EVALUATIONS, FEWEST, EVAL_SHARE, MOST_SHARE = 12, 10, 0.1, 0.25  # evaluations a run aims at, and their time
+
+
+def evaluation_count(seconds: float, one: float) -> int:
+    """Evaluations of ``one`` seconds each in a run of ``seconds``: :data:`EVALUATIONS` while they
+    take at most :data:`EVAL_SHARE` of it, down to :data:`FEWEST` (the first within 10% of the
+    run), fewer only where even those would take over :data:`MOST_SHARE`."""
+    if one <= 0:
+        return EVALUATIONS
+    n = min(EVALUATIONS, max(FEWEST, int(EVAL_SHARE * seconds / one)))
+    return n if n * one <= MOST_SHARE * seconds else max(2, int(MOST_SHARE * seconds / one))

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from vitflow.config import parse_duration
-from vitflow.train.clock import Clock, fit_steps
+from vitflow.data.cache import photo_cache_size
+from vitflow.train.clock import EVALUATIONS, Clock, evaluation_count, fit_steps
 
 Values = dict[str, Any]  # dotted key -> the run's value as it stands
 Choice = tuple[Any, str] | None  # (value, why), or None: the rule leaves the key alone
@@ -148,12 +149,17 @@ def _attention(f: Facts, v: Values) -> Choice:
                     "the same otherwise (benchmarks guide); in fp32 they tie")
 
 
+def _at_model_size(f: Facts, size: int | None) -> bool:
+    """Whether every sampled training image already has the model's input size ``size``."""
+    return f.uniform and size is not None and f.short_side == size
+
+
 def _crop_pct(f: Facts, v: Values) -> Choice:
-    size = v["model.img_size"]
-    if f.source is not None or not f.uniform or size is None or f.short_side != size:
+    size, crop = v["model.img_size"], v["data.crop_pct"]
+    if f.source is not None or not _at_model_size(f, size):
         return None
-    return 1.0, (f"every image is {size} px, the model's input size: evaluated whole, as training sees it (a 0.875 "
-                 f"center crop would zoom the evaluated images {round(size / 0.875) / size:.2f}x)")
+    return 1.0, (f"every image is {size} px, the model's input size: evaluated whole, as training sees it (a {crop:g} "
+                 f"center crop would zoom the evaluated images {photo_cache_size(size, crop) / size:.2f}x)")
 
 
 def _batch(f: Facts, v: Values) -> Choice:
@@ -260,24 +266,13 @@ def _warmup(f: Facts, v: Values) -> Choice:
     return max(1, round(steps / 20)), f"5% of the {steps} expected steps"
 
 
-EVALUATIONS, FEWEST, EVAL_SHARE, MOST_SHARE = 12, 10, 0.1, 0.25  # evaluations a run aims at, and their time
-
-
-def evaluation_count(seconds: float, one: float) -> int:
-    """Evaluations of ``one`` seconds each in a run of ``seconds``: :data:`EVALUATIONS` while they
-    take at most :data:`EVAL_SHARE` of it, down to :data:`FEWEST` (the first within 10% of the
-    run), fewer only where even those would take over :data:`MOST_SHARE`."""
-    if one <= 0:
-        return EVALUATIONS
-    n = min(EVALUATIONS, max(FEWEST, int(EVAL_SHARE * seconds / one)))
-    return n if n * one <= MOST_SHARE * seconds else max(2, int(MOST_SHARE * seconds / one))
-
-
 def finetune_fits(f: Facts, v: Values) -> bool:
     """Whether a fine-tune's planned epochs (:func:`epochs_steps`) fit ``train.time_budget`` at the
     measured speed: it then trains those epochs, however short, instead of filling the budget."""
+    if f.source is None:
+        return False
     fitted = budget_steps(f, {**v, "train.eval_interval": None})
-    return f.source is not None and fitted is not None and epochs_steps(f, v["train.batch_size"])[1] <= fitted
+    return fitted is not None and epochs_steps(f, v["train.batch_size"])[1] <= fitted
 
 
 def _eval_interval(f: Facts, v: Values) -> Choice:
@@ -316,10 +311,10 @@ def _augment(f: Facts, v: Values) -> Choice:
     epochs, size = planned_epochs(f, v), v["model.img_size"]
     if f.source is not None:
         return None  # the finetune recipe's modest crops
-    if epochs < SHORT_EPOCHS and f.uniform and size is not None and f.short_side == size:
+    if epochs < SHORT_EPOCHS and _at_model_size(f, size):
         return "none", (f"~{epochs:.0f} epochs underfit: flips only (no crops and no label smoothing gained 3.2 points "
                         "at ~6 epochs of CIFAR-10, 51.5 -> 54.7%)")
-    if size is not None and size <= 32 and f.uniform and f.short_side == size:
+    if _at_model_size(f, size) and size <= 32:
         return "pad_crop", f"~{epochs:.0f} epochs: pad-and-crop, the small-image recipe (He et al. 2016)"
     return "random_resized_crop", f"~{epochs:.0f} epochs: random-resized crops on the device (Szegedy et al. 2015)"
 
