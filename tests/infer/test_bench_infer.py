@@ -7,6 +7,7 @@ import torch
 
 from vitflow.cli import main
 from vitflow.data.transforms import Preprocess
+from vitflow.infer import bench
 from vitflow.infer.bench import PATHS, Timing, build_paths, select_paths
 from vitflow.infer.onnx_model import ModelInfo
 from vitflow.models import create_model
@@ -45,16 +46,20 @@ def test_path_selection_by_names_and_patterns():
         select_paths("eager_fp32,tensorrt")
 
 
-def test_peers_and_vitflow_side_by_side_with_top1(digits_run, capsys):
+def test_peers_and_vitflow_side_by_side_with_top1(digits_run, capsys, monkeypatch):
     """The peers' OpenVINO INT8 and vitflow's OpenVINO / static INT8 paths, with each one's top-1
-    on the run's real held-out images; the summary compares vitflow's fastest with OpenVINO INT8."""
+    on the run's real held-out images (in batches of the timed size: ONNX Runtime keeps the memory
+    of the largest batch it saw); the summary compares vitflow's fastest with OpenVINO INT8."""
     pytest.importorskip("openvino")
     _, r, _ = digits_run
+    batches, loader = [], bench.eval_loader
+    monkeypatch.setattr(bench, "eval_loader", lambda src, pp, n, *a: batches.append(n) or loader(src, pp, n, *a))
     code = main(["bench", "infer", r["checkpoint"], "--repeats", "1", "--latency-calls", "2", "--min-time", "0.05",
                  "--paths", "eager_fp32,timm_openvino_int8,openvino_int8_tuned,onnxruntime_int8_static",
-                 "--data", "--calibration-images", "64", "--json"])
+                 "--data", "--calibration-images", "64", "--batch-size", "8", "--json"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
+    assert batches == [8]
     result = json.loads(captured.out.strip().splitlines()[-1])
     top1 = {k: v["top1"] for k, v in result.items()}
     assert abs(top1["eager_fp32"] - r["test_top1"]) < 0.005  # the run's own figure on the same 359 images

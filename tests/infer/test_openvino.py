@@ -14,6 +14,7 @@ from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.cli import main
 from vitflow.infer.calibration import checkpoint_split, sample_images
 from vitflow.infer.onnx_model import ModelInfo, set_metadata
+from vitflow.infer.openvino_model import OpenVinoModel
 from vitflow.infer.predict import Predictor, collect_images
 
 ov = pytest.importorskip("openvino")
@@ -74,6 +75,15 @@ def test_fixed_batch_ir_takes_any_batch(exported, tmp_path):
     assert list(ov.Core().read_model(str(fixed)).input(0).get_partial_shape().to_shape()) == [4, 3, 8, 8]
     a, b = Predictor.load(fixed).model(x[:7]), Predictor.load(xml).model(x[:7])  # 7: two batches, one padded
     assert a.shape == (7, 10) and torch.allclose(a, b, atol=1e-5)
+
+
+def test_throughput_hint_runs_a_batch_too_small_to_split_on_all_threads(exported):
+    _, xml, _, x = exported
+    split, whole = OpenVinoModel(xml, hint="throughput", static_shapes=True), OpenVinoModel(xml)
+    for n in (1, 2 * split.streams + 1):  # one image: a latency-hint copy; a batch: split over the streams
+        assert torch.allclose(split(x[:n]), whole(x[:n]), atol=1e-5)
+    assert {hint for _, _, hint in split.requests} == ({"latency", "throughput"} if split.streams > 1 else {"throughput"})
+    assert {(n, hint) for n, _, hint in split.requests if n == 1} == {(1, "latency" if split.streams > 1 else "throughput")}
 
 
 def test_nncf_int8_behind_the_guard(exported, tmp_path, capsys):

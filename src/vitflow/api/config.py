@@ -169,7 +169,12 @@ class Config(schema.Config):
         run = vitflow.train(cfg)
 
     Args:
-        data, model, preset, val, test, overrides: as :func:`vitflow.api.train`.
+        data: as :func:`vitflow.api.train`.
+        model: as :func:`vitflow.api.train`.
+        preset: as :func:`vitflow.api.train`.
+        val: as :func:`vitflow.api.train`.
+        test: as :func:`vitflow.api.train`.
+        overrides: config keys, as :func:`vitflow.api.train`.
     Raises:
         ConfigError: an unknown preset, file or key (with the nearest valid one), a value of the
             wrong type or out of range (naming the key and where it was set).

@@ -221,7 +221,8 @@ def train(data: Any = None, model: Any = None, preset: str | os.PathLike | None 
             for weights, else the default preset.
         callbacks: :class:`vitflow.Callback` objects, called after the built-in ones.
         config: a :class:`~vitflow.api.config.Config` to start from (then ``preset`` is ignored).
-        val, test: held-out Python data (as ``data``), or split expressions (``"train[90%:]"``).
+        val: held-out Python data (as ``data``), or a split expression (``"train[90%:]"``).
+        test: the same, for the test split.
         overrides: config keys, ``train__total_steps=300`` or ``**{"train.total_steps": 300}`` or
             ``optim={"lr": 1e-3}``.
     Returns:

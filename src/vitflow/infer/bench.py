@@ -167,7 +167,9 @@ def time_paths(runners: dict[str, Runner], image_size: int | dict[str, int], bat
 def top1_of(runners: dict[str, torch.nn.Module], source: ImageSource, info: ModelInfo,
             batch_size: int = 64) -> dict[str, float]:
     """Top-1 (a fraction) of every runner on the same images of ``source``, decoded once through
-    the eval transform. Raises ValueError when no image can be read."""
+    the eval transform, in batches of ``batch_size`` (``bench infer`` passes the batch size it
+    times: ONNX Runtime's memory arena keeps what the largest batch needed, about 2 GiB a session
+    for Swin-T at 64). Raises ValueError when no image can be read."""
     pp, batches = info.preprocess, []
     for b in eval_loader(source, pp, batch_size, 2):
         if len(b["labels"]):
@@ -237,7 +239,7 @@ def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = tuple(PATHS), b
     calibration = lambda: calibration_images(calibrate, info.preprocess, info.classes, state, calibration_count)  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         runners, notes = build_paths(model, info, tmp, paths, calibration, log, peer)
-        accuracy = top1_of(runners, source, info) if source is not None else {}
+        accuracy = top1_of(runners, source, info, batch_size) if source is not None else {}
         timings = time_paths(runners, info.preprocess.image_size, batch_size, repeats, latency_calls, min_time, log)
     for k, t in timings.items():
         notes[k] += f"; rounds {min(t.throughputs):.0f}-{max(t.throughputs):.0f} img/s"

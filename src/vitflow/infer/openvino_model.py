@@ -118,7 +118,9 @@ class OpenVinoModel(RuntimeModel):
         threads: ``INFERENCE_NUM_THREADS`` (default ``torch.get_num_threads()``).
         hint: ``latency`` (one stream, all threads on each request: the right one for one caller)
             or ``throughput`` (several streams, each on its own cores: a batch of at least two
-            images a stream is split over them and its parts run in parallel).
+            images a stream is split over them and its parts run in parallel; a smaller batch,
+            which one stream would run on its share of the cores, runs on a latency-hint copy
+            with all of them).
         static_shapes: compile a static-shape copy for every (sub-)batch size seen (the batch is
             known in a deployment): OpenVINO plans memory and picks kernels once for that shape.
     Raises:
@@ -139,28 +141,31 @@ class OpenVinoModel(RuntimeModel):
         self.config = {"PERFORMANCE_HINT": hint.upper(), "INFERENCE_NUM_THREADS": threads or torch.get_num_threads()}
         if precision != "auto":
             self.config["INFERENCE_PRECISION_HINT"] = PRECISIONS[precision]
-        self.compiled = {None: openvino().Core().compile_model(self.model, "CPU", self.config)}
-        self.streams = int(self.compiled[None].get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS")) \
-            if hint == "throughput" else 1
+        first = openvino().Core().compile_model(self.model, "CPU", self.config)
+        self.compiled = {(None, hint): first}  # (static batch or None, hint) -> compiled model
+        self.streams = int(first.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS")) if hint == "throughput" else 1
         shape = self.model.input(0).get_partial_shape()
         self.fixed_batch = shape[0].get_length() if shape[0].is_static else None
         self.item_shape = [d.get_length() for d in list(shape)[1:]]  # (3, S, S): static in vitflow's exports
-        self.requests: dict[tuple[int, int], object] = {}
+        self.requests: dict[tuple[int, int, str], object] = {}
 
     @property
     def metadata(self) -> dict[str, str]:
         return ir_metadata(self.model)
 
-    def _request(self, n: int, i: int):
-        """The infer request of stream ``i`` for batches of ``n``."""
-        if (n, i) not in self.requests:
-            key = n if self.static_shapes and self.fixed_batch is None else None
+    def _request(self, n: int, i: int, hint: str):
+        """The infer request of stream ``i`` for batches of ``n``, compiled with ``hint``."""
+        if (n, i, hint) not in self.requests:
+            key = (n if self.static_shapes and self.fixed_batch is None else None, hint)
             if key not in self.compiled:
-                static = self.model.clone()
-                static.reshape({0: [n, *self.item_shape]})
-                self.compiled[key] = openvino().Core().compile_model(static, "CPU", self.config)
-            self.requests[(n, i)] = self.compiled[key].create_infer_request()
-        return self.requests[(n, i)]
+                model = self.model
+                if key[0] is not None:
+                    model = self.model.clone()
+                    model.reshape({0: [n, *self.item_shape]})
+                config = {**self.config, "PERFORMANCE_HINT": hint.upper()}
+                self.compiled[key] = openvino().Core().compile_model(model, "CPU", config)
+            self.requests[(n, i, hint)] = self.compiled[key].create_infer_request()
+        return self.requests[(n, i, hint)]
 
     def run(self, x: np.ndarray) -> np.ndarray:
         if self.fixed_batch is not None and len(x) != self.fixed_batch:
@@ -170,7 +175,8 @@ class OpenVinoModel(RuntimeModel):
             return np.concatenate([self.run(c)[:len(chunk)] for c, chunk in zip(pad, chunks)])
         split = self.streams > 1 and len(x) >= 2 * self.streams and self.fixed_batch is None
         parts = np.array_split(x, self.streams) if split else [x]
-        requests = [self._request(len(p), i) for i, p in enumerate(parts)]
+        hint = self.hint if split or self.streams == 1 else "latency"  # one part: all the threads on it
+        requests = [self._request(len(p), i, hint) for i, p in enumerate(parts)]
         for request, part in zip(requests, parts):
             request.start_async({0: np.ascontiguousarray(part)})
         for request in requests:
