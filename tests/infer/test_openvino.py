@@ -86,6 +86,14 @@ def test_throughput_hint_runs_a_batch_too_small_to_split_on_all_threads(exported
     assert {(n, hint) for n, _, hint in split.requests if n == 1} == {(1, "latency" if split.streams > 1 else "throughput")}
 
 
+def test_quantize_refuses_an_ir_naming_its_checkpoint(exported, tmp_path, capsys):
+    _, xml, _, _ = exported
+    assert main(["quantize", str(xml), "--backend", "openvino", "-o", str(tmp_path / "q.xml")]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {xml} is an OpenVINO IR; quantize takes the checkpoint (or "
+                                               "vitflow .onnx) it came from: vitflow quantize RUN --backend openvino "
+                                               "-o digits.int8.xml")
+
+
 def test_nncf_int8_behind_the_guard(exported, tmp_path, capsys):
     r, xml, state, x = exported
     out = tmp_path / "digits.int8.xml"

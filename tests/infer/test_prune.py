@@ -108,3 +108,20 @@ def test_prune_cli_finetunes_and_measures(digits_run, tmp_path, capsys):
     e = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert abs(e["test_top1"] - p["top1_after"]) < 0.02
     assert main(["predict", str(out), r["samples"], "--topk", "1"]) == 0
+    capsys.readouterr()
+    # against the model it came from: the reference's fp32 top-1 bounds the drop, even when its
+    # path (timm_eager_fp32) is not among those timed
+    assert main(["bench", "infer", str(out), "--reference", r["checkpoint"], "--data", "--paths", "eager_fp32",
+                 "--repeats", "1", "--latency-calls", "2", "--min-time", "0.05"]) == 0
+    bound = capsys.readouterr().out.strip().splitlines()[-1]
+    assert bound.startswith("fastest paths chosen among those within 1 top-1 point(s) of fp32 (")
+    assert abs(float(bound.rsplit("(", 1)[1].rstrip("%)")) / 100 - p["top1_before"]) < 0.005
+
+
+def test_prune_writes_a_checkpoint_only(digits_run, tmp_path, capsys):
+    _, r, _ = digits_run
+    out = tmp_path / "pruned.onnx"
+    assert main(["prune", r["checkpoint"], "-o", str(out), "--no-eval"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: output {out}: a pruned model is written as a checkpoint; name it *.pt (then vitflow "
+                   "export or quantize it)"] and not out.exists()

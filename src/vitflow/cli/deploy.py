@@ -74,7 +74,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from vitflow.infer.static_quant import METHODS
 
     if args.split and not args.data:
-        raise ValueError("--split selects images of --data: give --data PATH too (no top-1 is measured without it)")
+        raise ValueError("--split selects images of --data: give --data PATH too (without --data the guard measures "
+                         "the checkpoint's own test split)")
     calibrated = args.calibrate is not None or args.backend == "openvino"
     if not calibrated and (args.method or args.batch):
         raise ValueError("--method and --batch go with --calibrate (static INT8) or --backend openvino")

@@ -216,7 +216,9 @@ def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = tuple(PATHS), b
             accuracy bound of the fastest paths (``timm_eager_fp32``'s).
     Returns:
         ``{"results": {path: {"latency_ms_p50", "latency_ms_p90", "throughput_ips"[, "top1"]}},
-        "notes": {path: description}, "timings": {path: Timing}, "cpu_flags": [...]}``.
+        "notes": {path: description}, "timings": {path: Timing}, "cpu_flags": [...],
+        "fp32_top1": the bound's top-1 (``eager_fp32``'s, or ``timm_eager_fp32``'s with a
+        ``reference``; measured even when that path is not among ``paths``), None without data}``.
     Raises:
         FileNotFoundError / ValueError: unreadable checkpoint, unknown path, timm or OpenVINO
         missing, bad calibration data.
@@ -240,6 +242,9 @@ def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = tuple(PATHS), b
     with tempfile.TemporaryDirectory() as tmp:
         runners, notes = build_paths(model, info, tmp, paths, calibration, log, peer)
         accuracy = top1_of(runners, source, info, batch_size) if source is not None else {}
+        bound = BASELINE if peer is not None else "eager_fp32"  # whose fp32 top-1 bounds the drop
+        if source is not None and bound not in accuracy:  # not among the paths: measured anyway
+            accuracy[bound] = top1_of({bound: (peer or (model,))[0]}, source, info, batch_size)[bound]
         timings = time_paths(runners, info.preprocess.image_size, batch_size, repeats, latency_calls, min_time, log)
     for k, t in timings.items():
         notes[k] += f"; rounds {min(t.throughputs):.0f}-{max(t.throughputs):.0f} img/s"
@@ -248,7 +253,7 @@ def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = tuple(PATHS), b
     results = {k: {**timings[k].summary(), **({"top1": accuracy[k]} if k in accuracy else {})}
                for k in PATHS if k in timings}
     return {"results": results, "notes": notes, "timings": timings, "cpu_flags": cpu_flags(),
-            "reference": BASELINE if reference is not None else "eager_fp32"}
+            "fp32_top1": accuracy.get(bound)}
 
 
 def _fastest(results: dict, timings: dict, group: str, figure: str, reference: float | None,
@@ -280,8 +285,7 @@ def format_table(bench: dict, batch_size: int = 32, max_drop: float = 1.0) -> st
         lines.append(f"{k:28s} {r['latency_ms_p50']:9.2f} {r['latency_ms_p90']:9.2f} {r['throughput_ips']:10.1f} "
                      f"{lat_x:>6s} {tp_x:>6s} {top1:>7s}  {notes.get(k, '')}")
     lines.append(f"CPU flags: {' '.join(bench['cpu_flags']) or 'unknown'}; {torch.get_num_threads()} threads")
-    order = (bench.get("reference", "eager_fp32"), "eager_fp32", BASELINE)  # whose fp32 top-1 bounds the drop
-    fp32 = next((results[k]["top1"] for k in order if "top1" in results.get(k, {})), None)
+    fp32 = bench.get("fp32_top1")
     for figure, what, unit in (("throughput_ips", f"batch-{batch_size} throughput", "img/s"),
                                ("latency_ms_p50", "batch-1 latency", "ms")):
         ours = _fastest(results, timings, "vitflow", figure, fp32, max_drop)

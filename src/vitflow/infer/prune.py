@@ -24,6 +24,7 @@ import copy
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
@@ -222,13 +223,11 @@ def prune_checkpoint(checkpoint, out, heads: float = 0.25, mlp: float = 0.0, dat
         "speedup_throughput", "speedup_latency", "finetune_steps", "finetune_s"}``
         (accuracy keys only with ``evaluate``).
     Raises:
-        FileNotFoundError / ValueError / DataError: unreadable checkpoint or data, bad fractions,
+        FileNotFoundError / ValueError / DataError: unreadable checkpoint or data, an output not named
+        ``.pt``, bad fractions,
         an already quantised or a multi-label checkpoint, fine-tune steps without ``finetune``.
     """
-    if finetune_steps and finetune is None:
-        raise ValueError("finetune_steps > 0 needs a finetune function (vitflow.train.distill.distill_finetune)")
-    if not (0 <= heads < 1 and 0 <= mlp < 1) or heads == mlp == 0:
-        raise ValueError(f"give --heads and/or --mlp as fractions in [0, 1) to remove (got {heads}, {mlp})")
+    _check_request(out, heads, mlp, finetune_steps and finetune is None)
     state = _float_checkpoint(checkpoint)
     if state.get("task", "multiclass") == "multilabel":
         raise ValueError(f"{state['path']} is a multi-label model: pruning scores and distils single-label "
@@ -260,6 +259,18 @@ def prune_checkpoint(checkpoint, out, heads: float = 0.25, mlp: float = 0.0, dat
                      "metrics": {"top1": result.get("top1_after", result.get("top1_pruned"))},
                      "pruning": {k: v for k, v in result.items() if k != "path"}}, out)
     return result
+
+
+def _check_request(out, heads: float, mlp: float, no_finetune: bool) -> None:
+    """Raises ValueError for an output not named ``.pt``, fractions outside ``[0, 1)`` (or both 0),
+    fine-tune steps without a fine-tune function (``no_finetune``)."""
+    if no_finetune:
+        raise ValueError("finetune_steps > 0 needs a finetune function (vitflow.train.distill.distill_finetune)")
+    if Path(out).suffix.lower() != ".pt":
+        raise ValueError(f"output {out}: a pruned model is written as a checkpoint; name it *.pt (then "
+                         "vitflow export or quantize it)")
+    if not (0 <= heads < 1 and 0 <= mlp < 1) or heads == mlp == 0:
+        raise ValueError(f"give --heads and/or --mlp as fractions in [0, 1) to remove (got {heads}, {mlp})")
 
 
 def _finetune(finetune: Finetune, pruned: nn.Module, model: nn.Module, train: ImageSource, d: DataConfig,

@@ -27,6 +27,7 @@ from vitflow.checkpoint import apply_quantization, load_checkpoint, model_from_c
 from vitflow.infer.calibration import CALIBRATION_IMAGES
 from vitflow.infer.guard import Guard, guard_source, measured_split
 from vitflow.infer.onnx_model import ModelInfo, OnnxModel, copy_metadata, is_onnx, quiet_toolchain, require
+from vitflow.infer.openvino_model import is_openvino
 from vitflow.infer.static_quant import METHODS, float_onnx, model_info, quantize_calibrated
 
 log = logging.getLogger(__name__)
@@ -184,6 +185,9 @@ def _check_request(model_path: str | Path, out: str | Path, backend: str, dtype:
                          "(or build an FP16 TensorRT engine with `vitflow export --format tensorrt`)")
     if is_onnx(model_path) and backend == "torch":
         raise ValueError(f"{model_path} is an ONNX model; the torch backend needs a vitflow checkpoint")
+    if is_openvino(model_path):
+        raise ValueError(f"{model_path} is an OpenVINO IR; quantize takes the checkpoint (or vitflow .onnx) it came "
+                         f"from: vitflow quantize RUN --backend openvino -o {Path(model_path).stem}.int8.xml")
     want = BACKENDS[backend]
     if Path(out).suffix.lower() != want:
         raise ValueError(f"output {out}: the {backend} backend writes a {want} file; name it *{want}")
