@@ -89,4 +89,4 @@ def test_attention_figure_bench_infer_and_pruning_refused(mvit_run, tmp_path):
                     latency_calls=1, min_time=0.0, log=lambda s: None)
     assert set(r["results"]) == {"timm_eager_fp32", "eager_fp32"} and "MultiScaleVit" in r["notes"]["timm_eager_fp32"]
     with pytest.raises(ValueError, match="mvitv2_cifar_32 cannot be pruned"):
-        prune_checkpoint(summary["checkpoint"], tmp_path / "pruned")
+        prune_checkpoint(summary["checkpoint"], tmp_path / "pruned.pt")

@@ -48,7 +48,7 @@ def test_onnx_export_batch_1_and_7_from_one_export(tmp_path):
 def test_pruning_is_refused(swin_run, tmp_path):
     _, summary = swin_run
     with pytest.raises(ValueError, match="swin_cifar_patch2_window4_32 cannot be pruned"):
-        prune_checkpoint(summary["checkpoint"], tmp_path / "pruned")
+        prune_checkpoint(summary["checkpoint"], tmp_path / "pruned.pt")
 
 
 def test_attention_figure_on_a_stage_grid(swin_run, tmp_path):
