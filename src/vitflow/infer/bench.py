@@ -241,10 +241,9 @@ def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = tuple(PATHS), b
     calibration = lambda: calibration_images(calibrate, info.preprocess, info.classes, state, calibration_count)  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         runners, notes = build_paths(model, info, tmp, paths, calibration, log, peer)
-        accuracy = top1_of(runners, source, info, batch_size) if source is not None else {}
         bound = BASELINE if peer is not None else "eager_fp32"  # whose fp32 top-1 bounds the drop
-        if source is not None and bound not in accuracy:  # not among the paths: measured anyway
-            accuracy[bound] = top1_of({bound: (peer or (model,))[0]}, source, info, batch_size)[bound]
+        measured = runners if bound in runners else {**runners, bound: peer[0] if peer is not None else model}
+        accuracy = top1_of(measured, source, info, batch_size) if source is not None else {}
         timings = time_paths(runners, info.preprocess.image_size, batch_size, repeats, latency_calls, min_time, log)
     for k, t in timings.items():
         notes[k] += f"; rounds {min(t.throughputs):.0f}-{max(t.throughputs):.0f} img/s"

@@ -223,11 +223,11 @@ def prune_checkpoint(checkpoint, out, heads: float = 0.25, mlp: float = 0.0, dat
         "speedup_throughput", "speedup_latency", "finetune_steps", "finetune_s"}``
         (accuracy keys only with ``evaluate``).
     Raises:
-        FileNotFoundError / ValueError / DataError: unreadable checkpoint or data, an output not named
-        ``.pt``, bad fractions,
-        an already quantised or a multi-label checkpoint, fine-tune steps without ``finetune``.
+        FileNotFoundError / ValueError / DataError: unreadable checkpoint or data, an output not
+        named ``.pt``, bad fractions, an already quantised or a multi-label checkpoint, fine-tune
+        steps without ``finetune``.
     """
-    _check_request(out, heads, mlp, finetune_steps and finetune is None)
+    _check_request(out, heads, mlp, finetune_steps, finetune)
     state = _float_checkpoint(checkpoint)
     if state.get("task", "multiclass") == "multilabel":
         raise ValueError(f"{state['path']} is a multi-label model: pruning scores and distils single-label "
@@ -261,10 +261,10 @@ def prune_checkpoint(checkpoint, out, heads: float = 0.25, mlp: float = 0.0, dat
     return result
 
 
-def _check_request(out, heads: float, mlp: float, no_finetune: bool) -> None:
+def _check_request(out, heads: float, mlp: float, finetune_steps: int, finetune: Finetune | None) -> None:
     """Raises ValueError for an output not named ``.pt``, fractions outside ``[0, 1)`` (or both 0),
-    fine-tune steps without a fine-tune function (``no_finetune``)."""
-    if no_finetune:
+    fine-tune steps without a fine-tune function."""
+    if finetune_steps and finetune is None:
         raise ValueError("finetune_steps > 0 needs a finetune function (vitflow.train.distill.distill_finetune)")
     if Path(out).suffix.lower() != ".pt":
         raise ValueError(f"output {out}: a pruned model is written as a checkpoint; name it *.pt (then "
