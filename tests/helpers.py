@@ -142,6 +142,14 @@ def write_csv(path: Path, rows: list[dict], delimiter: str = ",", columns=("path
     return path
 
 
+def sigint_as_in_a_terminal() -> None:
+    """``preexec_fn`` of a child that a test interrupts with SIGINT (Ctrl-C): the default disposition,
+    so Python raises KeyboardInterrupt as in a terminal. A shell's background job (``pytest ... &``
+    in a script) starts with SIGINT ignored, every child inherits that, and a SIGINT that lands
+    before vitflow installs its own handler would be ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def kill_at_first_checkpoint(cmd: list[str], run_dir: Path, env: dict) -> list[Path]:
     """Start ``cmd`` (a ``vitflow train`` writing to ``run_dir``), SIGKILL it as soon as its first
     checkpoint appears (or after 120 s), check it died of the signal, and return the checkpoints

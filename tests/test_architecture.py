@@ -4,19 +4,22 @@ and short functions. Every import counts, also those inside functions.
 Units and what each may import (besides itself and the standard library / third parties):
 
 - ``config`` (pure data), ``timing``, ``rundir``, ``metrics`` (the metric table and the metrics'
-  computations): nothing of vitflow;
+  computations), ``moved`` (old module names and their new places): nothing of vitflow;
 - ``runtime`` (allocator, device, precision, seeding): ``timing``;
 - ``models``: the foundation (``config``, ``runtime``, ``timing``) and ``rundir`` (a run folder's
   names: ``model.pretrained=RUN``); no other layer;
-- ``data``: ``config``, ``runtime``, ``timing``; no ``models`` / ``train`` / ``infer``;
+- ``data``: ``config``, ``runtime``, ``timing``; no ``models`` / ``training`` / ``infer``;
 - ``checkpoint`` (files, ``model_from_checkpoint``): ``models``, ``rundir``;
 - ``evaluation`` (a model over batches): ``data``, ``runtime``, ``metrics``;
-- ``train``: every layer to its left and the shared services;
-- ``infer``: the same but ``train``;
-- ``viz``: ``infer`` and what it may import, ``rundir``; no ``train``;
+- ``training``: every layer to its left and the shared services;
+- ``infer``: the same but ``training``;
+- ``viz``: ``infer`` and what it may import, ``rundir``; no ``training``;
 - ``api`` (the Python face, ``vitflow.train`` / ``load`` / ``Config`` / ``Run``): every layer but ``cli``;
-- the package (``vitflow/__init__.py``): ``models``, and ``train`` / ``api`` for the API's names;
+- the package (``vitflow/__init__.py``): ``models``, ``moved``, and ``api`` for the API's names;
 - ``cli``: everything.
+
+At most :data:`MAX_PACKAGE_MODULES` modules at any package level (sub-packages are rooms named for what
+they hold), outside :data:`CROWDED_PACKAGES`.
 
 Inside ``models``: the family packages (``vit``, ``eva``, ``swin``, ...: every sub-package but the
 shared ones, :data:`MODEL_SHARED`) never import each other, and the attention math (softmax,
@@ -36,22 +39,27 @@ SRC = Path(vitflow.__file__).parent
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 MAX_CLASS_LINES = 300
+MAX_PACKAGE_MODULES = 12  # modules directly in one package (its __init__.py and sub-packages not counted)
+# packages allowed more modules than that, each with its reason
+CROWDED_PACKAGES: dict[str, str] = {
+    "vitflow.data.sources": "one module per kind of data, each one row of the kinds' table (sources/table.py)",
+}
 MODEL_SHARED = {"attention", "kernels", "convert", "pretrained"}  # sub-packages of models every family may use
 ATTENTION_HOMES = ("attention", "kernels")  # where the attention math may live, inside models
 ATTENTION_MATH = ("softmax", "scaled_dot_product_attention")  # calls that are attention math
 
 FOUNDATION = {"config", "runtime", "timing"}
 ALLOWED: dict[str, set[str]] = {
-    "config": set(), "timing": set(), "rundir": set(), "metrics": set(),
+    "config": set(), "timing": set(), "rundir": set(), "metrics": set(), "moved": set(),
     "runtime": {"timing"},
     "models": FOUNDATION | {"rundir"},  # rundir: the names of a run folder (a run as pretrained weights)
     "data": {"config", "runtime", "timing"},
     "checkpoint": {"models", "rundir"},
     "evaluation": {"data", "runtime", "metrics"},
-    "train": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics", "rundir"},
+    "training": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics", "rundir"},
     "infer": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics"},
     "viz": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics", "infer", "rundir"},
-    "package": {"models", "train", "api"},  # vitflow/__init__.py: create_model and friends, the API's names
+    "package": {"models", "moved", "api"},  # vitflow/__init__.py: create_model and friends, the API's names
 }
 ALLOWED["api"] = {u for u in ALLOWED if u not in ("api", "package")} | {"viz"}  # the Python face: all but the CLI
 # functions allowed over MAX_FUNCTION_LINES, each with its reason
@@ -173,6 +181,20 @@ def long_classes(root: Path, limit: int = MAX_CLASS_LINES) -> list[str]:
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > limit]
 
 
+def crowded_packages(root: Path, limit: int = MAX_PACKAGE_MODULES, allowed: dict[str, str] | None = None
+                     ) -> list[str]:
+    """``package: N modules`` for every package holding more than ``limit`` modules directly
+    (``__init__.py`` and sub-packages not counted), outside ``allowed``."""
+    allowed = CROWDED_PACKAGES if allowed is None else allowed
+    out = []
+    for init in sorted(root.rglob("__init__.py")):
+        name = module_name(init, root)
+        n = sum(1 for p in init.parent.glob("*.py") if p.name != "__init__.py")
+        if n > limit and name not in allowed:
+            out.append(f"{name}: {n} modules")
+    return out
+
+
 def model_family(module: str) -> str | None:
     """The family package a module of ``models`` belongs to (``vitflow.models.swin.block`` -> ``swin``),
     or ``None`` for the shared modules and packages."""
@@ -230,9 +252,48 @@ def test_no_class_over_300_lines():
     assert long_classes(SRC) == []
 
 
+def test_no_package_level_over_12_modules():
+    assert crowded_packages(SRC) == []
+    counts = {name: sum(1 for p in (SRC / name).glob("*.py") if p.name != "__init__.py")
+              for name in ("training", "infer")}
+    assert all(0 < n <= MAX_PACKAGE_MODULES for n in counts.values()), counts
+
+
+def test_train_is_a_function_and_training_a_plain_package():
+    """``vitflow.train`` is the Python API's function; the training layer is an ordinary package
+    (no module subclass, nothing callable), and an old import names the new place in one line."""
+    import inspect
+    import types
+
+    import vitflow.training
+    from vitflow.api.run import train
+
+    assert inspect.isfunction(vitflow.train) and vitflow.train is train
+    assert type(vitflow.training) is types.ModuleType and not callable(vitflow.training)
+    assert vitflow.training.Trainer.__module__ == "vitflow.training.loop"
+    for old in ("import vitflow.train", "from vitflow.train import Trainer", "from vitflow.train.loop import Trainer"):
+        with pytest.raises(ModuleNotFoundError, match=r"^vitflow\.train is now the Python API's training function.*"
+                                                      r"moved to vitflow\.training \("):
+            exec(old, {})
+    with pytest.raises(ModuleNotFoundError, match=r"^vitflow\.infer\.onnx_model moved to vitflow\.infer\.runtimes\.onnx$"):
+        exec("from vitflow.infer.onnx_model import OnnxModel", {})
+    with pytest.raises(ModuleNotFoundError, match="No module named 'vitflow.not_a_module'"):
+        exec("import vitflow.not_a_module", {})
+
+
+def test_every_moved_module_names_a_module_that_exists():
+    import importlib.util
+
+    from vitflow.moved import MOVED
+
+    assert {new for new in MOVED.values() if importlib.util.find_spec(new) is None} == set()
+    old_paths = [SRC.parent / old.replace(".", "/") for old in MOVED]
+    assert [p for p in old_paths if p.with_suffix(".py").exists() or p.is_dir()] == []  # no old name still exists
+
+
 def test_the_trainer_reads_as_a_loop():
     """Side concerns are callbacks and set-up functions: the Trainer class stays at most 200 lines."""
-    tree = ast.parse((SRC / "train" / "loop.py").read_text())
+    tree = ast.parse((SRC / "training" / "loop.py").read_text())
     trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
     assert trainer.end_lineno - trainer.lineno + 1 <= 200
 
@@ -257,29 +318,33 @@ def _write(root: Path, rel: str, text: str) -> None:
 def bad_package(tmp_path: Path) -> Path:
     """A package named vitflow with one of each violation."""
     root = tmp_path / "vitflow"
-    for pkg in ("", "models/", "train/", "data/"):
+    for pkg in ("", "models/", "training/", "data/"):
         _write(root, f"{pkg}__init__.py", "")
     _write(root, "data/a.py", "from vitflow.data import b\n")  # a cycle: a -> b -> a
     _write(root, "data/b.py", "def f():\n    from vitflow.data.a import x\n")  # (a lazy import counts too)
-    _write(root, "train/loop.py", "import vitflow.models\n")  # allowed
+    _write(root, "training/loop.py", "import vitflow.models\n")  # allowed
     _write(root, "data/big.py", "x = 1\n" * 401)
     _write(root, "data/long.py", "def h():\n" + "    y = 1\n" * 60)
     for pkg in ("models/vit/", "models/swin/", "models/attention/"):
         _write(root, f"{pkg}__init__.py", "")
     _write(root, "models/swin/block.py", "from vitflow.models.vit import model\n")  # a family importing another
-    _write(root, "models/vit/model.py", "def g():\n    from vitflow.train import loop\n    return x.softmax(-1)\n")  # models -> train
+    _write(root, "models/vit/model.py", "def g():\n    from vitflow.training import loop\n    return x.softmax(-1)\n")  # models -> training
     _write(root, "models/attention/core.py", "def a(s):\n    return s.softmax(-1)\n")  # its home: allowed
     _write(root, "data/big_class.py", "class C:\n" + "    y = 1\n" * 300)
+    for i in range(12):  # data/ now holds 13 modules
+        _write(root, f"data/m{i}.py", "")
     return root
 
 
 def test_the_checks_catch_each_kind_of_violation(bad_package):
     graph = import_graph(bad_package)
     assert cycles(graph) == [["vitflow.data.a", "vitflow.data.b"]]
-    assert layer_violations(graph) == ["vitflow.models.vit.model -> vitflow.train.loop (models may not import train)"]
+    assert layer_violations(graph) == ["vitflow.models.vit.model -> vitflow.training.loop (models may not import training)"]
     assert long_files(bad_package) == ["vitflow/data/big.py: 401 lines"]
     assert long_functions(bad_package, allowed={}) == ["vitflow.data.long.h: 61 lines"]
     assert long_functions(bad_package, allowed={"vitflow.data.long.h": "a reason"}) == []
     assert long_classes(bad_package) == ["vitflow.data.big_class.C: 301 lines"]
+    assert crowded_packages(bad_package) == ["vitflow.data: 17 modules"]
+    assert crowded_packages(bad_package, allowed={"vitflow.data": "a reason"}) == []
     assert family_crossings(graph) == ["vitflow.models.swin.block -> vitflow.models.vit.model"]
     assert stray_attention_math(bad_package) == ["vitflow.models.vit.model: softmax (line 3)"]

@@ -96,6 +96,7 @@ def test_user_errors_exit_2_naming_the_problem(tmp_path, capsys):
     assert "cannot read checkpoint" in err and "junk.pt" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_own_folder_train_with_slices(tmp_path, capsys):
     data = make_folder(tmp_path / "pets", classes=("cat", "dog"), per_class=12, size=16)
     code = main(["train", "data.source=folder", f"data.path={data}", "data.train_split=train[:75%]",

@@ -15,10 +15,10 @@ from vitflow.cli import main
 from vitflow.config import DataConfig, build_config
 from vitflow.config.messages import MESSAGES, render
 from vitflow.data.sources.dispatch import resolve_eval_splits
-from vitflow.infer.hub_folder import timm_model_args
-from vitflow.infer.quantize import measured_split
+from vitflow.infer.export.hub_folder import timm_model_args
+from vitflow.infer.quantize.dynamic import measured_split
 from vitflow.models.pretrained.hub import resolve_pretrained
-from vitflow.train.run_dir import check_new_run
+from vitflow.training.run.folder import check_new_run
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

@@ -88,7 +88,7 @@ def test_a_metric_from_the_confusion_matrix_in_evaluate(declared, tmp_path):
     from vitflow.evaluation import evaluate
     from vitflow.models import create_model
     from vitflow.runtime import resolve_precision
-    from vitflow.train.sweep import default_direction
+    from vitflow.training.sweep import default_direction
 
     declared(Metric("error_rate", "error rate", better="min",
                     compute=lambda r: 1 - np.trace(r["confusion"]) / r["confusion"].sum()))
@@ -128,7 +128,7 @@ def test_a_toy_metric_declared_once_works_end_to_end(declared, tmp_path, capsys)
     train.keep_best=val_top2, and the report shows it."""
     from vitflow import checkpoint as ckpt
     from vitflow.rundir import read_metrics
-    from vitflow.train.loop import Trainer
+    from vitflow.training.loop import Trainer
     from vitflow.viz.report import write_report
 
     declared(Metric("top2", "top-2", update=_top2_hits, compute=lambda r: float(r["sums"][0]) / r["images"],

@@ -19,7 +19,7 @@ from vitflow.cli import main
 from vitflow.infer import collect_images
 from vitflow.infer.evaluate import evaluate_checkpoint
 from vitflow.infer.predict import Predictor
-from vitflow.train import train
+from vitflow.training import train
 
 # a small ViT (64 tokens of width 96, 4 blocks) on 64x64 mosaics: ~45 s of training on 2 cores
 RECIPE = ("data.source=auto", "data.train_split=train", "data.val_split=auto", "data.test_split=auto",
@@ -45,6 +45,7 @@ def mosaic_run(tmp_path_factory):
     return labels, summary, load_checkpoint(summary["checkpoint"])
 
 
+@pytest.mark.slow
 def test_mosaics_train_to_a_map_well_above_the_label_frequency_baseline(mosaic_run):
     labels, summary, state = mosaic_run
     test = label_sets(labels, "test")
@@ -95,7 +96,7 @@ def test_report_shows_map_and_per_class_ap(mosaic_run):
 
 def test_onnx_export_and_int8_carry_the_task_and_threshold(mosaic_run, tmp_path, capsys):
     pytest.importorskip("onnxruntime")
-    from vitflow.infer.onnx_model import OnnxModel
+    from vitflow.infer.runtimes.onnx import OnnxModel
 
     labels, summary, state = mosaic_run
     onnx_path, int8_path = tmp_path / "model.onnx", tmp_path / "model-int8.onnx"

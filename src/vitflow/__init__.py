@@ -6,42 +6,37 @@ The Python face mirrors the command line (:mod:`vitflow.api`)::
     clf = vitflow.load(run)                 # or a checkpoint, an .onnx / INT8 file, a hub folder
     clf.predict(images, topk=3)
 
-``vitflow.train`` is also the training layer's package (``vitflow.train.Trainer``, ...): the
-package is callable, and calling it runs :func:`vitflow.api.train`. The API's names load on first
-use, so ``import vitflow`` costs what the model registry costs.
+``vitflow.train`` is the function :func:`vitflow.api.run.train`; the training layer is the package
+:mod:`vitflow.training` (``Trainer``, ``Callback``, ...). The API's names load on first use, so
+``import vitflow`` costs what the model registry costs. Modules that moved in a restructuring fail
+to import with one line naming their new place (:mod:`vitflow.moved`).
 """
 
-import types
+from typing import TYPE_CHECKING
 
-from vitflow import train as _training
 from vitflow.models import VisionTransformer, create_model, list_models
+from vitflow.moved import install as _install_moved
 
 __version__ = "0.1.0"
-_API = ("Callback", "Classifier", "Config", "Run", "load")
-__all__ = ["VisionTransformer", "create_model", "list_models", "train", *_API, "__version__"]
+_API = ("Callback", "Classifier", "Config", "Run", "load", "train")
+__all__ = ["VisionTransformer", "create_model", "list_models", "Callback", "Classifier", "Config", "Run", "load", "train",
+           "__version__"]
 
+if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editors
+    from vitflow.api import Callback, Classifier, Config, Run, load, train
 
-class _TrainingPackage(types.ModuleType):
-    """The ``vitflow.train`` package, callable: ``vitflow.train(data=..., model=..., preset=None,
-    callbacks=(), **overrides)`` is :func:`vitflow.api.train`."""
-
-    def __call__(self, data=None, model=None, preset=None, callbacks=(), *, config=None, val=None, test=None,
-                 **overrides):
-        """Train (``vitflow train`` from Python) and return the :class:`vitflow.Run`; the arguments
-        are :func:`vitflow.api.train`'s (``help(vitflow.api.train)``): ``data`` a path or a Dataset /
-        iterable / DataFrame, ``model`` a name, weights or a run, ``preset`` a preset or YAML file,
-        config keys as ``section__key=value``."""
-        from vitflow.api import train
-
-        return train(data, model, preset, callbacks, config=config, val=val, test=test, **overrides)
-
-
-_training.__class__ = _TrainingPackage
+_install_moved()
 
 
 def __getattr__(name: str):
     if name in _API:
         from vitflow import api
 
-        return getattr(api, name)
+        value = getattr(api, name)
+        globals()[name] = value  # resolved once: later lookups are plain attributes
+        return value
     raise AttributeError(f"module 'vitflow' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

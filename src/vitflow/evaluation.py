@@ -34,7 +34,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
         skips: warns once per unreadable image (default: a new report); pass one report to all the
             evaluations of a run to warn once in all. Its counts are not the result's ``skipped``.
         reduce: sums a tensor over the ranks of a distributed evaluation (each rank passing a
-            loader over its own shard), e.g. :meth:`vitflow.train.distributed.DistEnv.all_reduce_sum`.
+            loader over its own shard), e.g. :meth:`vitflow.training.scale.distributed.DistEnv.all_reduce_sum`.
         num_classes: the model's class count (default: the logits' width).
     Returns:
         ``{"loss": mean cross-entropy (no smoothing), "top1": fraction, "top5": fraction (only for 6

@@ -1,6 +1,6 @@
 """What a run directory holds, by name, and the readers of its records.
 
-A training run writes (see :mod:`vitflow.train.logging` and :mod:`vitflow.checkpoint`)::
+A training run writes (see :mod:`vitflow.training.track.records` and :mod:`vitflow.checkpoint`)::
 
     RUN_DIR/run.json               vitflow's mark: this folder belongs to one run
     RUN_DIR/config.yaml            the resolved configuration of the latest start

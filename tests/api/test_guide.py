@@ -49,6 +49,7 @@ def photos_here(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_the_guide_runs_as_written(photos_here, small_models, capsys):
     code = blocks(GUIDE)
     assert len(code) >= 8
@@ -81,6 +82,6 @@ def test_the_guide_runs_as_written(photos_here, small_models, capsys):
 def test_the_api_reference_lists_the_new_names():
     page = (ROOT / "docs" / "reference" / "api.md").read_text()
     for name in ("vitflow.api.run.train", "vitflow.api.classifier.load", "vitflow.api.config.Config",
-                 "vitflow.api.run.Run", "vitflow.api.classifier.Classifier", "vitflow.train.callbacks.Callback",
+                 "vitflow.api.run.Run", "vitflow.api.classifier.Classifier", "vitflow.training.callbacks.Callback",
                  "vitflow.data.sources.pyobjects"):
         assert f"::: {name}" in page

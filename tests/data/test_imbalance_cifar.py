@@ -1,4 +1,4 @@
-"""A 10:1 imbalanced CIFAR-10 subset cut from the shared JPEG tar (benchmarks/imbalance.py's builder):
+"""A 10:1 imbalanced CIFAR-10 subset cut from the shared JPEG tar (benchmarks/training/imbalance.py's builder):
 its class counts, the balanced sampler on its real labels, and the benchmark's balanced accuracy
 against scikit-learn's."""
 
@@ -13,7 +13,7 @@ from vitflow.data.loader import BalancedSampler, class_counts
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("imbalance_bench", ROOT / "benchmarks" / "imbalance.py")
+    spec = importlib.util.spec_from_file_location("imbalance_bench", ROOT / "benchmarks" / "training" / "imbalance.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

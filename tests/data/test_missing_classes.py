@@ -19,7 +19,7 @@ from vitflow.data import DataError, open_split
 from vitflow.metrics.classification import confusion_metrics, per_class_text
 from vitflow.metrics.multilabel import f1_scores
 from vitflow.rundir import read_metrics
-from vitflow.train import evaluator
+from vitflow.training.track import evaluator
 
 CLASSES = ["ants", "bees", "wasps"]
 

@@ -414,6 +414,7 @@ def test_bench_data_leaves_out_a_truncated_shards_cut_sample_with_one_warning(tm
                                                          f"{shard}:")
 
 
+@pytest.mark.slow
 def test_bench_data_compares_other_copies_of_the_data_in_the_same_repeats(tmp_path, capsys):
     """--compare: the same images as a tar and as WebDataset shards, timed by vitflow's loader in each
     repeat beside --data's, reported with the median of the per-repeat ratios."""

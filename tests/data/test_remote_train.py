@@ -4,6 +4,7 @@ weights of an uninterrupted run. A packed dataset on S3 trains as the local one 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import make_folder, tar_folder
@@ -12,7 +13,7 @@ from vitflow import checkpoint as ckpt
 from vitflow.cli import main
 from vitflow.config import build_config
 from vitflow.data.prepare import prepare
-from vitflow.train import Trainer
+from vitflow.training import Trainer
 
 STEPS = 16
 
@@ -27,6 +28,7 @@ def _train(capsys, run, url, *extra, quiet: bool = True) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_http_server_dying_mid_epoch_stops_with_a_checkpoint_and_resume_finishes_bitwise(tmp_path, http_server,
                                                                                          capsys):
     store = tmp_path / "store"

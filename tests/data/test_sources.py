@@ -288,3 +288,20 @@ def test_a_tar_cut_at_a_member_boundary_is_warned(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="vitflow.data"):
         open_split(junk, "train")
     assert "are not the zeros that end a tar" in caplog.text
+
+
+def test_the_embedded_digits_are_scikit_learns_load_digits_read_without_importing_it():
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    from vitflow.data.sources.digits import digits_arrays
+
+    images, target = digits_arrays()
+    d = load_digits()
+    assert images.dtype == d.images.dtype and np.array_equal(images, d.images) and np.array_equal(target, d.target)
+    out = subprocess.run([sys.executable, "-c", "import sys; from vitflow.data.sources.digits import digits_source; "
+                          "s = digits_source(); print(len(s), 'sklearn' in sys.modules)"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1797", "False"]

@@ -136,8 +136,8 @@ def test_a_run_with_dataset_normalization_exports_and_predicts_with_those_number
     from vitflow.cli import main
     from vitflow.data import model_input
     from vitflow.infer import Predictor
-    from vitflow.infer.export import export_checkpoint
-    from vitflow.train import train
+    from vitflow.infer.export.formats import export_checkpoint
+    from vitflow.training import train
 
     root = make_folder(tmp_path / "data", split="train", per_class=6)
     make_folder(tmp_path / "data", split="test", per_class=2, seed=1)
@@ -169,8 +169,8 @@ def test_a_resumed_run_keeps_the_numbers_it_was_trained_with(tmp_path):
     """Resuming, ``data.normalize=dataset`` takes the checkpoint's saved mean / std (the split is not
     measured again, even if it changed); a new run measures it."""
     from vitflow.config import build_config
-    from vitflow.train.distributed import DistEnv
-    from vitflow.train.normalize import open_run_datasets
+    from vitflow.training.normalize import open_run_datasets
+    from vitflow.training.scale.distributed import DistEnv
 
     root = make_folder(tmp_path / "imgs", split="train")
     keys = [f"data.path={root}", "data.source=auto", "data.train_split=train", "data.val_split=train[:4]",

@@ -23,7 +23,7 @@ from vitflow.data import open_split
 from vitflow.data.transforms import Preprocess, eval_transform, transform_encoded
 from vitflow.data.wds.spool import PREFIX, spool_root
 from vitflow.data.wds.stream import open_shard_stream, shard_loader
-from vitflow.train.run_dir import write_samples
+from vitflow.training.run.folder import write_samples
 
 CLASSES = ("a", "b", "c", "d")
 TRAIN = "train-{000000..000005}.tar"  # 40 samples, 7 a shard
@@ -143,6 +143,7 @@ def _assert_bitwise(a: dict, b: dict) -> None:
         assert torch.equal(tensor, b["model"][name]), name
 
 
+@pytest.mark.slow
 def test_training_from_http_and_s3_shards_equals_training_from_local_shards_bitwise(stores, tmp_path, capsys):
     runs = {}
     for kind, base in stores.items():

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from helpers import kill_at_first_checkpoint, make_folder
@@ -18,13 +19,15 @@ def _train_cmd(run_dir, data, steps, *extra):
     return [sys.executable, "-m", "vitflow", "train", f"data.path={data}", "data.num_workers=2",
             "data.shuffle_buffer=16", "data.hflip=true", "model.img_size=8", "model.drop_path_rate=0.1",
             "train.batch_size=8", f"train.total_steps={steps}", f"train.run_dir={run_dir}",
-            "train.keep_checkpoints=100", "train.precision=fp32", "train.threads=1", "train.eval_interval=null", *extra]
+            "train.keep_checkpoints=100", "train.precision=fp32", "train.threads=1", "train.eval_interval=null",
+            "train.live_report=false", *extra]
 
 
 def _json_line(text: str) -> dict:
     return json.loads(text.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_from_shards_matches_uninterrupted_run_bitwise(tmp_path, capsys):
     folder = make_folder(tmp_path / "folder", per_class=12, size=12, split="train")
     make_folder(tmp_path / "folder", per_class=4, size=12, split="val", seed=1)

@@ -7,9 +7,9 @@ import torch
 
 from vitflow.cli import main
 from vitflow.data.transforms import Preprocess
-from vitflow.infer import bench
-from vitflow.infer.bench import PATHS, Timing, build_paths, select_paths
-from vitflow.infer.onnx_model import ModelInfo
+from vitflow.infer.bench import infer as bench
+from vitflow.infer.bench.infer import PATHS, Timing, build_paths, select_paths
+from vitflow.infer.runtimes.onnx import ModelInfo
 from vitflow.models import create_model
 
 pytest.importorskip("timm")
@@ -46,6 +46,7 @@ def test_path_selection_by_names_and_patterns():
         select_paths("eager_fp32,tensorrt")
 
 
+@pytest.mark.slow
 def test_peers_and_vitflow_side_by_side_with_top1(digits_run, capsys, monkeypatch):
     """The peers' OpenVINO INT8 and vitflow's OpenVINO / static INT8 paths, with each one's top-1
     on the run's real held-out images (in batches of the timed size: ONNX Runtime keeps the memory

@@ -15,8 +15,8 @@ from vitflow.cli import main
 from vitflow.data import decode_image, model_input, open_split
 from vitflow.data.transforms import Preprocess, eval_transform
 from vitflow.infer import collect_images
-from vitflow.infer.backbone import Backbone, default_preprocess
-from vitflow.infer.embed import embed_images
+from vitflow.infer.features.backbone import Backbone, default_preprocess
+from vitflow.infer.features.embed import embed_images
 
 
 def direct_features(model, pp: Preprocess, images: list[torch.Tensor]) -> np.ndarray:
@@ -130,7 +130,7 @@ def test_plain_backbone_takes_the_input_size_of_its_preprocessing(tmp_path):
     """A transformers snapshot whose config says 56 px but whose preprocessor crops 28 px: embed and
     k-NN run at 28 px with that preprocessing, as fine-tuning does (model.img_size from the weights)."""
     transformers = pytest.importorskip("transformers")
-    from vitflow.infer.backbone import load_backbone
+    from vitflow.infer.features.backbone import load_backbone
 
     cfg = transformers.Dinov2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=56,
                                     patch_size=14)

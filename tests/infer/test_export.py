@@ -13,8 +13,15 @@ from vitflow.cli import main
 from vitflow.data import open_split
 from vitflow.data.transforms import Preprocess
 from vitflow.infer.calibration import images_from_files, sample_images
-from vitflow.infer.export import export_onnx, export_program, export_torchscript, load_exported, optimize_onnx, verify
-from vitflow.infer.onnx_model import ModelInfo, OnnxModel
+from vitflow.infer.export.formats import (
+    export_onnx,
+    export_program,
+    export_torchscript,
+    load_exported,
+    optimize_onnx,
+    verify,
+)
+from vitflow.infer.runtimes.onnx import ModelInfo, OnnxModel
 from vitflow.models import create_model
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -37,6 +44,7 @@ def cifar_case(tmp_path_factory):
     return model, x, info, path
 
 
+@pytest.mark.slow
 def test_onnx_parity_vit_small_224_on_imagenet_photos(tmp_path):
     """A vit_small-sized model at 224 (random init) on 7 real ImageNet photos: ONE export with a
     dynamic batch, run at batch 1 and 7 by ONNX Runtime, max |logit diff| <= 1e-4."""

@@ -13,7 +13,7 @@ from vitflow.checkpoint import load_checkpoint, model_from_checkpoint, save_chec
 from vitflow.cli import main
 from vitflow.data import decode_image, model_input
 from vitflow.data.transforms import Preprocess, eval_transform
-from vitflow.infer.hub_folder import read_hub_folder, save_hub_folder
+from vitflow.infer.export.hub_folder import read_hub_folder, save_hub_folder
 from vitflow.models import create_model
 from vitflow.models.lora import DEFAULT_TARGETS, apply_lora, lora_args
 from vitflow.models.pretrained.config import create_pretrained_model

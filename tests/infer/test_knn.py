@@ -1,4 +1,4 @@
-"""k-NN on frozen features (vitflow.infer.knn): the weighted vote against a hand computation and a
+"""k-NN on frozen features (vitflow.infer.features.knn): the weighted vote against a hand computation and a
 brute-force numpy reference of DINO's eval_knn protocol."""
 
 import math
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from vitflow.infer.knn import TEMPERATURE, knn_scores, knn_top1
+from vitflow.infer.features.knn import TEMPERATURE, knn_scores, knn_top1
 
 
 def reference_scores(bank, labels, queries, k, t, c):

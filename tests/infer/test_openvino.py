@@ -13,9 +13,9 @@ import torch
 from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.cli import main
 from vitflow.infer.calibration import checkpoint_split, sample_images
-from vitflow.infer.onnx_model import ModelInfo, set_metadata
-from vitflow.infer.openvino_model import OpenVinoModel
 from vitflow.infer.predict import Predictor, collect_images
+from vitflow.infer.runtimes.onnx import ModelInfo, set_metadata
+from vitflow.infer.runtimes.openvino import OpenVinoModel
 
 ov = pytest.importorskip("openvino")
 pytest.importorskip("onnxruntime")

@@ -9,9 +9,9 @@ import torch
 from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.cli import main
 from vitflow.data.transforms import Preprocess
-from vitflow.infer.export import export_onnx, verify
-from vitflow.infer.onnx_model import ModelInfo, OnnxModel
+from vitflow.infer.export.formats import export_onnx, verify
 from vitflow.infer.prune import Importance, importance_scores, prune_heads_, prune_mlp_, prune_model, select_units
+from vitflow.infer.runtimes.onnx import ModelInfo, OnnxModel
 from vitflow.models import create_model
 
 
@@ -91,6 +91,7 @@ def test_importance_finds_a_dead_head_and_keeps_one_per_block():
         select_units(imp.heads, 1.0)
 
 
+@pytest.mark.slow
 def test_prune_cli_finetunes_and_measures(digits_run, tmp_path, capsys):
     run, r, _ = digits_run
     out = tmp_path / "pruned.pt"

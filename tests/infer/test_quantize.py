@@ -13,7 +13,7 @@ from vitflow.data.sources.digits import digits_source
 from vitflow.data.sources.splits import parse_split
 from vitflow.infer import collect_images
 from vitflow.infer.predict import Predictor
-from vitflow.infer.quantize import quantize_torch
+from vitflow.infer.quantize.dynamic import quantize_torch
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,7 @@ def test_onnxruntime_int8_within_one_point(digits_run, digits_test_folder, tmp_p
     assert q["drop_points"] <= 1.0 and q["top1_after"] > 0.8
 
 
+@pytest.mark.slow
 def test_guard_refuses_a_collapsing_int8_model(digits_run, digits_test_folder, tmp_path, capsys):
     run, r, _ = digits_run
     bad = _outlier_checkpoint(r["checkpoint"], tmp_path / "outliers.pt")

@@ -31,8 +31,8 @@ def _fine_tuning_start(checkpoint, size: int, setup) -> dict:
 def test_rows_are_vitflow_eval_at_that_size_and_the_fine_tuning_start(tiny_run, capsys):
     from vitflow.checkpoint import latest_checkpoint
     from vitflow.cli import main
+    from vitflow.infer.bench.resolution import bench_resolution
     from vitflow.infer.evaluate import eval_setup
-    from vitflow.infer.resolution import bench_resolution
 
     run, _ = tiny_run
     said = []
@@ -62,9 +62,9 @@ def test_swin_rows_use_the_fine_tuning_window_tables(tmp_path):
     stage's window grows 2 -> 4, so its relative position tables are resampled. (24 channels and 90 test
     images keep it fast.)"""
     from vitflow.checkpoint import latest_checkpoint
+    from vitflow.infer.bench.resolution import bench_resolution
     from vitflow.infer.evaluate import eval_setup
-    from vitflow.infer.resolution import bench_resolution
-    from vitflow.train import train
+    from vitflow.training import train
 
     run = tmp_path / "swin"
     train(digits_config(run, "model.name=swin_cifar_patch2_window4_32", "model.img_size=8", "model.embed_dim=24",
@@ -79,7 +79,7 @@ def test_swin_rows_use_the_fine_tuning_window_tables(tmp_path):
 
 
 def test_peak_memory_counts_weights_input_and_the_live_intermediates():
-    from vitflow.infer.resolution import inference_peak_bytes
+    from vitflow.infer.bench.resolution import inference_peak_bytes
 
     model = torch.nn.Sequential(torch.nn.Linear(512, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 512)).eval()
     x = torch.randn(64, 512)
@@ -91,7 +91,7 @@ def test_peak_memory_counts_weights_input_and_the_live_intermediates():
 
 
 def test_no_size_fits_is_one_clear_error(tiny_run):
-    from vitflow.infer.resolution import bench_resolution
+    from vitflow.infer.bench.resolution import bench_resolution
 
     with pytest.raises(ValueError, match=r"vit_digits_patch2_8 takes none of the sizes \[5, 7\]: 5: img_size 5 is "
                                          "not a multiple of patch_size 2"):

@@ -25,9 +25,9 @@ from helpers import encode, make_folder
 from serve_helpers import Clients, Served, wait_until
 from vitflow.cli import main
 from vitflow.infer import Predictor, collect_images
-from vitflow.infer.backbone import load_backbone
-from vitflow.infer.embed import embed_images
-from vitflow.infer.export import export_checkpoint
+from vitflow.infer.export.formats import export_checkpoint
+from vitflow.infer.features.backbone import load_backbone
+from vitflow.infer.features.embed import embed_images
 
 
 def png_header(width: int, height: int) -> bytes:
@@ -233,6 +233,7 @@ def test_metrics_parse_and_count_every_image(server, images):
     assert "POST /v1/classify 200" in server.log.read_text()  # one access line per request
 
 
+@pytest.mark.slow
 def test_onnx_answers_batches_and_deadlines(tiny_run, images, tmp_path):
     """The ONNX export served (same answers as predict on it); waiting requests form one batch; one
     past its deadline gets 504; requests are logged as JSON lines."""
@@ -259,6 +260,7 @@ def _classify(url: str, data: bytes) -> httpx.Response:
     return httpx.post(url + "/v1/classify", content=data, headers={"Content-Type": PNG}, timeout=60)
 
 
+@pytest.mark.slow
 def test_sigterm_answers_every_queued_request_then_exits_0(tiny_run, images, tmp_path):
     """8 requests wait in the batcher (a batch of 32 waits up to 60 s for more); SIGTERM stops the
     server accepting at once, answers the 8, and it exits 0."""
@@ -301,6 +303,7 @@ def test_bad_sources_and_options_fail_before_listening_with_one_line(tmp_path, t
         assert status == 2 and len(err) >= 1 and message in err[-1], err
 
 
+@pytest.mark.slow
 def test_a_sigkilled_worker_costs_errors_not_hangs_and_is_replaced(server, images):
     """One of the two workers killed under load: its requests in flight fail at once (the
     connection drops), the other worker answers throughout (the service is back at once) and the

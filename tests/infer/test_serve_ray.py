@@ -43,6 +43,7 @@ def replica_actors() -> list[str]:
                   if a["name"].startswith("SERVE_REPLICA::vitflow#"))
 
 
+@pytest.mark.slow
 def test_two_replicas_answer_as_predict_and_a_killed_replica_is_replaced(tiny_run, tmp_path, local_ray):
     from vitflow.infer.serve.ray import deploy
 

@@ -14,7 +14,7 @@ from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.cli import main
 from vitflow.data import model_input
 from vitflow.data.transforms import Preprocess
-from vitflow.infer.onnx_model import OnnxModel
+from vitflow.infer.runtimes.onnx import OnnxModel
 from vitflow.infer.serve.triton import read_config
 
 

@@ -12,8 +12,8 @@ from vitflow.checkpoint import load_checkpoint
 from vitflow.cli import main
 from vitflow.data.sources.digits import digits_source
 from vitflow.infer.calibration import calibration_images
-from vitflow.infer.onnx_model import ModelInfo, OnnxModel
 from vitflow.infer.predict import Predictor
+from vitflow.infer.runtimes.onnx import ModelInfo, OnnxModel
 
 pytest.importorskip("onnxruntime")
 

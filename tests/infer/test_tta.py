@@ -10,8 +10,8 @@ import torchvision.transforms.v2.functional as TF
 
 from vitflow.cli import main
 from vitflow.infer import Predictor
-from vitflow.infer.export import export_checkpoint
-from vitflow.infer.onnx_model import OnnxModel
+from vitflow.infer.export.formats import export_checkpoint
+from vitflow.infer.runtimes.onnx import OnnxModel
 from vitflow.infer.tta import TTAModel, TTASpec, parse_tta, tta_probs, views
 from vitflow.models import create_model
 

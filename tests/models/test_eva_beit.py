@@ -172,7 +172,7 @@ def test_unsupported_config_values_refused(key, value):
 
 
 def test_weight_decay_names_and_layer_ids():
-    from vitflow.train.optim import layer_id
+    from vitflow.training.optim.optimizers import layer_id
 
     beit = _pair("beit_base_patch16_224")[1]
     assert "blocks.1.attn.relative_position_bias_table" in beit.no_weight_decay()
@@ -203,8 +203,8 @@ def test_eva02_onnx_export_matches(tmp_path):
     pytest.importorskip("onnxscript")
     pytest.importorskip("onnxruntime")
     from vitflow.data.transforms import Preprocess
-    from vitflow.infer.export import export_onnx, verify
-    from vitflow.infer.onnx_model import ModelInfo, OnnxModel
+    from vitflow.infer.export.formats import export_onnx, verify
+    from vitflow.infer.runtimes.onnx import ModelInfo, OnnxModel
 
     model = copy.deepcopy(_pair("eva02_tiny_patch14_224", 112)[1])
     info = ModelInfo([f"c{i}" for i in range(NUM_CLASSES)], Preprocess(112, 1.0),
@@ -218,7 +218,7 @@ def test_eva02_onnx_export_matches(tmp_path):
 
 
 def test_dynamic_int8_runs_close_to_float():
-    from vitflow.infer.quantize import quantize_torch
+    from vitflow.infer.quantize.dynamic import quantize_torch
 
     torch.manual_seed(3)
     model = vitflow.create_model("beit_base_patch16_224", num_classes=NUM_CLASSES, depth=DEPTH, img_size=112).eval()

@@ -10,9 +10,9 @@ import torch
 
 from helpers import check_run_checkpoint, digits_config, stage_attention_figures
 from vitflow import checkpoint as ckpt
-from vitflow.infer.export import export_onnx, verify
-from vitflow.infer.onnx_model import ModelInfo, OnnxModel
+from vitflow.infer.export.formats import export_onnx, verify
 from vitflow.infer.prune import prune_checkpoint
+from vitflow.infer.runtimes.onnx import ModelInfo, OnnxModel
 
 SHRUNK = ("model.name=mvitv2_cifar_32", "model.img_size=16", "model.embed_dim=16", "model.depths=1,1,2",
           "train.batch_size=4",
@@ -22,7 +22,7 @@ SHRUNK = ("model.name=mvitv2_cifar_32", "model.img_size=16", "model.embed_dim=16
 
 @pytest.fixture(scope="module")
 def mvit_run(tmp_path_factory):
-    from vitflow.train.loop import Trainer
+    from vitflow.training.loop import Trainer
 
     run = tmp_path_factory.mktemp("mvit") / "run"
     trainer = Trainer(digits_config(run, *SHRUNK, "model.drop_path_rate=0.1", "model.grad_checkpointing=1",
@@ -41,7 +41,7 @@ def test_onnx_batch_1_and_7_from_one_export_and_int8(mvit_run, tmp_path):
     tracing) verifies at batch 1 and 7 within 1e-4; its dynamic-INT8 graph quantises every linear
     layer and stays within 0.1 of the float logits; PyTorch's INT8 model runs the plain residual
     adds (quantized linears take no residual)."""
-    from vitflow.infer.quantize import quantize_onnx, quantize_torch
+    from vitflow.infer.quantize.dynamic import quantize_onnx, quantize_torch
 
     _, summary = mvit_run
     state = ckpt.load_checkpoint(summary["checkpoint"])
@@ -63,7 +63,7 @@ def test_lora_and_linear_probe_finetune_the_checkpoint(mvit_run, tmp_path):
     """Fine-tuning the run's checkpoint: LoRA adapters land on every block's attn.qkv / attn.proj
     and only they and the head change; a linear probe changes only the head."""
     from vitflow.models.lora import LoRALinear
-    from vitflow.train.loop import Trainer
+    from vitflow.training.loop import Trainer
 
     _, summary = mvit_run
     for mode, trained in (("lora", ("lora_A", "lora_B", "head.fc.")), ("linear_probe", ("head.fc.",))):
@@ -79,7 +79,7 @@ def test_lora_and_linear_probe_finetune_the_checkpoint(mvit_run, tmp_path):
 
 
 def test_attention_figure_bench_infer_and_pruning_refused(mvit_run, tmp_path):
-    from vitflow.infer.bench import bench_infer
+    from vitflow.infer.bench.infer import bench_infer
 
     _, summary = mvit_run
     last, first = stage_attention_figures(summary["checkpoint"], tmp_path, layer=0)

@@ -183,7 +183,7 @@ def test_every_rank_takes_rank_0s_fp32_gemm(monkeypatch):
     taken (vitflow.timing's agreement; here a rank 1 that timed 'onednn' and whose broadcast hands
     it rank 0's 'torch')."""
     from vitflow import timing
-    from vitflow.train.distributed import DistEnv, run_precision
+    from vitflow.training.scale.distributed import DistEnv, run_precision
 
     class Rank1(DistEnv):
         def broadcast(self, obj):

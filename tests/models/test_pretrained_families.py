@@ -220,8 +220,8 @@ def test_onnx_export_with_registers_and_map_head(name, size, tmp_path):
     PyTorch at batch 1 and 3."""
     pytest.importorskip("onnxruntime")
     from vitflow.data.transforms import Preprocess
-    from vitflow.infer.export import export_onnx, export_torchscript, load_exported, verify
-    from vitflow.infer.onnx_model import ModelInfo, OnnxModel
+    from vitflow.infer.export.formats import export_onnx, export_torchscript, load_exported, verify
+    from vitflow.infer.runtimes.onnx import ModelInfo, OnnxModel
 
     _, model = small_pair(name, size)
     pp = Preprocess(size, 1.0)
@@ -252,7 +252,7 @@ def test_pretrained_file_at_518_loads_into_a_224_model(tmp_path):
 def test_optimizer_groups_know_the_new_tokens():
     """reg_token and CLIP's norm_pre sit with the embeddings (layer 0) for layer-wise lr decay,
     the MAP head with the head; reg_token gets no weight decay."""
-    from vitflow.train.optim import layer_id
+    from vitflow.training.optim.optimizers import layer_id
 
     model = vitflow.create_model("vit_small_patch14_reg4_dinov2", img_size=56, depth=2)
     assert "reg_token" in model.no_weight_decay()
@@ -282,7 +282,7 @@ def test_sparse_backend_and_patch_dropout_count_the_registers():
 def test_dynamic_int8_quantizes_blocks_and_map_head(name, size):
     """quantize_torch (dynamic INT8 of every linear) runs on registers / LayerScale and on the MAP
     head (its q, kv, proj, MLP quantised too); logits stay within 10% of their range."""
-    from vitflow.infer.quantize import quantize_torch
+    from vitflow.infer.quantize.dynamic import quantize_torch
 
     _, model = small_pair(name, size)
     q = quantize_torch(model)

@@ -158,7 +158,7 @@ def test_registry_config_keys_and_other_sizes():
     model.reset_classifier(3)
     assert model(torch.randn(1, 3, 32, 32)).shape == (1, 3) and model.head.fc.out_features == 3
     assert any("relative_position_bias_table" in n for n in model.no_weight_decay())
-    from vitflow.train.optim import param_groups
+    from vitflow.training.optim.optimizers import param_groups
 
     ids = {n: model.layer_id(n) for n, _ in model.named_parameters()}  # layer-wise lr decay over all stages
     assert ids["patch_embed.proj.weight"] == 0 and ids["layers.1.blocks.1.attn.qkv.weight"] == 4

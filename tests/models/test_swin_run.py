@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from helpers import check_run_checkpoint, digits_config, stage_attention_figures
-from vitflow.infer.export import export_onnx, verify
-from vitflow.infer.onnx_model import ModelInfo, OnnxModel
+from vitflow.infer.export.formats import export_onnx, verify
 from vitflow.infer.prune import prune_checkpoint
+from vitflow.infer.runtimes.onnx import ModelInfo, OnnxModel
 from vitflow.models import create_model
 
 
 @pytest.fixture(scope="module")
 def swin_run(tmp_path_factory):
-    from vitflow.train.loop import Trainer
+    from vitflow.training.loop import Trainer
 
     run = tmp_path_factory.mktemp("swin") / "run"
     cfg = digits_config(run, "model.name=swin_cifar_patch2_window4_32", "model.img_size=16", "model.embed_dim=24",

@@ -13,7 +13,7 @@ import pytest
 from helpers import make_folder
 from vitflow.cli import main
 from vitflow.config import build_config
-from vitflow.train import train
+from vitflow.training import train
 from vitflow.viz import report as report_module
 from vitflow.viz.report import write_live_report, write_report
 

@@ -14,6 +14,6 @@
 from vitflow.api.classifier import Classifier, load
 from vitflow.api.config import Config
 from vitflow.api.run import Run, train
-from vitflow.train.callbacks import Callback
+from vitflow.training.callbacks import Callback
 
 __all__ = ["Callback", "Classifier", "Config", "Run", "load", "train"]

@@ -15,8 +15,8 @@ from vitflow.api.display import shown
 from vitflow.data.decode import as_image
 from vitflow.data.transforms import Preprocess
 from vitflow.infer import Predictor, collect_images
-from vitflow.infer.backbone import Backbone, foreign_snapshot, load_plain_weights
-from vitflow.infer.embed import embed_images
+from vitflow.infer.features.backbone import Backbone, foreign_snapshot, load_plain_weights
+from vitflow.infer.features.embed import embed_images
 from vitflow.infer.predict import ImageRef
 from vitflow.infer.tta import parse_tta
 from vitflow.viz.attention import attention_maps

@@ -6,8 +6,8 @@ An override is a keyword argument naming a dotted key with ``__`` for the dots
 (``**{"train.total_steps": 300}``) or a section's dict (``optim={"lr": 1e-3}``). Each becomes the
 ``key=value`` text of the command line (the value written as YAML and read back, so a Python value
 arrives as itself), and the tree is built by the command line's own function
-(:func:`vitflow.train.configure.training_config`: the resume, the photo plan, the ``finetune``
-preset for weights), with the same checks (:data:`vitflow.train.checks.CONFIG_CHECKS`) and the same
+(:func:`vitflow.training.configure.training_config`: the resume, the photo plan, the ``finetune``
+preset for weights), with the same checks (:data:`vitflow.training.checks.CONFIG_CHECKS`) and the same
 messages, said of "the arguments" instead of "command line".
 """
 
@@ -25,8 +25,8 @@ from vitflow.checkpoint import choose_checkpoint, load_checkpoint
 from vitflow.config import ConfigError, all_keys, build_config, check_attributes, flatten
 from vitflow.data.sources import pyobjects
 from vitflow.models import config_class, list_models
-from vitflow.train.checks import CONFIG_CHECKS
-from vitflow.train.configure import training_config
+from vitflow.training.checks import CONFIG_CHECKS
+from vitflow.training.configure import training_config
 
 ORIGIN = "the arguments"  # what messages call the keyword overrides ("command line" on the CLI)
 _SECTIONS = {f.name for f in dataclasses.fields(schema.Config)}

@@ -21,8 +21,8 @@ from vitflow.checkpoint import choose_checkpoint, latest_checkpoint
 from vitflow.evaluation import split_results
 from vitflow.infer.tta import check_export_tta
 from vitflow.rundir import CONFIG, EVAL, METRICS, is_run_dir, read_metrics
-from vitflow.train.callbacks import Callback
-from vitflow.train.loop import train as train_loop
+from vitflow.training.callbacks import Callback
+from vitflow.training.loop import train as train_loop
 
 log = logging.getLogger("vitflow")
 
@@ -142,8 +142,8 @@ class Run:
         Raises:
             ValueError: a bad format or a verification that failed (naming the difference).
         """
-        from vitflow.infer.export import export_checkpoint
-        from vitflow.infer.hub_folder import save_hub_folder
+        from vitflow.infer.export.formats import export_checkpoint
+        from vitflow.infer.export.hub_folder import save_hub_folder
 
         ckpt = self._checkpoint(which)
         check_export_tta(tta, format, TTA_FLAG)
@@ -160,7 +160,7 @@ class Run:
         """``vitflow quantize``: INT8 (``onnxruntime``: an ``.onnx`` file; ``torch``: a ``.pt``
         checkpoint), refused (AccuracyDropError) when top-1 on ``data`` drops more than ``max_drop``
         points; returns the written path."""
-        from vitflow.infer.quantize import quantize_file
+        from vitflow.infer.quantize.dynamic import quantize_file
 
         return Path(quantize_file(self._checkpoint(which), path, backend, "int8", data, max_drop=max_drop,
                                   log=log.info)["path"])
@@ -240,5 +240,5 @@ def train(data: Any = None, model: Any = None, preset: str | os.PathLike | None 
         from vitflow.viz.report import write_live_report as on_eval
     summary = train_loop(cfg, on_eval=on_eval, callbacks=callbacks)
     if on_eval is not None and os.environ.get("RANK", "0") == "0" and "interrupted" not in summary:
-        on_eval(summary["run_dir"])  # the final report, with the attention maps of a sample image
+        on_eval(summary["run_dir"])  # the final evaluation's page (run.report() adds the model's panels)
     return Run(summary["run_dir"], summary)

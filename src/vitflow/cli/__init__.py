@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        from vitflow.infer.onnx_model import UnavailableError  # a target this machine cannot serve
+        from vitflow.infer.runtimes.onnx import UnavailableError  # a target this machine cannot serve
 
         if not isinstance(e, UnavailableError) or args.debug:
             raise

@@ -20,11 +20,11 @@ from vitflow.config import build_config, list_presets, preset_tree, to_yaml
 from vitflow.data.sources.readers import display_name
 from vitflow.models import config_class
 from vitflow.rundir import run_of_checkpoint, write_eval_record
-from vitflow.train.checks import CONFIG_CHECKS
+from vitflow.training.checks import CONFIG_CHECKS
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from vitflow.train.configure import training_config
+    from vitflow.training.configure import training_config
 
     cfg = training_config(args.preset, args.config, args.overrides, CONFIG_CHECKS)
     if args.print_config:
@@ -36,7 +36,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"warning: data.path {cfg.data.path} does not exist", file=sys.stderr)
         return 0
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:  # become torchrun; it starts the N ranks
-        from vitflow.train.distributed import torchrun_command
+        from vitflow.training.scale.distributed import torchrun_command
 
         argv = (["--debug"] if args.debug else []) + {logging.DEBUG: ["-v"], logging.WARNING: ["-q"]}.get(
             args.log_level, []) + ["train"] + (["--preset", args.preset] if args.preset else []) + (
@@ -45,8 +45,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         os.execv(cmd[0], cmd)
     from vitflow.evaluation import split_results
     from vitflow.metrics import headline
-    from vitflow.train import train
-    from vitflow.train.guards import NonFiniteError
+    from vitflow.training import train
+    from vitflow.training.run.guards import NonFiniteError
 
     try:
         r = train(cfg, on_eval=live_report_hook(cfg.train.live_report))
@@ -85,8 +85,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    """``vitflow sweep``: :func:`vitflow.train.sweep.run_sweep`."""
-    from vitflow.train.sweep import SweepInterrupted, run_sweep
+    """``vitflow sweep``: :func:`vitflow.training.sweep.run_sweep`."""
+    from vitflow.training.sweep import SweepInterrupted, run_sweep
 
     try:
         r = run_sweep(args.space, args.trials, args.dir, args.preset, args.config, args.overrides, args.metric,
@@ -133,7 +133,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _eval_knn(args: argparse.Namespace) -> int:
     """``vitflow eval MODEL --knn K``: k-NN top-1 of frozen features (train split as the memory bank)."""
-    from vitflow.infer.embed import knn_evaluate
+    from vitflow.infer.features.embed import knn_evaluate
 
     r = knn_evaluate(args.checkpoint, args.knn, args.data, args.overrides, args.model, args.weights, args.batch_size)
     print(f"{r['split']} k-NN top-1 {r['knn_top1']:.2%}  (k={r['knn_k']}, T={r['knn_temperature']:g}, cosine on "
@@ -153,8 +153,8 @@ def _skipped_and_json(args: argparse.Namespace, r: dict, skipped: int) -> int:
 
 def cmd_embed(args: argparse.Namespace) -> int:
     from vitflow.infer import collect_images
-    from vitflow.infer.backbone import load_backbone
-    from vitflow.infer.embed import embed_images, write_features
+    from vitflow.infer.features.backbone import load_backbone
+    from vitflow.infer.features.embed import embed_images, write_features
 
     backbone = load_backbone(args.model, args.model_name, args.weights)
     refs = collect_images(args.inputs)
@@ -256,7 +256,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_resolution(args)
     import torch
 
-    from vitflow.infer.bench import bench_infer, format_table, select_paths
+    from vitflow.infer.bench.infer import bench_infer, format_table, select_paths
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -276,11 +276,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_resolution(args: argparse.Namespace) -> int:
-    """``vitflow bench resolution``: :func:`vitflow.infer.resolution.bench_resolution` of the checkpoint
+    """``vitflow bench resolution``: :func:`vitflow.infer.bench.resolution.bench_resolution` of the checkpoint
     and each ``--compare``, their tables, one plot."""
     import torch
 
-    from vitflow.infer.resolution import bench_resolution, format_table
+    from vitflow.infer.bench.resolution import bench_resolution, format_table
     from vitflow.viz.resolution import plot_resolution
 
     if args.threads:
@@ -310,7 +310,7 @@ def cmd_lr_schedule(args: argparse.Namespace) -> int:
         print(to_yaml(cfg), end="")
         return 0
     from vitflow.models import model_kwargs
-    from vitflow.train.schedules import lr_curve
+    from vitflow.training.optim.schedules import lr_curve
     from vitflow.viz.curves import plot_schedule
 
     restart = cfg.finetune.probe_end(cfg.train.total_steps) if cfg.finetune.mode == "lp_ft" else 0

@@ -14,7 +14,7 @@ from vitflow.metrics import TASKS, primary_metric
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from vitflow.infer.export import export_checkpoint
+    from vitflow.infer.export.formats import export_checkpoint
     from vitflow.infer.tta import check_export_tta
 
     check_export_tta(args.tta, args.format)
@@ -37,7 +37,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _export_hub(args: argparse.Namespace) -> int:
     """``vitflow export RUN --format hub -o DIR``: a hub-style folder timm and vitflow load."""
-    from vitflow.infer.hub_folder import save_hub_folder
+    from vitflow.infer.export.hub_folder import save_hub_folder
 
     r = save_hub_folder(args.checkpoint, args.output)
     print(f"wrote {r['path']}: {', '.join(r['files'])} ({r['bytes'] / 2**20:.1f} MiB, timm architecture "
@@ -69,9 +69,9 @@ def _export_triton(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from vitflow.infer.guard import AccuracyDropError
-    from vitflow.infer.quantize import quantize_file
-    from vitflow.infer.static_quant import METHODS
+    from vitflow.infer.quantize.dynamic import quantize_file
+    from vitflow.infer.quantize.guard import AccuracyDropError
+    from vitflow.infer.quantize.static import METHODS
 
     if args.split and not args.data:
         raise ValueError("--split selects images of --data: give --data PATH too (without --data the guard measures "
@@ -103,7 +103,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     from vitflow.infer.prune import prune_checkpoint
-    from vitflow.train.distill import distill_finetune
+    from vitflow.training.objectives.distill import distill_finetune
 
     r = prune_checkpoint(args.checkpoint, args.output, args.heads, args.mlp, args.data, args.calib_images,
                          args.finetune_steps, args.batch_size, args.lr, args.alpha, args.temperature,

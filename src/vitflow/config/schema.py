@@ -3,7 +3,7 @@
 These checks need no other part of vitflow (ranges, combinations of values). Checks that need a
 layer's knowledge (model variant names, split syntax, checkpointing specs, metric names) are that
 layer's: :func:`vitflow.models.check_config`, :func:`vitflow.data.check_config` and
-:func:`vitflow.train.selection.check_config`, which :func:`vitflow.config.build_config` runs when
+:func:`vitflow.training.track.selection.check_config`, which :func:`vitflow.config.build_config` runs when
 given them (the CLI does; the trainer runs them too).
 
 The ``model`` section is one class per kind of model (:mod:`.model_schema`): the keys every family
@@ -28,7 +28,7 @@ DEFAULT_PRESET = "digits-vit-tiny"
 
 @dataclass
 class OptimConfig:
-    """Optimizer, learning-rate schedule (per step; see :mod:`vitflow.train.schedules`) and
+    """Optimizer, learning-rate schedule (per step; see :mod:`vitflow.training.optim.schedules`) and
     gradient clipping.
 
     LR scaling rule: each preset states its ``lr`` for its ``train.batch_size`` (the global batch,
@@ -156,7 +156,7 @@ class TrainConfig:
 
 def _check_selection(t: "TrainConfig") -> None:
     """Early stopping's numbers. Whether train.keep_best / train.early_stopping_metric name a known
-    metric is checked by the train layer (vitflow.train.selection.check_config), which reads the
+    metric is checked by the train layer (vitflow.training.track.selection.check_config), which reads the
     metric table."""
     _check(t.early_stopping_patience >= 0, "train.early_stopping_patience", t.early_stopping_patience, ">= 0")
     _check(t.early_stopping_min_delta >= 0, "train.early_stopping_min_delta", t.early_stopping_min_delta, ">= 0")
@@ -187,7 +187,7 @@ class FinetuneConfig:
     (``full``, the default, optionally with the patch embedding and the first blocks frozen and
     ``optim.layer_decay``), the head alone (``linear_probe``), the head then everything (``lp_ft``,
     Kumar et al. 2022), or low-rank adapters plus the head (``lora``, Hu et al. 2021). Frozen
-    weights get no gradient and no optimizer state. See :mod:`vitflow.train.finetune`."""
+    weights get no gradient and no optimizer state. See :mod:`vitflow.training.optim.finetune`."""
 
     # full | linear_probe (frozen backbone, the head trains) | lp_ft (head first, then all) | lora (adapters + head)
     mode: Literal["full", "linear_probe", "lp_ft", "lora"] = "full"

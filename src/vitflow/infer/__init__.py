@@ -1,9 +1,12 @@
 """Inference layer: a trained model put to use. Prediction on files, folders and tars
 (:mod:`.predict`, test-time augmentation :mod:`.tta`), evaluation of a checkpoint
-(:mod:`.evaluate`), features and k-NN (:mod:`.embed`, :mod:`.knn`, backbones :mod:`.backbone`),
-export (:mod:`.export`: ONNX that verifies itself, TorchScript, ExportedProgram; TensorRT
-:mod:`.tensorrt`; hub-style folders :mod:`.hub_folder`), INT8 / half precision (:mod:`.quantize`),
-head and MLP pruning (:mod:`.prune`) and the inference benchmark (:mod:`.bench`)."""
+(:mod:`.evaluate`), the real images the tools check themselves on (:mod:`.calibration`) and head
+and MLP pruning (:mod:`.prune`); in sub-packages: :mod:`.runtimes` (ONNX Runtime, OpenVINO,
+TensorRT as drop-in models), :mod:`.export` (ONNX that verifies itself, TorchScript,
+ExportedProgram, OpenVINO IR, TensorRT engines, hub-style folders), :mod:`.quantize` (INT8 dynamic
+and static, half precision, the accuracy guard), :mod:`.bench` (``vitflow bench infer`` and
+``bench resolution``), :mod:`.features` (embeddings, k-NN, backbones) and :mod:`.serve` (the HTTP
+service)."""
 
 from vitflow.infer.predict import Predictor, collect_images
 

@@ -79,7 +79,7 @@ def images_from_files(paths: list[str], pp: Preprocess, n: int = 8) -> torch.Ten
 
 def accuracy(model: torch.nn.Module, source: ImageSource, pp: Preprocess, batch_size: int = 256,
              num_workers: int = 2, threshold: float | None = None) -> dict[str, float]:
-    """The figures of ``model`` (PyTorch or :class:`~vitflow.infer.onnx_model.OnnxModel`, fp32 on
+    """The figures of ``model`` (PyTorch or :class:`~vitflow.infer.runtimes.onnx.OnnxModel`, fp32 on
     the CPU) over ``source``: top-1 / top-5 / loss with :func:`vitflow.evaluation.evaluate`, or for
     multi-hot labels (``uint8 (n, C)``) mAP / F1 at ``threshold`` with
     :func:`vitflow.evaluation.evaluate_multilabel`."""

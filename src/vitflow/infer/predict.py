@@ -22,9 +22,9 @@ from vitflow.data import model_input
 from vitflow.data.decode import CorruptImageError, decode_image, is_image_name
 from vitflow.data.sources.readers import TarReader, is_hidden
 from vitflow.data.transforms import Preprocess, eval_transform
-from vitflow.infer.hub_folder import is_hub_folder, read_hub_folder
-from vitflow.infer.onnx_model import OnnxModel, RuntimeModel, is_onnx
-from vitflow.infer.openvino_model import OpenVinoModel, is_openvino
+from vitflow.infer.export.hub_folder import is_hub_folder, read_hub_folder
+from vitflow.infer.runtimes.onnx import OnnxModel, RuntimeModel, is_onnx
+from vitflow.infer.runtimes.openvino import OpenVinoModel, is_openvino
 from vitflow.infer.tta import parse_tta, tta_where, with_tta
 from vitflow.runtime import configure_allocator, resolve_device, resolve_precision
 
@@ -76,7 +76,7 @@ def _tar_reader(reader: TarReader, loc):
 
 class Predictor:
     """A model with its class names and preprocessing: a PyTorch model or an exported model run
-    by ONNX Runtime or OpenVINO (:class:`vitflow.infer.onnx_model.RuntimeModel`).
+    by ONNX Runtime or OpenVINO (:class:`vitflow.infer.runtimes.onnx.RuntimeModel`).
 
     ``predict(images)``: ``uint8 (B, 3, S, S)`` -> probabilities ``float32 (B, num_classes)``: a
     softmax over the classes, or for a multi-label model (``task="multilabel"``) a sigmoid per
@@ -155,7 +155,7 @@ class Predictor:
     @classmethod
     def from_hub_folder(cls, path: str | Path, device: str = "auto", precision: str = "fp32") -> "Predictor":
         """A hub-style model folder (``vitflow export --format hub``; see
-        :mod:`vitflow.infer.hub_folder`). Raises FileNotFoundError / ValueError naming the folder,
+        :mod:`vitflow.infer.export.hub_folder`). Raises FileNotFoundError / ValueError naming the folder,
         or ValueError for a folder whose head has no class names."""
         hub = read_hub_folder(path)
         if hub.classes is None:

@@ -36,9 +36,9 @@ from vitflow.config import DataConfig, TrainConfig, build_config
 from vitflow.data import ImageSource, eval_loader, model_input, train_loader
 from vitflow.data.sources.splits import parse_split
 from vitflow.data.transforms import Preprocess
-from vitflow.infer.bench import time_paths
+from vitflow.infer.bench.infer import time_paths
 from vitflow.infer.calibration import accuracy, checkpoint_split
-from vitflow.infer.quantize import inference_state
+from vitflow.infer.quantize.dynamic import inference_state
 from vitflow.models import config_class
 from vitflow.models.kernels.matmul import Linear
 from vitflow.runtime import resolve_precision
@@ -209,7 +209,7 @@ def prune_checkpoint(checkpoint, out, heads: float = 0.25, mlp: float = 0.0, dat
     """Prune a checkpoint, optionally fine-tune with distillation, measure, and save.
 
     ``finetune`` runs the fine-tune (``finetune_steps > 0``), e.g.
-    :func:`vitflow.train.distill.distill_finetune`: called as ``finetune(student, teacher, pairs,
+    :func:`vitflow.training.objectives.distill.distill_finetune`: called as ``finetune(student, teacher, pairs,
     steps, lr, alpha=, temperature=, label_smoothing=, precision=)`` with ``pairs`` an endless
     iterator of ``(x, targets)`` model inputs (the inference layer does not train).
 
@@ -265,7 +265,7 @@ def _check_request(out, heads: float, mlp: float, finetune_steps: int, finetune:
     """Raises ValueError for an output not named ``.pt``, fractions outside ``[0, 1)`` (or both 0),
     fine-tune steps without a fine-tune function."""
     if finetune_steps and finetune is None:
-        raise ValueError("finetune_steps > 0 needs a finetune function (vitflow.train.distill.distill_finetune)")
+        raise ValueError("finetune_steps > 0 needs a finetune function (vitflow.training.objectives.distill.distill_finetune)")
     if Path(out).suffix.lower() != ".pt":
         raise ValueError(f"output {out}: a pruned model is written as a checkpoint; name it *.pt (then "
                          "vitflow export or quantize it)")

@@ -169,7 +169,7 @@ class TTAModel(torch.nn.Module):
     model's logits unchanged.
 
     Args:
-        model: a vitflow model (or :class:`~vitflow.infer.onnx_model.OnnxModel`; no ``scales``).
+        model: a vitflow model (or :class:`~vitflow.infer.runtimes.onnx.OnnxModel`; no ``scales``).
         spec: a :class:`TTASpec` or its text (:func:`parse_tta`).
         task: ``multiclass`` or ``multilabel``.
     Raises:
@@ -261,7 +261,7 @@ def check_export_tta(spec: str | TTASpec | None, fmt: str, flag: str = "--tta") 
 
 def tta_for_export(model: torch.nn.Module, spec: str | TTASpec | None, info, fmt: str) -> torch.nn.Module:
     """``model`` with ``spec``'s views averaged inside the exported graph (``vitflow export --tta``),
-    ``info.tta`` (:class:`~vitflow.infer.onnx_model.ModelInfo`) set to record it in the file's
+    ``info.tta`` (:class:`~vitflow.infer.runtimes.onnx.ModelInfo`) set to record it in the file's
     metadata; ``model`` itself without TTA. The graph's input and output keep their names and shapes;
     the output becomes :class:`TTAModel`'s (log / logit of the averaged probabilities).
 

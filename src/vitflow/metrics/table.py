@@ -5,7 +5,7 @@ computed) in :data:`METRICS`, and read by everything that names a metric:
 - the evaluation passes (:mod:`vitflow.evaluation`) compute the declared metrics that the pass does
   not compute itself (:class:`Accumulator`: a metric's per-batch ``update`` sums and its
   ``compute``);
-- ``train.keep_best`` / ``train.early_stopping_metric`` (:mod:`vitflow.train.selection`) and the
+- ``train.keep_best`` / ``train.early_stopping_metric`` (:mod:`vitflow.training.track.selection`) and the
   default direction of ``vitflow sweep`` (:func:`split_metric`, :attr:`Metric.better`);
 - the run summary, the EMA's ``ema_*`` and ``raw_*`` figures (:func:`summary_names`) and the
   one-line summary (:func:`headline`) of training and ``vitflow eval``;

@@ -18,6 +18,8 @@ model is being traced (``torch.compile``, ``torch.export``, TorchScript).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn as nn
 
@@ -25,10 +27,14 @@ from vitflow.models.attention import AutoKernel, auto
 from vitflow.models.grad_checkpointing import saved_activation_bytes
 from vitflow.timing import tracing
 
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # torch built without distributed
-    _DTensor = ()
+
+
+def _sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a ``DTensor`` (FSDP2's sharded parameters). Only a process that imported
+    ``torch.distributed.tensor`` can hold one, so the check never imports it (half a second of
+    every ``import vitflow``)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(p, dtensor.DTensor)
 
 
 def per_shape_choices(blocks: nn.Module, args: tuple) -> None:
@@ -74,7 +80,7 @@ def tune_attention(blocks: nn.Module, x: torch.Tensor, grid: tuple[int, int] | N
     blocks.tuned_inputs.add(tkey)
     autos = [blk for blk in blocks if isinstance(getattr(blk.attn, "kernel", None), AutoKernel)]
     params = [p for p in blocks.parameters() if p.requires_grad]
-    if not autos or any(isinstance(p, _DTensor) for p in params):
+    if not autos or any(_sharded(p) for p in params):
         return
     keys = {blk.attn.kernel.key(blk.attn.qkv(blk.norm1(x)), blk.attn.num_heads, blk.attn.context(grid))
             for blk in autos}

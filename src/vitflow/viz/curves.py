@@ -11,7 +11,7 @@ from matplotlib.figure import Figure  # no pyplot: any backend, and a notebook's
 def plot_schedule(lrs: Sequence[float], path: str | Path, title: str, lowest_scale: float | None = None) -> Path:
     """Plot a learning rate per optimizer step (``lrs``) to a PNG; with ``lowest_scale`` (layer-wise
     decay) also the embeddings' rate, ``lowest_scale`` times it. See
-    :func:`vitflow.train.schedules.lr_curve` for the values. Returns ``path``."""
+    :func:`vitflow.training.optim.schedules.lr_curve` for the values. Returns ``path``."""
     steps = list(range(len(lrs)))
     fig = Figure(figsize=(8, 4))
     ax = fig.add_subplot()

@@ -1,6 +1,6 @@
 """The report's class-distribution panel: images per class in each split of a run (imbalanced data),
 read from ``RUN_DIR/class_counts.json`` (written by training, see
-:func:`vitflow.train.class_weights.write_distribution`)."""
+:func:`vitflow.training.objectives.class_weights.write_distribution`)."""
 
 from __future__ import annotations
 

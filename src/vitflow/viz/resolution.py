@@ -18,7 +18,7 @@ def _label(result: dict) -> str:
 
 
 def plot_resolution(results: Sequence[dict], path: str | Path, title: str | None = None) -> Path:
-    """One PNG of :func:`vitflow.infer.resolution.bench_resolution` results: top-1 (%, solid lines,
+    """One PNG of :func:`vitflow.infer.bench.resolution.bench_resolution` results: top-1 (%, solid lines,
     left axis) and images/s (dashed lines, right axis) against the input size in pixels, one colour
     per checkpoint, a dotted vertical line at each checkpoint's trained size and a marker on its
     row. Returns ``path``.

@@ -12,7 +12,7 @@
                 openvino`` or ``vitflow quantize --backend openvino``) as it is, float layers in fp32
 ``auto``        an ONNX source: ``onnxruntime``; an IR: ``openvino``; a checkpoint or run folder: the faster of
                 ``eager_fp32``, ``onnxruntime`` and (on CPUs with native bf16) ``eager_bf16``,
-                timed with ``bench infer``'s protocol (:func:`vitflow.infer.bench.time_paths`)
+                timed with ``bench infer``'s protocol (:func:`vitflow.infer.bench.infer.time_paths`)
                 at ``--max-batch`` images a call; a hub folder: ``eager_fp32``
 ==============  ================================================================================
 
@@ -31,9 +31,9 @@ import statistics
 from pathlib import Path
 from typing import Callable
 
-from vitflow.infer.onnx_model import is_onnx
-from vitflow.infer.openvino_model import is_openvino
 from vitflow.infer.predict import Predictor, is_exported
+from vitflow.infer.runtimes.onnx import is_onnx
+from vitflow.infer.runtimes.openvino import is_openvino
 from vitflow.infer.serve.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -67,8 +67,8 @@ def _export_for_onnxruntime(source: str, workdir: Path, weights: str) -> tuple[s
     """The checkpoint (a run folder: its newest) as an ONNX file with the CPU fusions (``vitflow
     export --optimize --target cpu``) in ``workdir``: ``(onnx path, checkpoint path)``."""
     from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
-    from vitflow.infer.export import export_onnx, optimize_onnx
-    from vitflow.infer.onnx_model import ModelInfo, quiet_toolchain
+    from vitflow.infer.export.formats import export_onnx, optimize_onnx
+    from vitflow.infer.runtimes.onnx import ModelInfo, quiet_toolchain
 
     state = load_checkpoint(source)
     if state.get("quantization"):
@@ -125,7 +125,7 @@ def prepare(s: ServeSettings, workdir: str | Path, say: Callable[[str], None] = 
         FileNotFoundError / ValueError: no such source, an unreadable model, a backend this
             source cannot run on (the message names the option).
     """
-    from vitflow.infer.hub_folder import is_hub_folder
+    from vitflow.infer.export.hub_folder import is_hub_folder
 
     s.check()
     if s.backend not in BACKENDS:
@@ -155,7 +155,7 @@ def prepare(s: ServeSettings, workdir: str | Path, say: Callable[[str], None] = 
 def _time_backends(predictors: dict[str, Predictor], batch: int, say: Callable[[str], None]) -> dict[str, float]:
     """Images/s of each predictor's model at ``batch`` images a call (``bench infer``'s protocol,
     2 interleaved rounds of 0.3 s)."""
-    from vitflow.infer.bench import time_paths
+    from vitflow.infer.bench.infer import time_paths
 
     runners = {k: (lambda x, p=p: p.model(x.to(p.device, p.dtype))) for k, p in predictors.items()}
     size = next(iter(predictors.values())).pp.image_size

@@ -20,9 +20,9 @@ import torch
 
 from vitflow.data import CorruptImageError, decode_image, model_input
 from vitflow.data.decode import image_size
-from vitflow.infer.embed import pooled_features
-from vitflow.infer.onnx_model import RuntimeModel
+from vitflow.infer.features.embed import pooled_features
 from vitflow.infer.predict import Predictor, is_exported
+from vitflow.infer.runtimes.onnx import RuntimeModel
 from vitflow.infer.serve.backends import load_predictor
 from vitflow.infer.serve.batcher import Admission, Batcher, BatchInfo, Overloaded
 from vitflow.infer.serve.inputs import RequestError, Upload

@@ -27,8 +27,8 @@ from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
 
-from vitflow.infer.export import export_checkpoint
-from vitflow.infer.onnx_model import INPUT_NAME, OUTPUT_NAME, OnnxModel
+from vitflow.infer.export.formats import export_checkpoint
+from vitflow.infer.runtimes.onnx import INPUT_NAME, OUTPUT_NAME, OnnxModel
 
 F = descriptor_pb2.FieldDescriptorProto
 _FIELDS = {  # message: [(field name, number, type, repeated, message or enum type name)]
@@ -116,7 +116,7 @@ def write_triton_repository(checkpoint: str | Path, out: str | Path, name: str |
     """Write the repository (layout in the module docstring) for ``checkpoint``.
 
     Args:
-        **export_kwargs: to :func:`vitflow.infer.export.export_checkpoint`, which writes and
+        **export_kwargs: to :func:`vitflow.infer.export.formats.export_checkpoint`, which writes and
             verifies ``<name>/1/model.onnx`` (``optimize``, ``target``, ``verify_data``, ``log``, ...).
         name: the model's name in Triton (default: the checkpoint's run or file name, as letters,
             digits, ``_`` and ``-``).

@@ -26,7 +26,7 @@ class VisionTransformerDistilled(VisionTransformer):
     ``forward(x)``: ``(B, C, H, W)`` -> logits ``(B, num_classes)``: the mean of the two heads
     (DeiT's inference rule). While ``distilled_training`` is set and the module is in training
     mode it returns the pair ``(class-head logits, distillation-head logits)`` instead, for
-    :class:`vitflow.train.distill.DistillationLoss`.
+    :class:`vitflow.training.objectives.distill.DistillationLoss`.
 
     Raises:
         ValueError: ``global_pool`` other than ``"token"`` (plus :class:`VisionTransformer`'s).

@@ -1,0 +1,3 @@
+"""Inference measured: :mod:`.infer` (``vitflow bench infer``: every deployment path against the
+peers), :mod:`.paths` (its table of paths) and :mod:`.resolution` (``vitflow bench resolution``:
+accuracy, speed and memory against the input size)."""

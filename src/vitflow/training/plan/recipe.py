@@ -1,0 +1,248 @@
+"""A training recipe planned from the data, the machine and its clock, for ``vitflow train
+data.path=PHOTOS`` with no preset (or ``--preset photos-auto``), and a fine-tune of
+``model.pretrained=SOURCE`` (a run folder, a vitflow checkpoint or hub folder, any weights with
+a config) the same way.
+
+:func:`profile_data` looks at the data (image count, classes, the typical size from the headers of
+a sample, the held-out images); the rules of :mod:`vitflow.training.plan.rules` choose the model and
+the batch; :func:`vitflow.training.plan.clock.measure_clock` times a few real steps of that model on this
+machine; the rules then choose the length (on a CPU, fitted to ``train.time_budget`` or
+``train.default_budget``), the warmup, the evaluations (spaced in time) and the augmentation
+strength for that length. Every choice is logged with its reason, then what the run will take:
+its expected duration, when its first evaluation comes, and what a time budget would give —
+before step 1. The user's ``key=value`` overrides always win, and the keys that depend on them
+follow them. :func:`size_warnings` warns, for any run, when the tokens per image or the input size
+are far above what the images hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import numpy as np
+
+from vitflow.config import Config, DataConfig, ModelConfig, build_config, field_names, parse_duration, to_yaml
+from vitflow.config.build import flatten
+from vitflow.data import DataError
+from vitflow.data.remote.fs import configure_from as configure_remote
+from vitflow.data.sources.dispatch import open_split, open_training, resolve_eval_splits
+from vitflow.data.sources.table import reads_path
+from vitflow.models import config_class, family_of, model_kwargs
+from vitflow.models.pretrained.config import apply_pretrained
+from vitflow.models.pretrained.hub import resolve_pretrained
+from vitflow.runtime import resolve_device
+from vitflow.training.plan.clock import Clock, measure_clock
+from vitflow.training.plan.rules import Facts, budget_steps, epochs_steps, expected_steps, planned_epochs, run_rules
+
+log = logging.getLogger(__name__)
+
+PHOTO_PRESET = "photos-auto"
+FINETUNE_PRESET = "finetune"
+SAMPLE = 64  # images whose headers give the typical size
+
+
+@dataclasses.dataclass(frozen=True)
+class DataProfile:
+    """What the plan needs to know of the data: the training split's ``images``, ``classes``, the
+    median ``short_side`` / ``long_side`` in pixels of a sample of :data:`SAMPLE` images and
+    whether they all have one size (``uniform``), and the images of the validation and test
+    splits the run evaluates (``val_images``, ``test_images``)."""
+
+    images: int
+    classes: int
+    short_side: int
+    long_side: int
+    uniform: bool = False
+    val_images: int = 0
+    test_images: int = 0
+
+
+def profile_data(d: DataConfig) -> DataProfile:
+    """Open the training split of the data section ``d`` and read the sizes of up to :data:`SAMPLE` images
+    spread over it (from the encoded headers; decoded sources give their fixed size), and count the
+    held-out splits' images. A shard set is not read whole: its counts come from the index and the
+    sizes from its first shard.
+
+    Raises:
+        DataError: see :func:`vitflow.data.open_split`; no readable image in the sample.
+    """
+    configure_remote(d)  # the run's retries, backoff and cache apply to the plan's reads too
+    src = open_training(d)  # shards: streamed, the index's counts, the first shard's sizes
+    profile = _profile(d.path, len(src), len(src.classes), src.sample_sizes(SAMPLE))
+    val, test = resolve_eval_splits(d)
+    counts = [len(open_split(d.path, s, d.source, classes=src.classes, cfg=d)) if s else 0 for s in (val, test)]
+    return dataclasses.replace(profile, val_images=counts[0], test_images=counts[1])
+
+
+def _profile(path: str, images: int, classes: int, sizes: list[tuple[int, int]]) -> DataProfile:
+    if not sizes:
+        raise DataError(f"{path}: no readable image among the {min(SAMPLE, images)} sampled")
+    short, long = np.median([min(s) for s in sizes]), np.median([max(s) for s in sizes])
+    return DataProfile(images, classes, int(short), int(long), len(set(sizes)) == 1)
+
+
+def size_warnings(m: ModelConfig, device: str, profile: DataProfile) -> list[str]:
+    """Warnings when the input is far above what the images hold: over 256 tokens per image on a
+    CPU for a model with global attention (a Swin attends within fixed windows, an MViT to keys
+    pooled over the grid: their cost grows about linearly with the tokens), or an input size over twice the images' median short side
+    (upsampled pixels carry no detail, and cost ``(size / patch)^2`` tokens). None for
+    ``model.name=auto`` (the weights' architecture is known only once they are read). ``m``: the
+    model section; ``device``: ``train.device``."""
+    if m.name == "auto":
+        return []
+    out, defaults = [], model_kwargs(m.name)
+    image, patch_size = m.img_size or defaults["img_size"], m.patch_size or defaults["patch_size"]
+    tokens = (image // patch_size) ** 2
+    windowed = family_of(m.name).name in ("swin", "mvit")
+    if tokens > 256 and not windowed and not device.startswith("cuda"):
+        better = max(patch_size, image // 8)
+        out.append(f"{tokens} tokens per image ({image} px in {patch_size}-px patches) on a CPU: attention cost grows "
+                   f"with the square of the tokens; model.patch_size={better} would give {(image // better) ** 2}")
+    if image > 2 * profile.short_side:
+        out.append(f"model.img_size={image} is over twice the images' median short side ({profile.short_side} px): "
+                   "upsampled pixels add tokens, not detail")
+    return out
+
+
+def _source(m: ModelConfig) -> tuple[str, str | None, dict] | None:
+    """``(origin, model name, model kwargs)`` of ``model.pretrained`` (what a fine-tune takes), or
+    ``None`` without one; bare weights name no architecture (the name is then the user's, or none:
+    ``model.name=auto`` then says to set it)."""
+    if not m.pretrained:
+        return None
+    pre = resolve_pretrained(m.pretrained)
+    if not pre.model_name:
+        return f"the weights {m.pretrained}", None if m.name == "auto" else m.name, {}
+    kwargs = {**pre.model_kwargs, **({"img_size": pre.preprocess["input_size"]} if "input_size" in (
+        pre.preprocess or {}) else {})}
+    return pre.origin or f"the config of {m.pretrained}", pre.model_name, kwargs
+
+
+def make_facts(m: ModelConfig, device: str, profile: DataProfile, user: set[str]) -> Facts:
+    """The :class:`~vitflow.training.plan.rules.Facts` of a run of model ``m`` on ``device``
+    (``train.device``) on data ``profile``; ``user``: the keys the user set."""
+    source = _source(m)
+    family = "vit" if m.name == "auto" or source else family_of(m.name).name
+    monitored = profile.val_images or profile.test_images
+    return Facts(profile.images, profile.classes, profile.short_side, profile.uniform,
+                 resolve_device(device).type, family, source, eval_images=monitored,
+                 final_images=profile.val_images + profile.test_images, user=frozenset(user))
+
+
+def _measure(preset: str, planned: list, overrides: list[str], checks, classes: int) -> Clock | None:
+    """The clock of the phase-0 plan's model (``None`` under torchrun: every rank must plan alike)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        log.info("plan: under torchrun the length is planned in epochs (the ranks must agree on a schedule)")
+        return None
+    cfg = build_config(preset, overrides=[f"{k}={v}" for k, v, _ in planned] + overrides, checks=checks,
+                       model_config=config_class)
+    # model.name=auto: the source's architecture (its weights are not needed to time it)
+    cfg.model, _ = apply_pretrained(cfg.model, cfg.data, getattr(cfg, "key_origins", None))
+    cfg.model.pretrained = None
+    return measure_clock(cfg.model, cfg.data, cfg.train, cfg.optim, classes)
+
+
+def planned_config(overrides: list[str], checks, preset: str | None = None) -> Config:
+    """The config of ``vitflow train data.path=PHOTOS``: ``preset`` (the fixed part of the recipe:
+    :data:`PHOTO_PRESET`, or :data:`FINETUNE_PRESET` for a ``model.pretrained`` source), then the
+    planned values (each logged with its reason; the step time measured between the model and the
+    length), then ``overrides``, which always win. Logs the run's expected duration, its first
+    evaluation and the size warnings of :func:`size_warnings`.
+
+    Raises:
+        ConfigError, DataError: as :func:`vitflow.config.build_config` and :func:`profile_data`.
+        FileNotFoundError, ValueError: an unreadable ``model.pretrained``.
+    """
+    user = {o.split("=", 1)[0].strip() for o in overrides}
+    preset = preset or (FINETUNE_PRESET if "model.pretrained" in user else PHOTO_PRESET)
+    base = build_config(preset, overrides=overrides, checks=checks, model_config=config_class)
+    profile = profile_data(base.data)
+    log.info("plan: %d training images of %d classes, median %dx%d px; %d validation and %d test images",
+             profile.images, profile.classes, profile.long_side, profile.short_side, profile.val_images,
+             profile.test_images)
+    facts, values = make_facts(base.model, base.train.device, profile, user), flatten(base.to_dict())
+    planned = _family_keys(run_rules(facts, values, 0), base.model)
+    clock = _measure(preset, planned, overrides, checks, profile.classes)
+    facts = dataclasses.replace(facts, clock=clock)
+    planned += _family_keys(run_rules(facts, values, 1), base.model)
+    for key, value, why in planned:
+        log.info("plan: %s=%s  (%s)", key, _shown(value), why)
+    cfg = build_config(preset, overrides=[f"{k}={_shown(v)}" for k, v, _ in planned] + overrides, checks=checks,
+                       model_config=config_class)
+    for line in expectations(facts, values, profile):
+        log.info("plan: %s", line)
+    for warning in size_warnings(cfg.model, cfg.train.device, profile):
+        log.warning("%s", warning)
+    log.info("resolved config (save it and pass --config FILE to repeat the run):\n%s", to_yaml(cfg).rstrip())
+    return cfg
+
+
+def _family_keys(planned: list, m: ModelConfig) -> list:
+    """The planned values but the model keys the family of the user's ``model.name`` does not take
+    (a Swin has no ``pos_embed``, no PatchDropout)."""
+    if m.name == "auto":
+        return planned
+    keys = field_names(config_class(m.name))
+    return [p for p in planned if not p[0].startswith("model.") or p[0][6:] in keys]
+
+
+def _shown(value) -> str:
+    """A value as a ``key=value`` override reads it back (tuples as ``[a, b]``; ``none`` for None)."""
+    if isinstance(value, tuple):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return "none" if value is None else str(value)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def expectations(f: Facts, v: dict, profile: DataProfile) -> list[str]:
+    """What the planned run will take, from the measured clock: its duration, when its first
+    evaluation comes, the start-up before step 1, and what ``train.time_budget`` would give (or
+    without a clock, a line saying so)."""
+    c, batch = f.clock, v["train.batch_size"]
+    if c is None:
+        return [f"train.total_steps={v['train.total_steps']} (~{planned_epochs(f, v):.1f} epochs); the step time was "
+                "not measured"]
+    steps, eval_s, budget = expected_steps(f, v), f.eval_images * c.eval_image_s, v["train.time_budget"]
+    interval = parse_duration(v["train.eval_interval"]) if v.get("train.eval_interval") else None
+    every = v["train.eval_every"]
+    evals = int(steps * c.step_s / interval) if interval else (steps - 1) // every if every else 0
+    seconds = steps * c.step_s + evals * eval_s + f.final_images * c.eval_image_s
+    if budget and budget_steps(f, v) < v["train.total_steps"]:
+        seconds = parse_duration(budget)  # the budget ends the run
+    first_s = interval or (every * c.step_s if every else seconds)
+    first_step = int(interval / c.step_s) if interval else (every or steps)
+    decoded = profile.images + profile.val_images + profile.test_images
+    startup = decoded * c.decode_s / max(1, os.cpu_count() or 1)
+    lines = [f"clock: {c.step_s:.3g} s a step at batch {batch} ({c.precision}, {c.threads} thread"
+             f"{'s' if c.threads > 1 else ''}: the planned model on this machine now, measured in {c.probe_s:.0f} s); "
+             f"an evaluation of {f.eval_images} images ~{eval_s:.1f} s",
+             f"expected duration: {_minutes(seconds)} ({steps} steps, ~{planned_epochs(f, v):.1f} epochs"
+             + (f", train.time_budget={budget}" if budget else "") + f"), after ~{_minutes(startup)} of start-up "
+             f"(decoding {decoded} images into RAM)",
+             f"first evaluation at step ~{first_step} (~{_minutes(first_s)} in), then "
+             + (f"every {v['train.eval_interval']}" if interval else f"every {every} steps" if every else
+                "none before the end")]
+    if budget:
+        epochs, all_steps = epochs_steps(f, batch)
+        return lines + [f"without a budget ({epochs} epochs, {all_steps} steps) it would take "
+                        f"~{_minutes(all_steps * c.step_s)}"]
+    for text in ("15m", "1h"):
+        fitted = budget_steps(f, {**v, "train.time_budget": text, "train.eval_interval": None})
+        lines.append(f"train.time_budget={text} would give {fitted} steps (~{fitted * batch / max(f.images, 1):.1f} "
+                     "epochs)")
+    return lines
+
+
+def is_planned(preset: str | None, config_file: str | None, overrides: list[str]) -> bool:
+    """Whether ``vitflow train`` plans the run: ``--preset photos-auto``, or no preset and no
+    config file with a ``data.path`` (and not built-in data such as the embedded digits); with a
+    ``model.pretrained`` too, the plan is a fine-tune's."""
+    if preset == PHOTO_PRESET:
+        return True
+    keys = {o.split("=", 1)[0].strip(): o.split("=", 1)[1] for o in overrides if "=" in o}
+    return not preset and not config_file and "data.path" in keys and reads_path(keys.get("data.source", "auto"))
