@@ -36,7 +36,8 @@ HYMENOPTERA = Facts(245, 2, 355, device="cpu", eval_images=153, final_images=153
 def plan(facts: Facts, **user) -> dict:
     """The photo preset's values after both phases of the rules, with ``user`` keys set by the user."""
     values = {**flatten(build_config("photos-auto").to_dict()), **user}
-    facts = dataclasses.replace(facts, user=frozenset(user))
+    named = user.get("model.name") if facts.source is None else None
+    facts = dataclasses.replace(facts, user=frozenset(user), named=named)
     run_rules(facts, values, 0)
     run_rules(facts, values, 1)
     return values
@@ -48,7 +49,7 @@ def consistent(f: Facts, v: dict, user: set[str]) -> None:
     steps = expected_steps(dataclasses.replace(f, user=frozenset(user)), v)
     epochs = steps * v["train.batch_size"] / f.images
     planned = {r.key for r in RULES} - user
-    if "model.patch_size" in planned:
+    if "model.patch_size" in planned and "model.name" not in user:
         assert v["model.img_size"] // v["model.patch_size"] == 8
     if "optim.lr" in planned:
         assert v["optim.lr"] == pytest.approx(7e-4 * math.sqrt(v["train.batch_size"] / 128), rel=0.03)
@@ -180,6 +181,34 @@ def test_a_named_swin_keeps_its_own_sizes_and_position_encoding(tmp_path: Path, 
     assert (cfg.model.img_size, cfg.model.patch_size, hasattr(cfg.model, "pos_embed")) == (None, None, False)
     model = create_model(**model_args(cfg.model, 10))
     assert tuple(model.patch_embed.proj.weight.shape) == (96, 3, 2, 2)
+
+
+def test_a_named_model_keeps_its_geometry_and_the_plan_says_what_it_set_over_it(caplog, monkeypatch):
+    v = plan(HYMENOPTERA, **{"model.name": "vit_small_patch16_224"})
+    # the name's input size, patch size, pooling and positions: nothing planned over them
+    assert (v["model.img_size"], v["model.patch_size"], v["model.global_pool"]) == (None, None, None)
+    assert v["model.pos_embed"] == "learned" and v["model.name"] == "vit_small_patch16_224"
+    # what the plan still sets (PatchDropout, the attention kernel, the length) follows the name's 224 px
+    assert v["model.patch_drop_rate"] == 0.5 and v["model.attention"] == "sdpa"  # math: measured at ~65 tokens
+    assert v["data.train_augment"] == "random_resized_crop" and v["train.total_steps"] > 0
+    # the user's model.img_size is taken, in the name's own patches
+    sized = plan(HYMENOPTERA, **{"model.name": "vit_small_patch16_224", "model.img_size": 96})
+    assert (sized["model.img_size"], sized["model.patch_size"]) == (96, None)
+    # a model named at the images' own size is evaluated whole, as an unnamed one would be
+    cifar = dataclasses.replace(HYMENOPTERA, images=5000, classes=10, short_side=32, uniform=True)
+    assert plan(cifar, **{"model.name": "vit_cifar_patch4_32"})["data.crop_pct"] == 1.0
+    # end to end: the built config keeps ViT-S/16's geometry, and the log names what the plan set over it
+    monkeypatch.setattr("vitflow.training.plan.recipe.measure_clock", lambda *a: CLOCK)
+    with caplog.at_level(logging.INFO, logger="vitflow"):
+        cfg = planned_config(["model.name=vit_small_patch16_224", f"data.path={need(HYMENOPTERA_TAR)}",
+                              "data.train_split=train", "data.val_split=val"], CONFIG_CHECKS)
+    model = create_model(**model_args(cfg.model, 2))
+    assert tuple(model.patch_embed.proj.weight.shape) == (384, 3, 16, 16) and model.pos_embed.shape[1] == 197
+    text = caplog.text
+    assert ("model.name=vit_small_patch16_224 is yours: its 224 px input in 16-px patches (196 tokens) kept" in text)
+    assert "model.patch_drop_rate=0.5" in text and "[model.name=vit_small_patch16_224 alone: 0.0]" in text
+    assert "model.attention=" not in text.split("resolved config")[0]
+    assert "model.img_size=64" not in text and "model.patch_size=" not in text.split("resolved config")[0]
 
 
 def test_is_planned_only_without_a_preset_or_config_and_with_a_path():

@@ -126,9 +126,10 @@ def make_facts(m: ModelConfig, device: str, profile: DataProfile, user: set[str]
     source = _source(m)
     family = "vit" if m.name == "auto" or source else family_of(m.name).name
     monitored = profile.val_images or profile.test_images
+    named = m.name if "model.name" in user and m.name != "auto" and not source else None
     return Facts(profile.images, profile.classes, profile.short_side, profile.uniform,
                  resolve_device(device).type, family, source, eval_images=monitored,
-                 final_images=profile.val_images + profile.test_images, user=frozenset(user))
+                 final_images=profile.val_images + profile.test_images, user=frozenset(user), named=named)
 
 
 def _measure(preset: str, planned: list, overrides: list[str], checks, classes: int) -> Clock | None:
@@ -167,8 +168,10 @@ def planned_config(overrides: list[str], checks, preset: str | None = None) -> C
     clock = _measure(preset, planned, overrides, checks, profile.classes)
     facts = dataclasses.replace(facts, clock=clock)
     planned += _family_keys(run_rules(facts, values, 1), base.model)
+    if facts.named:
+        log.info("plan: %s", named_geometry(facts.named, base.model))
     for key, value, why in planned:
-        log.info("plan: %s=%s  (%s)", key, _shown(value), why)
+        log.info("plan: %s=%s  (%s)%s", key, _shown(value), why, against_named(facts.named, key, value))
     cfg = build_config(preset, overrides=[f"{k}={_shown(v)}" for k, v, _ in planned] + overrides, checks=checks,
                        model_config=config_class)
     for line in expectations(facts, values, profile):
@@ -177,6 +180,31 @@ def planned_config(overrides: list[str], checks, preset: str | None = None) -> C
         log.warning("%s", warning)
     log.info("resolved config (save it and pass --config FILE to repeat the run):\n%s", to_yaml(cfg).rstrip())
     return cfg
+
+
+def named_geometry(name: str, m: ModelConfig) -> str:
+    """The line saying what the model the user named keeps: its input and patch size (the user's
+    ``model.img_size`` / ``model.patch_size`` where set) and its tokens per image."""
+    own = model_kwargs(name)
+    size, patch = m.img_size or own.get("img_size"), m.patch_size or own.get("patch_size")
+    if not size or not patch:
+        return f"model.name={name} is yours: its architecture is kept"
+    whose = "its" if m.img_size is None else "your model.img_size's"
+    return (f"model.name={name} is yours: {whose} {size} px input in {patch}-px patches ({(size // patch) ** 2} "
+            "tokens) kept; set model.img_size / model.patch_size to change them")
+
+
+def against_named(name: str | None, key: str, value) -> str:
+    """For a model key the plan set over the model the user named, what the name alone gives
+    (``""`` otherwise, or when they agree)."""
+    if not name or not key.startswith("model."):
+        return ""
+    leaf, own = key[len("model."):], model_kwargs(name)
+    fields = {f.name: f.default for f in dataclasses.fields(config_class(name))}
+    if leaf not in own and leaf not in fields:
+        return ""
+    alone = own.get(leaf, fields.get(leaf))
+    return "" if alone == value else f"  [model.name={name} alone: {_shown(alone)}]"
 
 
 def _family_keys(planned: list, m: ModelConfig) -> list:

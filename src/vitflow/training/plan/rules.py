@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from vitflow.config import parse_duration
 from vitflow.data.cache import photo_cache_size
+from vitflow.models import model_kwargs
 from vitflow.training.plan.clock import EVALUATIONS, Clock, evaluation_count, fit_steps
 
 Values = dict[str, Any]  # dotted key -> the run's value as it stands
@@ -30,8 +31,9 @@ class Facts:
     the device kind (``cpu`` / ``cuda``), the family of a model the user named (``vit`` otherwise),
     the pretrained source's architecture (``source``: ``(origin, model name, model kwargs)``; the
     name ``None`` for bare weights without a ``model.name``) for a fine-tune, the evaluated images (``eval_images``: the validation split, ``final_images``:
-    every split evaluated at the end), the measured :class:`~vitflow.training.plan.clock.Clock` (phase 1)
-    and the keys the user set."""
+    every split evaluated at the end), the measured :class:`~vitflow.training.plan.clock.Clock` (phase 1),
+    the keys the user set and the model the user named (``named``: its ``model.name``, whose
+    architecture the plan keeps)."""
 
     images: int
     classes: int
@@ -44,6 +46,7 @@ class Facts:
     final_images: int = 0
     clock: Clock | None = None
     user: frozenset[str] = field(default_factory=frozenset)
+    named: str | None = None
 
     @property
     def gpu(self) -> bool:
@@ -51,8 +54,20 @@ class Facts:
 
     @property
     def scratch_vit(self) -> bool:
-        """A plain ViT trained from scratch: the model keys are the plan's to choose."""
+        """A plain ViT trained from scratch."""
         return self.source is None and self.family == "vit"
+
+    @property
+    def plans_architecture(self) -> bool:
+        """A ViT from scratch whose model the user did not name: its input size, patch size, model
+        and pooling are the plan's to choose (a named model keeps its name's)."""
+        return self.scratch_vit and self.named is None
+
+
+def input_size(f: Facts, v: Values) -> int | None:
+    """The model's input size in pixels as the run stands: ``model.img_size``, else the named
+    model's own (``None`` when neither is known)."""
+    return v["model.img_size"] or (model_kwargs(f.named).get("img_size") if f.named else None)
 
 
 @dataclass(frozen=True)
@@ -74,7 +89,7 @@ def _pow2_at_most(x: float) -> int:
 
 def _img_size(f: Facts, v: Values) -> Choice:
     native = f.short_side
-    if not f.scratch_vit:
+    if not f.plans_architecture:
         return None
     if f.gpu:
         return 224, f"GPU: 224 px in 16-px patches (196 tokens); the images' median short side is {native} px"
@@ -85,7 +100,7 @@ def _img_size(f: Facts, v: Values) -> Choice:
 
 
 def _patch_size(f: Facts, v: Values) -> Choice:
-    if not f.scratch_vit:
+    if not f.plans_architecture:
         return None
     size = v["model.img_size"]
     patch = 16 if f.gpu else next(p for p in range(max(1, size // 8), 0, -1) if size % p == 0)
@@ -118,14 +133,14 @@ def _at(size: int, patch: int, own_size: int, own_patch: int) -> str:
 
 
 def _global_pool(f: Facts, v: Values) -> Choice:
-    if not f.scratch_vit:
+    if not f.plans_architecture:
         return None
     return "avg", ("the mean of the patch tokens: with sin-cos positions 48.6% vs 35.3% for a class token with "
                    "learned positions in 5-minute CIFAR-10 runs (benchmarks guide; Beyer et al. 2022)")
 
 
 def _pos_embed(f: Facts, v: Values) -> Choice:
-    if f.source is not None:
+    if f.source is not None or f.named:
         return None
     if f.family != "vit":
         return "learned", f"a {f.family} model: its own position encoding, input size and patch size"
@@ -142,7 +157,7 @@ def _patch_drop(f: Facts, v: Values) -> Choice:
 
 
 def _attention(f: Facts, v: Values) -> Choice:
-    if not f.scratch_vit or f.gpu:
+    if not f.plans_architecture or f.gpu:  # measured on the compact ViT's ~65 tokens only
         return None
     return "math", ("CPU: vitflow's explicit attention (the logits in one GEMM, a hand-written backward) trains the "
                     "compact ViT's ~65 tokens faster than SDPA: 541 vs 350 img/s in 15-minute CIFAR-10 runs in bf16, "
@@ -155,7 +170,7 @@ def _at_model_size(f: Facts, size: int | None) -> bool:
 
 
 def _crop_pct(f: Facts, v: Values) -> Choice:
-    size, crop = v["model.img_size"], v["data.crop_pct"]
+    size, crop = input_size(f, v), v["data.crop_pct"]
     if f.source is not None or not _at_model_size(f, size):
         return None
     return 1.0, (f"every image is {size} px, the model's input size: evaluated whole, as training sees it (a {crop:g} "
@@ -308,7 +323,7 @@ SHORT_EPOCHS, LONG_EPOCHS, MIX_EPOCHS = 20, 80, 300
 
 
 def _augment(f: Facts, v: Values) -> Choice:
-    epochs, size = planned_epochs(f, v), v["model.img_size"]
+    epochs, size = planned_epochs(f, v), input_size(f, v)
     if f.source is not None:
         return None  # the finetune recipe's modest crops
     if epochs < SHORT_EPOCHS and _at_model_size(f, size):
