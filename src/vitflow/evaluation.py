@@ -17,6 +17,7 @@ from vitflow.data.transforms import Preprocess
 from vitflow.metrics import (
     Accumulator,
     headline,  # noqa: F401  headline: vitflow.evaluation.headline, as before
+    interval_figures,
     meaningful,
 )
 from vitflow.metrics.classification import ECE_BINS, calibration, calibration_counts, confusion_metrics
@@ -45,7 +46,9 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
         :func:`vitflow.metrics.classification.confusion_metrics` (precision / recall / F1 / support per class,
         macro and weighted averages, balanced accuracy) and :func:`vitflow.metrics.classification.calibration`
         (``ece``, ``reliability``), computed from integer sums: exact in a distributed evaluation;
-        then the declared metrics with a ``compute`` (:class:`vitflow.metrics.Accumulator`).
+        then the declared metrics with a ``compute`` (:class:`vitflow.metrics.Accumulator`), and
+        the 95% intervals of those with one (``top1_ci95``, ``top5_ci95``, ``macro_f1_ci95``,
+        ``balanced_accuracy_ci95``: ``[low, high]`` fractions, :mod:`vitflow.metrics.intervals`).
     Raises:
         ValueError: no readable image (on every rank together).
     """
@@ -95,8 +98,9 @@ def _figures(totals: torch.Tensor, confusion: torch.Tensor, bins: torch.Tensor, 
     result = {"loss": loss_sum / n, "top1": c1 / n, "top5": c5 / n, "images": int(n), "skipped": int(skipped),
               "confusion": confusion.tolist(), "per_class_top1": per_class, **confusion_metrics(confusion),
               **calibration(bins)}
-    result = {**result, **extra.results({**result, "confusion": confusion.numpy(), "calibration": bins.cpu().numpy()})}
-    return meaningful(result, c)  # no top-5 of fewer than 6 classes
+    inputs = {**result, "confusion": confusion.numpy(), "calibration": bins.cpu().numpy()}
+    result = meaningful({**result, **extra.results(inputs)}, c)  # no top-5 of fewer than 6 classes
+    return {**result, **interval_figures({**result, "confusion": inputs["confusion"]}, "multiclass")}
 
 
 @torch.no_grad()

@@ -9,6 +9,7 @@ import torch
 
 from helpers import HYMENOPTERA_TAR, digits_config, encode, make_folder, need
 from vitflow.cli import main
+from vitflow.metrics.intervals import wilson
 from vitflow.rundir import read_metrics
 from vitflow.training import Trainer
 
@@ -30,6 +31,13 @@ def test_digits_run_learns_and_writes_run_dir(digits_run):
     assert sum(x["skipped_images"] for x in epochs) == r["skipped_images"] == 0
     assert (run / "config.yaml").read_text().count("vit_digits_patch2_8") == 1
     assert len(list((run / "samples").glob("*.png"))) == 10
+    # each split's figure carries its 95% interval in the summary, eval.json, the log and the report
+    ev = json.loads((run / "eval.json").read_text())
+    assert r["test_top1_ci95"] == pytest.approx(list(wilson(round(r["test_top1"] * ev["images"]), ev["images"])))
+    assert ev["top1_ci95"] == r["test_top1_ci95"] and ev["macro_f1_ci95"] == r["test_macro_f1_ci95"]
+    low, high = r["test_top1_ci95"]
+    assert f"test top-1 {r['test_top1']:.2%} [{low * 100:.1f}-{high * 100:.1f}]" in digits_run[2].stderr
+    assert f"95% CI [{low * 100:.1f}-{high * 100:.1f}]" in (run / "report.html").read_text()
 
 
 def test_every_epoch_gets_its_record_when_one_step_spans_several(tmp_path):

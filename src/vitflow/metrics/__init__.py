@@ -14,6 +14,8 @@ from vitflow.metrics.table import (
     canonical_key,
     headline,
     headline_metrics,
+    interval_figures,
+    interval_names,
     lookup,
     meaningful,
     primary_metric,
@@ -24,5 +26,6 @@ from vitflow.metrics.table import (
     task_of,
 )
 
-__all__ = ["METRICS", "TASKS", "Accumulator", "Metric", "canonical_key", "headline", "headline_metrics", "lookup",
+__all__ = ["METRICS", "TASKS", "Accumulator", "Metric", "canonical_key", "headline", "headline_metrics",
+           "interval_figures", "interval_names", "lookup",
            "meaningful", "primary_metric", "register_metric", "selectable_names", "split_metric", "summary_names", "task_of"]

@@ -27,6 +27,10 @@ from typing import Any, Callable, Literal, Mapping
 
 import torch
 
+from vitflow.metrics.intervals import balanced_accuracy as balanced_of_counts
+from vitflow.metrics.intervals import bootstrap_of, wilson_of
+from vitflow.metrics.intervals import macro_f1 as macro_f1_of_counts
+
 TASKS = ("multiclass", "multilabel")  # the values of data.task
 
 
@@ -66,6 +70,11 @@ class Metric:
         min_classes: the fewest classes for which the figure means something (top-5 needs 6: with
             5 classes or fewer every image's label is among the top 5); an evaluation of fewer
             classes leaves it out (:func:`meaningful`), so no summary, line or report shows it.
+        interval: ``interval(inputs) -> (low, high)``, its 95% confidence interval from the
+            same inputs as ``compute`` (:mod:`vitflow.metrics.intervals`: ``wilson_of(name)`` for
+            a fraction of the images, ``bootstrap_of(statistic)`` for a figure of the per-class
+            counts), kept as ``NAME_ci95`` beside the figure (:func:`interval_figures`) and shown
+            after it; ``None``: no interval.
     """
 
     name: str
@@ -81,12 +90,21 @@ class Metric:
     summary_line: Mapping[str, int] = field(default_factory=dict)
     line: str = ""
     min_classes: int = 0
+    interval: Callable[[Mapping[str, Any]], tuple[float, float]] | None = None
 
     def text(self, value: float | None) -> str:
         """``value`` in the metric's format: ``97.77%`` or ``0.1528`` (``n/a`` for ``None``)."""
         if value is None:
             return "n/a"
         return f"{value:.{self.digits}%}" if self.format == "percent" else f"{value:.{self.digits}f}"
+
+    def interval_text(self, interval) -> str:
+        """A ``(low, high)`` interval in the metric's format, one digit fewer: ``[96.9-98.4]``
+        (percent) or ``[0.121-0.183]``."""
+        low, high = interval
+        if self.format == "percent":
+            return f"[{low * 100:.{max(0, self.digits - 1)}f}-{high * 100:.{max(0, self.digits - 1)}f}]"
+        return f"[{low:.{self.digits + 1}f}-{high:.{self.digits + 1}f}]"
 
 
 METRICS: dict[str, Metric] = {}  # name -> Metric, in the order of registration
@@ -148,6 +166,21 @@ def summary_names() -> tuple[str, ...]:
     return tuple(m.name for m in METRICS.values() if m.summary)
 
 
+CI = "_ci95"  # the suffix of a figure's 95% interval: top1 -> top1_ci95
+
+
+def interval_names() -> tuple[str, ...]:
+    """The keys of the intervals kept in run summaries beside their figures (``top1_ci95`` ...)."""
+    return tuple(m.name + CI for m in METRICS.values() if m.summary and m.interval is not None)
+
+
+def interval_figures(inputs: Mapping[str, Any], task: str) -> dict[str, list[float]]:
+    """``{NAME_ci95: [low, high]}`` of each metric of ``task`` with an :attr:`Metric.interval`
+    whose figure ``inputs`` holds (``inputs``: as :attr:`Metric.compute` gets them)."""
+    return {m.name + CI: [float(x) for x in m.interval(inputs)] for m in METRICS.values()
+            if m.interval is not None and task in m.tasks and inputs.get(m.name) is not None}
+
+
 def meaningful(result: dict[str, Any], classes: int) -> dict[str, Any]:
     """``result`` (an evaluation's figures, by metric name) without the metrics that mean nothing
     for ``classes`` classes (:attr:`Metric.min_classes`: top-5 of a 2-class model is always 100%)."""
@@ -171,15 +204,19 @@ def primary_metric(task: str) -> Metric:
 
 
 def headline(result: Mapping[str, Any], task: str | None = None) -> str:
-    """The figures of an evaluation for one line, e.g. ``top-1 97.77%  top-5 100.00%  loss 0.1528
-    macro-F1 97.72%  balanced 97.63%  ECE 0.0951`` or, for multi-label, ``mAP 81.20%  micro-F1
-    75.00%  macro-F1 70.00% (threshold 0.35)  loss 0.1234``: the task's headline metrics that
-    ``result`` holds (``task``: default :func:`task_of`)."""
+    """The figures of an evaluation for one line, e.g. ``top-1 97.77% [96.9-98.4]  top-5 100.00%
+    [99.6-100.0]  loss 0.1528  macro-F1 97.72% [96.8-98.5]  balanced 97.63% [96.7-98.4]  ECE
+    0.0951`` or, for multi-label, ``mAP 81.20%  micro-F1 75.00%  macro-F1 70.00% (threshold 0.35)
+    loss 0.1234``: the task's headline metrics that ``result`` holds (``task``: default
+    :func:`task_of`), each followed by its 95% interval where ``result`` has one (``NAME_ci95``)."""
     parts: list[str] = []
     for m in headline_metrics(task or task_of(result)):
         if result.get(m.name) is None:
             continue
-        text = (m.line or m.label + " {}").format(m.text(result[m.name]))
+        value = m.text(result[m.name])
+        if result.get(m.name + CI):
+            value += " " + m.interval_text(result[m.name + CI])
+        text = (m.line or m.label + " {}").format(value)
         if text.startswith("(") and parts:
             parts[-1] += " " + text
         else:
@@ -222,12 +259,13 @@ class Accumulator:
 
 _MC, _ML, _BOTH = ("multiclass",), ("multilabel",), ("multiclass", "multilabel")
 for _m in (
-    Metric("top1", "top-1", summary_line={"multiclass": 0}),
-    Metric("top5", "top-5", summary_line={"multiclass": 1}, min_classes=6),
+    Metric("top1", "top-1", summary_line={"multiclass": 0}, interval=wilson_of("top1")),
+    Metric("top5", "top-5", summary_line={"multiclass": 1}, min_classes=6, interval=wilson_of("top5")),
     Metric("loss", "loss", "min", "number", 4, _BOTH, summary_line={"multiclass": 2, "multilabel": 4}),
     Metric("map", "mAP", tasks=_ML, summary_line={"multilabel": 0}),
     Metric("micro_f1", "micro-F1", tasks=_ML, summary_line={"multilabel": 1}),
-    Metric("macro_f1", "macro-F1", tasks=_BOTH, aliases=("f1",), summary_line={"multiclass": 3, "multilabel": 2}),
+    Metric("macro_f1", "macro-F1", tasks=_BOTH, aliases=("f1",), summary_line={"multiclass": 3, "multilabel": 2},
+           interval=bootstrap_of(macro_f1_of_counts)),
     Metric("weighted_f1", "weighted F1"),
     Metric("macro_precision", "macro precision"),
     Metric("macro_recall", "macro recall"),
@@ -235,7 +273,8 @@ for _m in (
     Metric("weighted_recall", "weighted recall", summary=False),
     Metric("micro_precision", "micro precision", tasks=_ML, summary=False),
     Metric("micro_recall", "micro recall", tasks=_ML, summary=False),
-    Metric("balanced_accuracy", "balanced accuracy", summary_line={"multiclass": 4}, line="balanced {}"),
+    Metric("balanced_accuracy", "balanced accuracy", summary_line={"multiclass": 4}, line="balanced {}",
+           interval=bootstrap_of(balanced_of_counts)),
     Metric("ece", "ECE", "min", "number", 4, summary_line={"multiclass": 5}),
     Metric("threshold", "threshold", None, "number", 2, _ML, summary_line={"multilabel": 3}, line="(threshold {})"),
 ):

@@ -28,7 +28,6 @@ from vitflow.models.grad_checkpointing import saved_activation_bytes
 from vitflow.timing import tracing
 
 
-
 def _sharded(p: torch.Tensor) -> bool:
     """Whether ``p`` is a ``DTensor`` (FSDP2's sharded parameters). Only a process that imported
     ``torch.distributed.tensor`` can hold one, so the check never imports it (half a second of

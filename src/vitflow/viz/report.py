@@ -36,7 +36,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from vitflow.metrics import headline, headline_metrics, split_metric, summary_names, task_of
+from vitflow.metrics import headline, headline_metrics, interval_names, split_metric, summary_names, task_of
+from vitflow.metrics.table import CI
 from vitflow.rundir import read_eval_records, read_metrics
 from vitflow.viz.classmetrics import calibration_html, prf_table
 from vitflow.viz.curves import line_plot
@@ -126,7 +127,7 @@ def final_metrics(records: list[dict]) -> dict[str, Any]:
     summary = next((r for r in reversed(records) if r.get("kind") in ("summary", "interrupted")), None)
     train, (split, evals) = _by_step(records, "train"), monitored_evals(records)
     out: dict[str, Any] = {}
-    figures = (*summary_names(), "skipped")  # per split
+    figures = (*summary_names(), *interval_names(), "skipped")  # per split
     if summary and summary["kind"] == "summary":
         pattern = r"(raw_)?(val|test)_(" + "|".join(map(re.escape, figures)) + ")"
         out.update({k: v for k, v in summary.items() if re.fullmatch(pattern, k)})
@@ -166,12 +167,20 @@ def _img(path: Path) -> str:
 
 def _fmt(key: str, v: Any) -> str:
     """``v`` in its metric's format when ``key`` is a metric's (``val_top1``: ``97.77%``)."""
-    found = split_metric(key)
+    found = split_metric(key.removesuffix(CI))
     if isinstance(v, float) and found and found[0] in ("val", "test", "raw_val", "raw_test"):
         return found[1].text(v)
+    if key.endswith(CI) and isinstance(v, list) and found:
+        return found[1].interval_text(v)
     if isinstance(v, float):
         return f"{v:,.4g}" if abs(v) < 1000 else f"{v:,.0f}"
     return html.escape(str(v))
+
+
+def _kpi_interval(key: str, final: dict[str, Any]) -> str:
+    """The 95% interval under a headline box's figure, where the summary has one."""
+    interval = final.get(key + CI)
+    return f"<small>95% CI {_fmt(key + CI, interval)}</small>" if interval else ""
 
 
 def _bar_table(heads: list[str], rows) -> str:
@@ -228,7 +237,7 @@ td,th{border:1px solid #ddd;padding:3px 7px;text-align:left} .num{text-align:rig
 .bar{height:10px;background:#1f77b4} pre{background:#f6f6f6;padding:10px;font-size:12px;overflow:auto}
 .cm td{min-width:34px} .rot div{writing-mode:vertical-rl;transform:rotate(180deg);max-height:110px}
 .note{color:#666;font-size:12px} .kpi{display:flex;gap:16px;flex-wrap:wrap}
-.kpi div{border:1px solid #ddd;border-radius:6px;padding:8px 14px} .kpi b{font-size:20px;display:block}
+.kpi div{border:1px solid #ddd;border-radius:6px;padding:8px 14px} .kpi b{font-size:20px;display:block} .kpi small{color:#666;display:block}
 .pending{border:1px dashed #bbb;border-radius:6px;padding:24px;color:#555;font-size:15px;display:flex;align-items:center}
 .samples{display:flex;flex-wrap:wrap;gap:10px} .samples figure{margin:0;font-size:12px;text-align:center;width:120px}
 .samples img{width:112px;height:112px;object-fit:cover;image-rendering:auto}
@@ -260,7 +269,7 @@ def write_report(run_dir: str | Path, output: str | Path | None = None, checkpoi
     kpi_keys = [(f"{role}_{m.name}", f"{role} {m.label}") for role in ("val", "test")
                 for m in headline_metrics(_task(evals)) if m.better]  # the summary line's scores
     kpi_keys += [("step", "steps"), ("epochs", "epochs"), ("train_images_per_s", "train images/s")]
-    kpis = "".join(f"<div>{label}<b>{_fmt(k, final[k])}</b></div>" for k, label in kpi_keys
+    kpis = "".join(f"<div>{label}<b>{_fmt(k, final[k])}</b>{_kpi_interval(k, final)}</div>" for k, label in kpi_keys
                    if final.get(k) is not None)
     table = "".join(f"<tr><td>{html.escape(k)}</td><td class=num>{_fmt(k, v)}</td></tr>" for k, v in final.items()
                     if v is not None)

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm  # the notebook bar in Jupyter, the text bar elsewher
 from vitflow.data import Datasets, SkipReport, eval_loader
 from vitflow.data.sources.base import ImageSource
 from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
-from vitflow.metrics import headline, summary_names
+from vitflow.metrics import headline, interval_names, summary_names
 from vitflow.rundir import EVAL
 from vitflow.runtime import Precision
 from vitflow.timing import local_choices
@@ -155,11 +155,12 @@ def summary_figures(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The run summary's figures of each evaluated split ``R`` (``results``: role -> what
     :class:`RunEvaluator` returned): ``R_NAME`` for each metric of the table kept in summaries
     (:func:`vitflow.metrics.summary_names`: ``R_loss``, ``R_top1``, ``R_top5`` (fractions), ``R_macro_f1``
-    ... or, for multi-label, ``R_map``, ``R_micro_f1``, ``R_threshold`` ...); ``R_skipped``
+    ... or, for multi-label, ``R_map``, ``R_micro_f1``, ``R_threshold`` ...), their 95% intervals
+    (``R_top1_ci95``: ``[low, high]``, :func:`vitflow.metrics.interval_names`); ``R_skipped``
     (unreadable images, as in ``eval.json``) — of the weights inference uses: the EMA when
     ``train.ema_decay`` is set, with the trained weights' figures as ``raw_R_*``."""
     out: dict[str, Any] = {}
-    kept = (*summary_names(), "skipped")
+    kept = (*summary_names(), *interval_names(), "skipped")
     for role, result in results.items():
         out.update({f"{role}_{k}": v for k, v in result.items() if k in kept})
         out.update({f"raw_{role}_{k[4:]}": v for k, v in result.items() if k.startswith("raw_")})
