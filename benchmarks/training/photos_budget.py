@@ -22,11 +22,13 @@ val / test top-1, and the load average at the start and the end (this machine is
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
 import signal
 import subprocess
+import tarfile
 import sys
 import tempfile
 import time
@@ -34,7 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data"
-EXPECTED = re.compile(r"expected duration: ([0-9.]+) (min|s) .*after ~([0-9.]+) (min|s) of start-up")
+EXPECTED = re.compile(r"expected duration: ([0-9.]+) (min|s) \((\d+) steps.*after ~([0-9.]+) (min|s) of start-up")
+CLOCK = re.compile(r"clock: ([0-9.e+-]+) s a step at batch (\d+)")
 
 
 def _seconds(value: str, unit: str) -> float:
@@ -77,6 +80,56 @@ def _eval(tree: Path, checkpoint: str, env: dict, split_override: list[str]) -> 
     return json.loads(out)
 
 
+def measure(tree: Path, data: str, run: Path, overrides: list[str], stop_after: float | None = None) -> dict:
+    """Run ``vitflow train data.path=DATA`` of ``tree``'s code into ``run`` and score its newest
+    checkpoint with ``vitflow eval``: the figures printed by :func:`main` (see the module docstring)."""
+    env = {**os.environ, "PYTHONPATH": str(tree / "src")}
+    load0 = os.getloadavg()[0]
+    cmd = [sys.executable, "-m", "vitflow", "train", f"data.path={data}", f"train.run_dir={run}", *overrides]
+    code, lines, wall = _run(cmd, env, stop_after)
+    load1 = os.getloadavg()[0]
+    (run.parent / "train.log").write_text("".join(f"{t:8.1f} {text}\n" for t, text in lines))  # beside the run
+    found = next(((t, EXPECTED.search(text)) for t, text in lines if EXPECTED.search(text)), None)
+    clock = next((CLOCK.search(text) for _, text in lines if CLOCK.search(text)), None)
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    start = next(r for r in records if r["kind"] == "start")
+    end = max(r["time"] for r in records)
+    evals = [r for r in records if r["kind"] == "eval"]
+    ckpts = sorted((run / "checkpoints").glob("step-*.pt"))
+    val = _eval(tree, str(ckpts[-1]), env, ["data.test_split=none"])
+    test = _eval(tree, str(ckpts[-1]), env, []) if _has_test(data) else {}
+    r = {"data": data, "tree": str(tree), "exit": code, "wall_s": round(wall, 1), "load_start": load0,
+         "load_end": load1, "steps": val["step"], "val_top1": val["val_top1"], "test_top1": test.get("test_top1"),
+         "val_macro_f1": val.get("val_macro_f1"), "test_macro_f1": test.get("test_macro_f1"),
+         "training_s": round(end - start["time"], 1),
+         "first_eval_s": round(evals[0]["time"] - start["time"], 1) if evals else None}
+    r["first_eval_fraction"] = round(r["first_eval_s"] / r["training_s"], 3) if evals else None
+    if found:
+        t_line, m = found
+        r["expected_s"] = _seconds(m.group(1), m.group(2))
+        r["expected_steps"] = int(m.group(3))
+        r["startup_expected_s"] = _seconds(m.group(4), m.group(5))
+        r["after_expectation_s"] = round(wall - t_line, 1)
+        r["ratio_to_expected"] = round(r["after_expectation_s"] / (r["expected_s"] + r["startup_expected_s"]), 3)
+    if clock:  # the plan's step time against the run's: all costs in (evaluations, checkpoints) over its steps
+        r["planned_step_s"] = float(clock.group(1))
+        r["measured_step_s"] = round(r["training_s"] / max(r["steps"], 1), 4)
+        if found:
+            r["planned_all_in_step_s"] = round(r["expected_s"] / max(r["expected_steps"], 1), 4)
+    return r
+
+
+def _has_test(data: str) -> bool:
+    """Whether ``data`` has a ``test`` split: a folder with ``test/``, or a tar with ``*/test/`` members."""
+    path = Path(data)
+    if path.is_dir():
+        return (path / "test").is_dir()
+    if path.suffix == ".tar":
+        with tarfile.open(path) as tar:
+            return any("/test/" in f"/{m.name}" for m in itertools.islice(tar, 100_000))
+    return False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="photos", help="a photo folder or tar, or: photos, hymenoptera")
@@ -88,39 +141,15 @@ def main() -> None:
     args = ap.parse_args()
     tree, data = Path(args.tree).resolve(), _data(args.data)
     run = Path(args.run_dir or tempfile.mkdtemp(prefix="photos-budget-")) / "run"
-    env = {**os.environ, "PYTHONPATH": str(tree / "src")}
-    load0 = os.getloadavg()[0]
-    cmd = [sys.executable, "-m", "vitflow", "train", f"data.path={data}", f"train.run_dir={run}", *args.overrides]
-    code, lines, wall = _run(cmd, env, args.stop_after)
-    load1 = os.getloadavg()[0]
-    (run.parent / "train.log").write_text("".join(f"{t:8.1f} {text}\n" for t, text in lines))  # beside the run
-    found = next(((t, EXPECTED.search(text)) for t, text in lines if EXPECTED.search(text)), None)
-    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    start = next(r for r in records if r["kind"] == "start")
-    end = max(r["time"] for r in records)
-    evals = [r for r in records if r["kind"] == "eval"]
-    ckpts = sorted((run / "checkpoints").glob("step-*.pt"))
-    val = _eval(tree, str(ckpts[-1]), env, ["data.test_split=none"])
-    has_test = (Path(data) / "test").is_dir()
-    test = _eval(tree, str(ckpts[-1]), env, []) if has_test else {}
-    r = {"data": data, "tree": str(tree), "exit": code, "wall_s": round(wall, 1), "load_start": load0,
-         "load_end": load1, "steps": val["step"], "val_top1": val["val_top1"], "test_top1": test.get("test_top1"),
-         "training_s": round(end - start["time"], 1),
-         "first_eval_s": round(evals[0]["time"] - start["time"], 1) if evals else None}
-    r["first_eval_fraction"] = round(r["first_eval_s"] / r["training_s"], 3) if evals else None
-    if found:
-        t_line, m = found
-        r["expected_s"] = _seconds(m.group(1), m.group(2))
-        r["startup_expected_s"] = _seconds(m.group(3), m.group(4))
-        r["after_expectation_s"] = round(wall - t_line, 1)
-        r["ratio_to_expected"] = round(r["after_expectation_s"] / (r["expected_s"] + r["startup_expected_s"]), 3)
-    print(f"{data} ({tree.name}): exit {code}, {r['steps']} steps, val top-1 {r['val_top1']:.2%}"
-          + (f", test top-1 {r['test_top1']:.2%}" if has_test else "")
+    r = measure(tree, data, run, args.overrides, args.stop_after)
+    found, evals = "expected_s" in r, r["first_eval_s"] is not None
+    print(f"{data} ({tree.name}): exit {r['exit']}, {r['steps']} steps, val top-1 {r['val_top1']:.2%}"
+          + (f", test top-1 {r['test_top1']:.2%}" if r["test_top1"] is not None else "")
           + (f"; expected {r['expected_s']:.0f} s + {r['startup_expected_s']:.0f} s start-up, took "
              f"{r['after_expectation_s']:.0f} s after that line ({r['ratio_to_expected']:.2f}x)" if found else "")
           + (f"; first evaluation at {r['first_eval_s']:.0f} s of {r['training_s']:.0f} s "
              f"({r['first_eval_fraction']:.1%})" if evals else "; no evaluation during the run")
-          + f"; wall {wall:.0f} s; load {load0:.1f} -> {load1:.1f}")
+          + f"; wall {r['wall_s']:.0f} s; load {r['load_start']:.1f} -> {r['load_end']:.1f}")
     if args.json:
         print(json.dumps(r))
 

@@ -34,7 +34,8 @@ from vitflow.models.pretrained.config import apply_pretrained
 from vitflow.models.pretrained.hub import resolve_pretrained
 from vitflow.runtime import resolve_device
 from vitflow.training.plan.clock import Clock, measure_clock
-from vitflow.training.plan.rules import Facts, budget_steps, epochs_steps, expected_steps, planned_epochs, run_rules
+from vitflow.training.plan.facts import Facts
+from vitflow.training.plan.rules import budget_steps, epochs_steps, expected_steps, planned_epochs, run_rules
 
 log = logging.getLogger(__name__)
 
