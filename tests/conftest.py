@@ -17,6 +17,9 @@ os.environ.setdefault("VITFLOW_FP32_GEMM", "onednn")
 # No cache of choices made by timing between the suite's processes (~/.cache/vitflow/choices.json): tests of
 # attention=auto and cpu_bf16_matmul=auto see their timing; the cache's own tests set VITFLOW_CHOICES_CACHE.
 os.environ.setdefault("VITFLOW_CHOICES_CACHE", "off")
+# Nothing reaches the internet: a planned run's model.pretrained=auto reads the Hugging Face cache only (the
+# tests of the download path start a stand-in hub on 127.0.0.1 and turn this off for themselves).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Under pytest-xdist each worker (and every process it starts: torch reads OMP_NUM_THREADS) gets its share
 # of the cores, at least one thread: two workers of two threads each on two cores spin against each other,
 # and a test of torch's GEMMs then ran 2-3x slower than alone.

@@ -73,6 +73,11 @@ def test_the_common_cases_print_their_entry(tmp_path: Path, monkeypatch):
     printed["run_dir_not_empty"] = _raised(check_new_run, classes, "none")
     printed["hub_relative_positions"] = _raised(timm_model_args, {"name": "vit_tiny_patch16_224",
                                                                   "pos_embed": "relative"})
+    from vitflow.models.pretrained import backbones
+
+    monkeypatch.setattr(backbones, "_REACHABLE", {})
+    printed["no_backbone"] = MESSAGES["no_backbone"].format(why=backbones.choose_backbone("cpu")[2], hub="timm/x")
+    assert "HF_HUB_OFFLINE=1" in printed["no_backbone"]
     assert {k: entry_of(v) for k, v in printed.items()} == {k: k for k in printed}
     assert set(printed) == set(MESSAGES)  # every entry is a case met here
     # a split folder itself is measured whole, without --split

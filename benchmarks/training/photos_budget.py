@@ -28,8 +28,8 @@ import os
 import re
 import signal
 import subprocess
-import tarfile
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path

@@ -70,6 +70,19 @@ MESSAGES: dict[str, Message] = {m.key: m for m in (
         "On a machine with a network, fill the cache once (`huggingface-cli download REPO`, or any run that "
         "loads it), with the same `HF_HOME` / `HF_HUB_CACHE`; or download the snapshot folder and give its path."),
     Message(
+        "no_backbone", "Checkpoints and resume", "No pretrained backbone for a planned run",
+        "model.pretrained=auto: {why}: training from scratch. A backbone pretrained on ImageNet is the usual start "
+        "on a few thousand photos: fetch one where there is a network (hf download {hub}), or point HF_ENDPOINT "
+        "at a mirror; model.pretrained=none trains from scratch without this line",
+        {"why": "no backbone in the Hugging Face cache /root/.cache/huggingface/hub and the hub "
+                "https://huggingface.co could not be reached", "hub": "timm/vit_tiny_patch16_224.augreg_in21k_ft_in1k"},
+        "`vitflow train data.path=PHOTOS` fine-tunes a pretrained backbone (`model.pretrained=auto`): the first of "
+        "its table (ViT-Ti/16, DeiT III-S, ViT-S/16, MViTv2-T, DINOv2-S) found in the Hugging Face cache, else "
+        "downloaded from the hub when it answers within 3 seconds. Neither was possible.",
+        "Fill the cache once on a machine with a network (`hf download REPO`, with the same `HF_HOME` / "
+        "`HF_HUB_CACHE`), or set `HF_ENDPOINT` to a hub mirror you can reach; `model.pretrained=none` says that "
+        "training from scratch is meant."),
+    Message(
         "auto_without_architecture", "Checkpoints and resume", "model.name=auto with a bare weights file",
         "model.name=auto: {spec} has no config naming an architecture (a snapshot folder with config.json or "
         "open_clip_config.json, or a vitflow run, checkpoint or hub folder); set model.name",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,12 +86,15 @@ def resolve_pretrained(spec: str | Path, local_only: bool = False) -> Pretrained
 
     Raises:
         FileNotFoundError: no such file or folder. ValueError: a folder without weights, an
-        unreadable config, or a hub name neither cached nor downloadable (naming the repo and
-        the cache it looked in).
+        unreadable config, a hub name neither cached nor downloadable (naming the repo and
+        the cache it looked in), or ``auto`` (a planned run's choice, resolved before this).
     """
     text = str(spec)
     if text.startswith(HUB_PREFIX):
         return _resolve_folder(hub_snapshot(text[len(HUB_PREFIX):], local_only), text)
+    if text == "auto":
+        raise ValueError("model.pretrained=auto chooses a backbone for a planned run (vitflow train data.path=PHOTOS "
+                         "with no preset); elsewhere name the weights: hf-hub:ORG/NAME, a folder or a file")
     path = Path(text).expanduser()
     if path.is_dir():
         run = vitflow_source.from_run(path)
@@ -124,6 +128,15 @@ def offline_model_name(spec: str | Path) -> str | None:
         return None
 
 
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub is switched off (``HF_HUB_OFFLINE=1``, now or at
+    ``huggingface_hub``'s import)."""
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or bool(
+        getattr(constants, "HF_HUB_OFFLINE", False))
+
+
 def hub_snapshot(name: str, local_only: bool = False) -> Path:
     """The local snapshot folder of hub repo ``ORG/NAME[@revision]``, downloaded into the cache
     unless the hub is offline (``HF_HUB_OFFLINE``) or ``local_only``, in which case only the
@@ -132,17 +145,22 @@ def hub_snapshot(name: str, local_only: bool = False) -> Path:
     Raises:
         ValueError: neither cached nor downloadable (one line naming the repo and the cache).
     """
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import snapshot_download
 
     repo, _, revision = name.partition("@")
     if repo.count("/") != 1:
         raise ValueError(f"model.pretrained=hf-hub:{name}: expected hf-hub:ORG/NAME[@revision]")
     cache = hub_cache_dir()
-    offline = local_only or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or bool(
-        getattr(constants, "HF_HUB_OFFLINE", False))
-    try:
+    offline = local_only or hub_offline()
+    if not offline and re.fullmatch(r"[0-9a-f]{40}", revision):  # a commit is immutable: a cached one is final
+        try:
+            return Path(snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=True,
+                                          allow_patterns=_HUB_PATTERNS))
+        except Exception:  # not cached: from the hub below
+            pass
+    try:  # HF_ENDPOINT as it is now (huggingface_hub reads it once, at its import)
         folder = snapshot_download(repo, revision=revision or None, cache_dir=cache, local_files_only=offline,
-                                   allow_patterns=_HUB_PATTERNS)
+                                   allow_patterns=_HUB_PATTERNS, endpoint=os.environ.get("HF_ENDPOINT") or None)
     except Exception as e:  # huggingface_hub's errors: not cached, offline, no network, no such repo
         why = "the hub is offline (HF_HUB_OFFLINE=1)" if offline else f"the hub could not be read ({type(e).__name__})"
         raise ValueError(MESSAGES["hub_offline"].format(name=name, repo=repo, cache=cache, why=why)) from None

@@ -25,11 +25,13 @@ import numpy as np
 
 from vitflow.config import Config, DataConfig, ModelConfig, build_config, field_names, parse_duration, to_yaml
 from vitflow.config.build import flatten
+from vitflow.config.messages import MESSAGES
 from vitflow.data import DataError
 from vitflow.data.remote.fs import configure_from as configure_remote
 from vitflow.data.sources.dispatch import open_split, open_training, resolve_eval_splits
 from vitflow.data.sources.table import reads_path
 from vitflow.models import config_class, family_of, model_kwargs
+from vitflow.models.pretrained.backbones import BACKBONES, choose_backbone
 from vitflow.models.pretrained.config import apply_pretrained
 from vitflow.models.pretrained.hub import resolve_pretrained
 from vitflow.runtime import resolve_device
@@ -158,7 +160,9 @@ def planned_config(overrides: list[str], checks, preset: str | None = None) -> C
         FileNotFoundError, ValueError: an unreadable ``model.pretrained``.
     """
     user = {o.split("=", 1)[0].strip() for o in overrides}
-    preset = preset or (FINETUNE_PRESET if "model.pretrained" in user else PHOTO_PRESET)
+    overrides, _ = with_backbone(overrides, preset)
+    source = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip() == "model.pretrained"]
+    preset = preset or (FINETUNE_PRESET if source and source[-1].lower() not in ("none", "null", "") else PHOTO_PRESET)
     base = build_config(preset, overrides=overrides, checks=checks, model_config=config_class)
     profile = profile_data(base.data)
     log.info("plan: %d training images of %d classes, median %dx%d px; %d validation and %d test images",
@@ -206,6 +210,26 @@ def against_named(name: str | None, key: str, value) -> str:
         return ""
     alone = own.get(leaf, fields.get(leaf))
     return "" if alone == value else f"  [model.name={name} alone: {_shown(alone)}]"
+
+
+def with_backbone(overrides: list[str], preset: str | None) -> tuple[list[str], bool]:
+    """``overrides`` with ``model.pretrained=auto`` (the user's, or the photo preset's default)
+    replaced by the backbone :func:`~vitflow.models.pretrained.backbones.choose_backbone` finds
+    (``hf-hub:REPO``, logged with how it was had) or by ``none`` after the one line saying why and
+    how to get one; and whether a backbone was found. Other values are left as they are."""
+    keys = {o.split("=", 1)[0].strip(): o.split("=", 1)[1].strip() for o in overrides if "=" in o}
+    value = keys.get("model.pretrained", "auto" if preset in (None, PHOTO_PRESET) else None)
+    if value != "auto":
+        return overrides, False
+    named = keys.get("model.name")
+    rest = [o for o in overrides if o.split("=", 1)[0].strip() != "model.pretrained"]
+    spec, backbone, how = choose_backbone(resolve_device(keys.get("train.device", "auto")).type,
+                                          named if named not in (None, "auto") else None)
+    if backbone is None:
+        log.warning("%s", MESSAGES["no_backbone"].format(why=how, hub=BACKBONES[0].hub))
+        return rest + ["model.pretrained=none"], False
+    log.info("plan: model.pretrained=%s  (a pretrained backbone: %s; %s)", spec, backbone.what, how)
+    return rest + [f"model.pretrained={spec}"], True
 
 
 def _family_keys(planned: list, m: ModelConfig) -> list:
