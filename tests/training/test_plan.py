@@ -183,6 +183,39 @@ def test_a_named_swin_keeps_its_own_sizes_and_position_encoding(tmp_path: Path, 
     assert tuple(model.patch_embed.proj.weight.shape) == (96, 3, 2, 2)
 
 
+def test_the_clock_counts_augmentation_and_checkpoints_and_the_tier_follows_the_steps_that_run():
+    honest = dataclasses.replace(CLOCK, augment_s={"light": 0.05, "strong": 0.45}, checkpoint_s=0.4)
+    f = dataclasses.replace(HYMENOPTERA, clock=honest)
+    v = plan(f)
+    one = 153 * 0.002 + 0.4  # an evaluation and the checkpoint after it
+    strong_fit = int((900 - 11 * one - one - 5) / 0.95)  # 11 periodic evaluations, the final one, 5 s kept back
+    assert strong_fit * 32 / 245 >= 80  # ~290 epochs even at the strong tier's cost: TrivialAugment and erasing
+    assert v["train.total_steps"] == int(1.2 * strong_fit) and v["data.auto_augment"] == "trivialaugment"
+    # a step whose strong augmentation is costly: at its cost fewer than 80 epochs fit, at the light one more would;
+    # the tier follows the steps that will run (before: the light step's epochs chose the strong tier)
+    costly = dataclasses.replace(f, clock=dataclasses.replace(honest, augment_s={"light": 0.05, "strong": 1.9}))
+    v = plan(costly)
+    light_fit = int((900 - 12 * one - 5) / 0.55)
+    assert int((900 - 12 * one - 5) / 2.4) * 32 / 245 < 80 <= light_fit * 32 / 245
+    assert (v["data.auto_augment"], v["data.random_erasing"]) == ("none", 0.0)
+    assert v["train.total_steps"] == int(1.2 * light_fit)
+    # the user's policy is paid for in the fit
+    assert plan(costly, **{"data.auto_augment": "trivialaugment"})["train.total_steps"] < v["train.total_steps"]
+    lines = "\n".join(expectations(costly, v, DataProfile(245, 2, 355, 500, False, 153, 0)))
+    assert "clock: 0.55 s a step at batch 32" in lines and "0.05 s of it the light device augmentation" in lines
+    assert f"an evaluation of 153 images ~{one:.1f} s with its checkpoint (0.4 s)" in lines
+
+
+def test_measure_clock_times_each_augmentation_tier_and_a_checkpoint():
+    cfg = build_config("photos-auto", overrides=[f"data.path={need(HYMENOPTERA_TAR)}", "model.pretrained=none",
+                                                  "model.depth=2", "train.batch_size=16", "train.threads=1"],
+                       model_config=config_class)
+    c = clock_module.measure_clock(cfg.model, cfg.data, cfg.train, cfg.optim, 2)
+    assert set(c.augment_s) == {"light", "strong"} and 0 < c.augment_s["light"] < c.step_s * 10
+    assert c.augment_s["strong"] > c.augment_s["light"] * 0.9 and c.checkpoint_s > 0
+    assert c.step_cost("strong") == c.step_s + c.augment_s["strong"]
+
+
 def test_a_named_model_keeps_its_geometry_and_the_plan_says_what_it_set_over_it(caplog, monkeypatch):
     v = plan(HYMENOPTERA, **{"model.name": "vit_small_patch16_224"})
     # the name's input size, patch size, pooling and positions: nothing planned over them

@@ -4,8 +4,10 @@ evaluations spaced in time (``train.eval_interval``, the :class:`EvalClock` call
 
 The measurement runs a few real optimizer steps (forward, loss, backward, AdamW step) of a fresh
 copy of the planned model on a batch of the training split's own images, decoded and resized as
-the evaluation transform does, at the run's precision and thread count; its median is what the
-plan fits the schedule to. The run itself keeps measuring (``train.time_budget``:
+the evaluation transform does, at the run's precision and thread count; then the rest of a step's
+work on the batched path, the device augmentation of each tier (:data:`TIERS`) and the conversion
+to model input, and one checkpoint written and synced. What the plan fits the schedule to is a
+step with the augmentation the run will use, and an evaluation with the checkpoint after it. The run itself keeps measuring (``train.time_budget``:
 :class:`~vitflow.training.plan.budget.BudgetStop` refits the schedule as it goes), so a machine that
 slows down or speeds up later still ends the run on time.
 """
@@ -13,15 +15,19 @@ slows down or speeds up later still ends the run on time.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from vitflow.config import DataConfig, ModelConfig, OptimConfig, TrainConfig, parse_duration
 from vitflow.data import model_input
+from vitflow.data.augment.policies import BatchPolicy
+from vitflow.data.device import DevicePipeline
 from vitflow.data.sources.base import CorruptImageError
 from vitflow.data.sources.dispatch import open_training
 from vitflow.data.transforms import Preprocess, eval_transform
@@ -33,6 +39,9 @@ from vitflow.training.optim.optimizers import build_optimizer
 log = logging.getLogger(__name__)
 
 TIMED_STEPS = 5  # optimizer steps timed (per thread count) after an untimed one
+# the batched augmentation of each tier the plan chooses from (data.auto_augment, data.random_erasing), after the
+# random-resized crop and flip every tier has
+TIERS = {"light": ("none", 0.0), "strong": ("trivialaugment", 0.25)}
 MAX_PROBE_SECONDS = 8.0  # fewer timed steps when they are slow (per thread count)
 
 
@@ -49,6 +58,9 @@ class Clock:
         threads: the torch thread count of ``step_s`` (the faster one measured).
         by_threads: the median step seconds of each thread count measured.
         probe_s: wall-clock seconds the measurement took, model build included.
+        augment_s: seconds a step's batch takes through the device pipeline, by tier
+            (:data:`TIERS`: crop, flip, the tier's policy and erasing, conversion to model input).
+        checkpoint_s: seconds to write and sync one checkpoint (model and optimizer state).
     """
 
     step_s: float
@@ -58,6 +70,12 @@ class Clock:
     threads: int
     by_threads: dict[int, float]
     probe_s: float
+    augment_s: dict[str, float] = field(default_factory=dict)
+    checkpoint_s: float = 0.0
+
+    def step_cost(self, tier: str) -> float:
+        """Seconds of one training step with the augmentation of ``tier``."""
+        return self.step_s + self.augment_s.get(tier, 0.0)
 
 
 def _images(d: DataConfig, size: int, n: int) -> tuple[torch.Tensor, float]:
@@ -119,10 +137,39 @@ def measure_clock(m: ModelConfig, d: DataConfig, t: TrainConfig, o: OptimConfig,
             threads = min(medians, key=medians.get)
             torch.set_num_threads(threads)
             eval_image_s = _eval_seconds(model, x, precision, device) / len(x)
+            augment_s = {tier: _augment_seconds(raw, y, size, d, device, tier) * t.accum_steps for tier in TIERS}
+            checkpoint_s = _checkpoint_seconds(model, optimizer)
         finally:
             torch.set_num_threads(default)
     return Clock(medians[threads], eval_image_s, decode_s, precision.name, threads, medians,
-                 time.perf_counter() - started)
+                 time.perf_counter() - started, augment_s, checkpoint_s)
+
+
+def _augment_seconds(raw: torch.Tensor, y: torch.Tensor, size: int, d: DataConfig, device: torch.device,
+                     tier: str) -> float:
+    """Median seconds of the batched device pipeline of ``tier`` on the probe's ``uint8`` batch
+    ``raw`` (random-resized crop to ``size``, flip, the tier's policy and erasing, conversion to
+    model input), after an untimed call."""
+    policy, erasing = TIERS[tier]
+    pipe = DevicePipeline(device, d.mean, d.std, 0, None, d.hflip, None, resized_crop=(size, (0.25, 1.0), (3 / 4, 4 / 3)),
+                          interpolation=d.interpolation, policy=BatchPolicy(policy, erasing))
+    times = []
+    for index in range(4):
+        t0 = time.perf_counter()
+        pipe({"images": raw, "labels": y, "epoch": 0, "index": index})
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _checkpoint_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """Seconds to write one checkpoint of ``model`` and ``optimizer`` to a file and sync it."""
+    with tempfile.TemporaryFile() as f:
+        t0 = time.perf_counter()
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+        return time.perf_counter() - t0
 
 
 def _stepper(model, optimizer, x, y, precision, accum: int, smoothing: float, device: torch.device):

@@ -37,7 +37,15 @@ from vitflow.models.pretrained.hub import resolve_pretrained
 from vitflow.runtime import resolve_device
 from vitflow.training.plan.clock import Clock, measure_clock
 from vitflow.training.plan.facts import Facts
-from vitflow.training.plan.rules import budget_steps, epochs_steps, expected_steps, planned_epochs, run_rules
+from vitflow.training.plan.rules import (
+    augment_tier,
+    budget_steps,
+    epochs_steps,
+    evaluation_s,
+    expected_steps,
+    planned_epochs,
+    run_rules,
+)
 
 log = logging.getLogger(__name__)
 
@@ -260,20 +268,25 @@ def expectations(f: Facts, v: dict, profile: DataProfile) -> list[str]:
     if c is None:
         return [f"train.total_steps={v['train.total_steps']} (~{planned_epochs(f, v):.1f} epochs); the step time was "
                 "not measured"]
-    steps, eval_s, budget = expected_steps(f, v), f.eval_images * c.eval_image_s, v["train.time_budget"]
+    steps, eval_s, budget = expected_steps(f, v), evaluation_s(f), v["train.time_budget"]
+    tier = augment_tier(f, v)
+    step_s = c.step_cost(tier)
     interval = parse_duration(v["train.eval_interval"]) if v.get("train.eval_interval") else None
     every = v["train.eval_every"]
-    evals = int(steps * c.step_s / interval) if interval else (steps - 1) // every if every else 0
-    seconds = steps * c.step_s + evals * eval_s + f.final_images * c.eval_image_s
+    evals = int(steps * step_s / interval) if interval else (steps - 1) // every if every else 0
+    seconds = steps * step_s + evals * eval_s + f.final_images * c.eval_image_s + c.checkpoint_s
     if budget and budget_steps(f, v) < v["train.total_steps"]:
         seconds = parse_duration(budget)  # the budget ends the run
-    first_s = interval or (every * c.step_s if every else seconds)
-    first_step = int(interval / c.step_s) if interval else (every or steps)
+    first_s = interval or (every * step_s if every else seconds)
+    first_step = int(interval / step_s) if interval else (every or steps)
     decoded = profile.images + profile.val_images + profile.test_images
     startup = decoded * c.decode_s / max(1, os.cpu_count() or 1)
-    lines = [f"clock: {c.step_s:.3g} s a step at batch {batch} ({c.precision}, {c.threads} thread"
-             f"{'s' if c.threads > 1 else ''}: the planned model on this machine now, measured in {c.probe_s:.0f} s); "
-             f"an evaluation of {f.eval_images} images ~{eval_s:.1f} s",
+    extra = step_s - c.step_s
+    lines = [f"clock: {step_s:.3g} s a step at batch {batch} ({c.precision}, {c.threads} thread"
+             f"{'s' if c.threads > 1 else ''}: the planned model on this machine now, measured in {c.probe_s:.0f} s"
+             + (f"; {extra:.2g} s of it the {tier} device augmentation" if extra > 0 else "") + "); "
+             f"an evaluation of {f.eval_images} images ~{eval_s:.1f} s"
+             + (f" with its checkpoint ({c.checkpoint_s:.2g} s)" if c.checkpoint_s else ""),
              f"expected duration: {_minutes(seconds)} ({steps} steps, ~{planned_epochs(f, v):.1f} epochs"
              + (f", train.time_budget={budget}" if budget else "") + f"), after ~{_minutes(startup)} of start-up "
              f"(decoding {decoded} images into RAM)",
@@ -283,7 +296,7 @@ def expectations(f: Facts, v: dict, profile: DataProfile) -> list[str]:
     if budget:
         epochs, all_steps = epochs_steps(f, batch)
         return lines + [f"without a budget ({epochs} epochs, {all_steps} steps) it would take "
-                        f"~{_minutes(all_steps * c.step_s)}"]
+                        f"~{_minutes(all_steps * step_s)}"]
     for text in ("15m", "1h"):
         fitted = budget_steps(f, {**v, "train.time_budget": text, "train.eval_interval": None})
         lines.append(f"train.time_budget={text} would give {fitted} steps (~{fitted * batch / max(f.images, 1):.1f} "

@@ -184,15 +184,40 @@ def epochs_steps(f: Facts, batch: int) -> tuple[int, int]:
     return epochs, int(min(20_000, max(300, epochs * per_epoch)))
 
 
-def budget_steps(f: Facts, v: Values) -> int | None:
-    """The steps ``train.time_budget`` holds at the measured speed (``None`` without a budget or a clock)."""
+def evaluation_s(f: Facts) -> float:
+    """Seconds of one periodic evaluation and the checkpoint written after it (0 without a clock)."""
+    return f.eval_images * f.clock.eval_image_s + f.clock.checkpoint_s if f.clock else 0.0
+
+
+def _fit(f: Facts, v: Values, tier: str) -> int | None:
     budget = v["train.time_budget"]
     if not budget or f.clock is None:
         return None
     seconds = parse_duration(budget)
-    evals = evaluations(seconds, v)
-    return fit_steps(seconds, f.clock.step_s, f.eval_images * f.clock.eval_image_s, evals,
-                     f.final_images * f.clock.eval_image_s)
+    return fit_steps(seconds, f.clock.step_cost(tier), evaluation_s(f), evaluations(seconds, v),
+                     f.final_images * f.clock.eval_image_s + f.clock.checkpoint_s)
+
+
+def budget_steps(f: Facts, v: Values) -> int | None:
+    """The steps ``train.time_budget`` holds at the measured speed, each step with the augmentation
+    the run will take (:func:`augment_tier`), each evaluation with its checkpoint (``None``
+    without a budget or a clock)."""
+    return _fit(f, v, augment_tier(f, v))
+
+
+def augment_tier(f: Facts, v: Values) -> str:
+    """The device augmentation the run takes: ``strong`` (TrivialAugment and random erasing) or
+    ``light`` (crops and flips). The user's, where they set ``data.auto_augment`` or
+    ``data.random_erasing``; a fine-tune's light; else strong when :data:`LONG_EPOCHS` epochs or
+    more are expected at the strong tier's own step cost (so the tier follows the steps that will
+    really run, not those of a cheaper step)."""
+    if {"data.auto_augment", "data.random_erasing"} & f.user:
+        return "strong" if v["data.auto_augment"] != "none" or v["data.random_erasing"] > 0 else "light"
+    if f.source is not None:
+        return "light"
+    fitted = _fit(f, v, "strong")
+    steps = min(v["train.total_steps"], fitted) if fitted else v["train.total_steps"]
+    return "strong" if steps * v["train.batch_size"] / max(f.images, 1) >= LONG_EPOCHS else "light"
 
 
 def evaluations(seconds: float, v: Values) -> int:
@@ -213,7 +238,7 @@ def _total_steps(f: Facts, v: Values) -> Choice:
         return steps, f"fine-tune: {epochs} epochs of {f.images} images (they fit train.time_budget)"
     top = max(fitted + 1, int(fitted * HEADROOM))
     return top, (f"the schedule's most steps: {HEADROOM:g} x the {fitted} that fit train.time_budget="
-                 f"{v['train.time_budget']} at the measured {f.clock.step_s:.3g} s a step; the run refits its "
+                 f"{v['train.time_budget']} at the measured {f.clock.step_cost(augment_tier(f, v)):.3g} s a step; the run refits its "
                  "schedule to its own speed as it goes")
 
 
@@ -251,7 +276,7 @@ def _eval_interval(f: Facts, v: Values) -> Choice:
         return None, (f"fine-tune: its {epochs_steps(f, v['train.batch_size'])[0]} epochs fit train.time_budget="
                       f"{budget}: evaluations spaced in steps over them (see train.eval_every)")
     seconds = parse_duration(budget)
-    one = f.eval_images * f.clock.eval_image_s if f.clock else 0.0
+    one = evaluation_s(f)
     n = evaluation_count(seconds, one)
     why = (f"{n} evaluations spread over train.time_budget={budget}: the first after ~{100 / n:.0f}% of the run"
            + (f" (each ~{one:.1f} s: {n * one / seconds:.0%} of the time)" if n < EVALUATIONS else ""))
@@ -304,7 +329,7 @@ def _label_smoothing(f: Facts, v: Values) -> Choice:
 
 def _policy(f: Facts, v: Values) -> Choice:
     epochs = planned_epochs(f, v)
-    if f.source is None and epochs >= LONG_EPOCHS:
+    if augment_tier(f, v) == "strong":
         return "trivialaugment", (f"~{epochs:.0f} epochs: TrivialAugment (Muller & Hutter 2021), batched on the device, "
                                   "against overfitting a long run")
     return "none", f"~{epochs:.0f} epochs: no augmentation policy (it slows learning in short runs)"
@@ -312,7 +337,7 @@ def _policy(f: Facts, v: Values) -> Choice:
 
 def _erasing(f: Facts, v: Values) -> Choice:
     epochs = planned_epochs(f, v)
-    if f.source is None and epochs >= LONG_EPOCHS:
+    if augment_tier(f, v) == "strong":
         return 0.25, f"~{epochs:.0f} epochs: random erasing p=0.25 (Zhong et al. 2020; DeiT's), batched on the device"
     return 0.0, f"~{epochs:.0f} epochs: no random erasing"
 
