@@ -168,7 +168,7 @@ def planned_config(overrides: list[str], checks, preset: str | None = None) -> C
         FileNotFoundError, ValueError: an unreadable ``model.pretrained``.
     """
     user = {o.split("=", 1)[0].strip() for o in overrides}
-    overrides, _ = with_backbone(overrides, preset)
+    overrides = with_backbone(overrides, preset)
     source = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip() == "model.pretrained"]
     preset = preset or (FINETUNE_PRESET if source and source[-1].lower() not in ("none", "null", "") else PHOTO_PRESET)
     base = build_config(preset, overrides=overrides, checks=checks, model_config=config_class)
@@ -220,24 +220,24 @@ def against_named(name: str | None, key: str, value) -> str:
     return "" if alone == value else f"  [model.name={name} alone: {_shown(alone)}]"
 
 
-def with_backbone(overrides: list[str], preset: str | None) -> tuple[list[str], bool]:
+def with_backbone(overrides: list[str], preset: str | None) -> list[str]:
     """``overrides`` with ``model.pretrained=auto`` (the user's, or the photo preset's default)
     replaced by the backbone :func:`~vitflow.models.pretrained.backbones.choose_backbone` finds
-    (``hf-hub:REPO``, logged with how it was had) or by ``none`` after the one line saying why and
-    how to get one; and whether a backbone was found. Other values are left as they are."""
+    (``hf-hub:REPO@COMMIT``, logged with how it was had) or by ``none`` after the one line saying
+    why and how to get one. Other values are left as they are."""
     keys = {o.split("=", 1)[0].strip(): o.split("=", 1)[1].strip() for o in overrides if "=" in o}
     value = keys.get("model.pretrained", "auto" if preset in (None, PHOTO_PRESET) else None)
     if value != "auto":
-        return overrides, False
+        return overrides
     named = keys.get("model.name")
     rest = [o for o in overrides if o.split("=", 1)[0].strip() != "model.pretrained"]
     spec, backbone, how = choose_backbone(resolve_device(keys.get("train.device", "auto")).type,
                                           named if named not in (None, "auto") else None)
     if backbone is None:
         log.warning("%s", MESSAGES["no_backbone"].format(why=how, hub=BACKBONES[0].hub))
-        return rest + ["model.pretrained=none"], False
+        return rest + ["model.pretrained=none"]
     log.info("plan: model.pretrained=%s  (a pretrained backbone: %s; %s)", spec, backbone.what, how)
-    return rest + [f"model.pretrained={spec}"], True
+    return rest + [f"model.pretrained={spec}"]
 
 
 def _family_keys(planned: list, m: ModelConfig) -> list:
