@@ -109,7 +109,8 @@ def main() -> None:
     trees = dict(t.split("=", 1) for t in args.tree)
     results = Path(args.results)
     results.parent.mkdir(parents=True, exist_ok=True)
-    print(f"CPU flags: {cpu_flags()}; {os.cpu_count()} cores; budget {args.budget}; seeds {args.seeds}", flush=True)
+    if not args.table_only:
+        print(f"CPU flags: {cpu_flags()}; {os.cpu_count()} cores; budget {args.budget}; seeds {args.seeds}", flush=True)
     for seed in ([] if args.table_only else args.seeds):  # seed-major: a partial suite has every folder once
         for entry in entries:
             for label, tree in trees.items():
@@ -127,7 +128,9 @@ def main() -> None:
                     f.write(json.dumps(r) + "\n")
                 print(f"{label} {entry['name']} seed {seed}: top-1 {_top1(r):.2%}, {r['steps']} steps, "
                       f"took/stated {r.get('ratio_to_expected')}", flush=True)
-    rows = [r for r in _read(results) if r["budget"] == args.budget]
+    rows = [r for r in _read(results) if r["budget"] == args.budget and r["label"] in trees]
+    print(f"budget {args.budget}; CPU flags of the runs: {', '.join(sorted({r.get('cpu', '?') for r in rows}))}; "
+          f"seeds {sorted({r['seed'] for r in rows})}")
     print(table(rows, list(trees), [e["name"] for e in entries]))
 
 

@@ -96,10 +96,14 @@ def measure(tree: Path, data: str, run: Path, overrides: list[str], stop_after: 
     end = max(r["time"] for r in records)
     evals = [r for r in records if r["kind"] == "eval"]
     ckpts = sorted((run / "checkpoints").glob("step-*.pt"))
-    val = _eval(tree, str(ckpts[-1]), env, ["data.test_split=none"])
     test = _eval(tree, str(ckpts[-1]), env, []) if _has_test(data) else {}
+    try:
+        val = _eval(tree, str(ckpts[-1]), env, ["data.test_split=none"])
+    except subprocess.CalledProcessError:  # no validation split (CIFAR-10's tar: train and test)
+        val = {}
     r = {"data": data, "tree": str(tree), "exit": code, "wall_s": round(wall, 1), "load_start": load0,
-         "load_end": load1, "steps": val["step"], "val_top1": val["val_top1"], "test_top1": test.get("test_top1"),
+         "load_end": load1, "steps": (val or test)["step"], "val_top1": val.get("val_top1"),
+         "test_top1": test.get("test_top1"),
          "val_macro_f1": val.get("val_macro_f1"), "test_macro_f1": test.get("test_macro_f1"),
          "training_s": round(end - start["time"], 1),
          "first_eval_s": round(evals[0]["time"] - start["time"], 1) if evals else None}
@@ -143,7 +147,8 @@ def main() -> None:
     run = Path(args.run_dir or tempfile.mkdtemp(prefix="photos-budget-")) / "run"
     r = measure(tree, data, run, args.overrides, args.stop_after)
     found, evals = "expected_s" in r, r["first_eval_s"] is not None
-    print(f"{data} ({tree.name}): exit {r['exit']}, {r['steps']} steps, val top-1 {r['val_top1']:.2%}"
+    print(f"{data} ({tree.name}): exit {r['exit']}, {r['steps']} steps"
+          + (f", val top-1 {r['val_top1']:.2%}" if r["val_top1"] is not None else "")
           + (f", test top-1 {r['test_top1']:.2%}" if r["test_top1"] is not None else "")
           + (f"; expected {r['expected_s']:.0f} s + {r['startup_expected_s']:.0f} s start-up, took "
              f"{r['after_expectation_s']:.0f} s after that line ({r['ratio_to_expected']:.2f}x)" if found else "")
