@@ -55,18 +55,18 @@ def resampled_counts(confusion: np.ndarray, draws: int = DRAWS, seed: int = 0,
             yield cells.sum(axis=2), cells.sum(axis=1), np.diagonal(cells, axis1=1, axis2=2)
         return
     true, pred = np.divmod(np.repeat(np.arange(c * c), m.ravel()), c)  # one (true, predicted) pair per image
+    hit = true == pred
     step = max(1, chunk_cells // max(n, 1))
     for start in range(0, draws, step):
         k = min(step, draws - start)
         idx = rng.integers(0, n, size=(k, n))
         offset = (np.arange(k) * c)[:, None]
-        is_hit = (true == pred)[idx]
+        drawn_true = true[idx] + offset
 
-        def count(labels: np.ndarray, keep: np.ndarray | None = None) -> np.ndarray:
-            flat = labels + offset
-            return np.bincount(flat.ravel() if keep is None else flat[keep], minlength=k * c).reshape(k, c)
+        def count(flat: np.ndarray) -> np.ndarray:
+            return np.bincount(flat, minlength=k * c).reshape(k, c)
 
-        yield count(true[idx]), count(pred[idx]), count(true[idx], is_hit)
+        yield count(drawn_true.ravel()), count((pred[idx] + offset).ravel()), count(drawn_true[hit[idx]])
 
 
 def bootstrap(confusion: np.ndarray, statistic: Statistic, draws: int = DRAWS, seed: int = 0,

@@ -28,24 +28,23 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 @dataclass(frozen=True)
 class Backbone:
     """One pretrained backbone: its hub repository (``timm/NAME.TAG``), the vitflow variant it
-    builds, its forward GFLOPs at its input size (``img_size`` pixels) and what it was trained on."""
+    builds, its forward GFLOPs at the input size of its weights and what it was trained on."""
 
     hub: str
     name: str
     gflops: float
-    img_size: int
     what: str
 
 
 BACKBONES: tuple[Backbone, ...] = (
-    Backbone("timm/vit_tiny_patch16_224.augreg_in21k_ft_in1k", "vit_tiny_patch16_224", 1.3, 224,
+    Backbone("timm/vit_tiny_patch16_224.augreg_in21k_ft_in1k", "vit_tiny_patch16_224", 1.3,
              "ViT-Ti/16, ImageNet-21k then ImageNet-1k with AugReg (Steiner et al. 2022)"),
-    Backbone("timm/deit3_small_patch16_224.fb_in22k_ft_in1k", "deit3_small_patch16_224", 4.6, 224,
+    Backbone("timm/deit3_small_patch16_224.fb_in22k_ft_in1k", "deit3_small_patch16_224", 4.6,
              "DeiT III-S/16, ImageNet-21k then ImageNet-1k (Touvron et al. 2022)"),
-    Backbone("timm/vit_small_patch16_224.augreg_in21k_ft_in1k", "vit_small_patch16_224", 4.6, 224,
+    Backbone("timm/vit_small_patch16_224.augreg_in21k_ft_in1k", "vit_small_patch16_224", 4.6,
              "ViT-S/16, ImageNet-21k then ImageNet-1k with AugReg (Steiner et al. 2022)"),
-    Backbone("timm/mvitv2_tiny.fb_in1k", "mvitv2_tiny", 4.7, 224, "MViTv2-T, ImageNet-1k (Li et al. 2022)"),
-    Backbone("timm/vit_small_patch14_dinov2.lvd142m", "vit_small_patch14_dinov2", 46.8, 518,
+    Backbone("timm/mvitv2_tiny.fb_in1k", "mvitv2_tiny", 4.7, "MViTv2-T, ImageNet-1k (Li et al. 2022)"),
+    Backbone("timm/vit_small_patch14_dinov2.lvd142m", "vit_small_patch14_dinov2", 46.8,
              "DINOv2 ViT-S/14, self-supervised on LVD-142M (Oquab et al. 2023)"),
 )
 

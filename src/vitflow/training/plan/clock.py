@@ -39,10 +39,10 @@ from vitflow.training.optim.optimizers import build_optimizer
 log = logging.getLogger(__name__)
 
 TIMED_STEPS = 5  # optimizer steps timed (per thread count) after an untimed one
+MAX_PROBE_SECONDS = 8.0  # fewer timed steps when they are slow (per thread count)
 # the batched augmentation of each tier the plan chooses from (data.auto_augment, data.random_erasing), after the
 # random-resized crop and flip every tier has
 TIERS = {"light": ("none", 0.0), "strong": ("trivialaugment", 0.25)}
-MAX_PROBE_SECONDS = 8.0  # fewer timed steps when they are slow (per thread count)
 
 
 @dataclass(frozen=True)
