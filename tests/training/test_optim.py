@@ -149,3 +149,23 @@ def test_ema_update_math_with_and_without_warmup():
     again = ModelEMA(model, 0.9)
     again.load_state_dict(ema.state_dict())
     assert again.updates == 6 and torch.equal(again.module[0].weight, ema.module[0].weight)
+
+
+def test_fitted_schedule_inside_the_warmup_is_said_once(caplog):
+    """A time budget refits the schedule's length many times; a length inside the warmup is said
+    once per run (a loaded machine printed it at every refit), and not for a length past the warmup."""
+    from vitflow.training.plan.budget import ProgressiveResizing, TimeBudget
+    from vitflow.training.scale.distributed import DistEnv
+
+    cfg = build_config("cifar10-vit-tiny", overrides=["optim.lr=1e-3", "optim.warmup_steps=50"]).optim
+    sched = build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3), cfg, 1000)
+    budget = TimeBudget(60.0, 0.0, ProgressiveResizing(None, 224, (0.0, 0.5), 16, 1), cfg)
+    fits = iter([200, 27, 29, 27, 31, 400])
+    budget.fit = lambda step, max_total: next(fits)
+    with caplog.at_level("WARNING", logger="vitflow"):
+        for _ in range(6):
+            budget.refit(sched, 5, 100000, DistEnv(), lambda: 0.1)
+    assert sched.lr_lambdas[0].total_steps == 400
+    said = [r.getMessage() for r in caplog.records if "inside the warmup" in r.getMessage()]
+    assert said == ["optim.warmup_steps=50 is not below the time budget's fitted schedule (27 steps): the run ends "
+                    "inside the warmup, at 0.54 of the peak lr 0.001"]

@@ -77,6 +77,7 @@ class TimeBudget:
         self.cost = 0.0  # full-resolution step units since the first step
         self.eval_seconds: float | None = None
         self.probe_seconds = 0.0
+        self.warned_warmup = False  # the long-warmup warning is said once, not at every refit
 
     def step_done(self, cost: float) -> None:
         """Record a finished step of ``cost`` units (its :meth:`ProgressiveResizing.step_cost`)."""
@@ -128,8 +129,9 @@ class TimeBudget:
         if fit is not None and abs(fit - total) > 0.01 * total:
             set_total_steps(scheduler, fit)
             log.info("time budget: schedule set to %d steps", fit)
-            if dist.is_main:
+            if dist.is_main and not self.warned_warmup and fit <= self.optim.warmup_steps:
                 warn_long_warmup(self.optim, fit, "the time budget's fitted schedule")
+                self.warned_warmup = True
 
 
 class BudgetStop(Callback):
