@@ -28,7 +28,7 @@ from vitflow.runtime import Precision
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Precision, pp: Preprocess,
              skips: SkipReport | None = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-             num_classes: int | None = None) -> dict[str, Any]:
+             num_classes: int | None = None, hits: list[torch.Tensor] | None = None) -> dict[str, Any]:
     """One pass over ``loader`` in eval mode.
 
     Args:
@@ -37,6 +37,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
         reduce: sums a tensor over the ranks of a distributed evaluation (each rank passing a
             loader over its own shard), e.g. :meth:`vitflow.training.scale.distributed.DistEnv.all_reduce_sum`.
         num_classes: the model's class count (default: the logits' width).
+        hits: gets, per batch, whether each image's top-1 was right (``bool (B,)``, CPU, in order).
     Returns:
         ``{"loss": mean cross-entropy (no smoothing), "top1": fraction, "top5": fraction (only for 6
         classes or more: :func:`vitflow.metrics.meaningful`),
@@ -75,6 +76,8 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: Pr
         extra.add(logits, y)
         totals[0] += float(torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum"))
         c1, c5 = topk_correct(logits, y)
+        if hits is not None:
+            hits.append((logits.argmax(dim=1) == y).cpu())
         totals[1:4] += torch.tensor([c1, c5, len(y)], dtype=torch.float64)
     model.train(was_training)
     if reduce is not None:

@@ -30,6 +30,7 @@ EVALS = "evals"  # vitflow eval's results of this run's checkpoints
 SAMPLES = "samples"
 CHECKPOINTS = "checkpoints"
 BEST = "best.pt"
+RACE = "race/race.json"  # a planned run's race: what each candidate reached, the winner and why
 STEP_FILE = re.compile(r"^step-(\d{8})\.pt$")  # a complete checkpoint of a step
 
 

@@ -137,6 +137,7 @@ ALTERNATIVES = {  # a value the user might set for every key the plan sets
     "train.total_steps": 300, "optim.warmup_steps": 7, "train.eval_every": 50, "train.checkpoint_every": 100,
     "data.train_augment": "pad_crop", "data.scale": (0.5, 1.0), "train.label_smoothing": 0.2,
     "data.auto_augment": "randaugment", "data.random_erasing": 0.5, "data.mixup_alpha": 0.2, "data.cutmix_alpha": 0.5,
+    "train.race": "none",
 }
 
 

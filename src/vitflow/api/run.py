@@ -22,7 +22,7 @@ from vitflow.evaluation import split_results
 from vitflow.infer.tta import check_export_tta
 from vitflow.rundir import CONFIG, EVAL, METRICS, is_run_dir, read_metrics
 from vitflow.training.callbacks import Callback
-from vitflow.training.loop import train as train_loop
+from vitflow.training.race import train as train_loop
 
 log = logging.getLogger("vitflow")
 

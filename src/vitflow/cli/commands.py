@@ -65,6 +65,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     for role, result in by_split.items():
         print(f"{role} {headline(result)}")
     print(f"({r['step']} steps, {r['elapsed_s']:.0f} s, {r['train_images_per_s']:.0f} img/s)")
+    if r.get("race"):
+        print(f"race: {r['race']['winner']} won ({r['race']['why']}); the candidates: {r['run_dir']}/race")
     held_out = sum(result.get("skipped", 0) for result in by_split.values())
     if r["skipped_images"] or held_out:
         print(f"skipped unreadable images: {r['skipped_images']} in training, {held_out} in the final "

@@ -84,6 +84,9 @@ class TrainConfig:
     # a planned run (vitflow train data.path=PHOTOS) on a CPU given neither train.time_budget nor train.total_steps
     # is fitted to this budget; none = train the planned epochs however long they take
     default_budget: str | None = "15m"
+    # a planned run's race: model names (comma-separated) each planned and trained on this data, halved by their
+    # validation top-1 (successive halving) inside train.time_budget, the winner continued; none = no race
+    race: str = "none"
     label_smoothing: float = 0.1  # Szegedy et al. 2016; applied once, also to Mixup/CutMix targets (multiclass)
     # auto: cross_entropy (multiclass) or bce (multilabel); asl: asymmetric loss (Ridnik et al. 2021, multilabel)
     loss: Literal["auto", "cross_entropy", "bce", "asl"] = "auto"

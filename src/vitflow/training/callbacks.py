@@ -7,7 +7,7 @@ records (:class:`vitflow.training.track.records.ProgressLog`), the time budget
 (:class:`vitflow.training.run.preempt.Preemption`), the best checkpoint and early stopping
 (:class:`vitflow.training.track.selection.Selection`), the MLflow / W&B trackers
 (:class:`vitflow.training.track.trackers.Trackers`) and the live report (:class:`LiveReport`). A user's
-callback is the same kind of object, given to :func:`vitflow.training.loop.train` (or
+callback is the same kind of object, given to :func:`vitflow.training.race.train` (or
 ``vitflow.train(..., callbacks=[...])``): the interface follows Lightning's ``Callback`` and
 Hugging Face's ``TrainerCallback``, reduced to what a vitflow run has.
 

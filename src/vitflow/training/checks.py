@@ -5,16 +5,17 @@ and the Python API (``vitflow.train``, ``vitflow.Config``) both pass."""
 
 from __future__ import annotations
 
-from vitflow.config import TrainConfig
+from vitflow.config import ConfigError, TrainConfig
 from vitflow.data import check_config as check_data_config
 from vitflow.models import check_config as check_model_config
+from vitflow.models import list_models
 from vitflow.training.track.selection import check_config as check_selection
 from vitflow.training.track.trackers import check_trackers
 
 
 def check_config(t: TrainConfig) -> None:
     """The metrics ``train.keep_best`` / ``train.early_stopping_metric`` name (the metric table's
-    scores after a split prefix) and the trackers' packages.
+    scores after a split prefix), the trackers' packages and the race's models.
 
     Raises:
         ConfigError: an unknown metric (naming the key, the known ones and an example);
@@ -22,6 +23,22 @@ def check_config(t: TrainConfig) -> None:
     """
     check_selection(t)
     check_trackers(t)
+    check_race(t)
+
+
+def check_race(t: TrainConfig) -> None:
+    """``train.race``: ``none`` or at least two registered model names (``vitflow models``).
+
+    Raises:
+        ConfigError: one name, or a name that is not a model, naming it.
+    """
+    if t.race == "none":
+        return
+    names, known = [n.strip() for n in t.race.split(",")], set(list_models())
+    unknown = [n for n in names if n not in known]
+    if unknown or len(set(names)) < 2:
+        raise ConfigError(f"train.race={t.race}: " + (f"{', '.join(unknown)} is not a model (vitflow models)" if unknown
+                          else "a race needs two model names or more (or none)"), "train.race")
 
 
 # the layers' config checks, run by every command (and every Python call) that builds a config

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -26,7 +26,7 @@ from vitflow.data.sources.evals import open_evals
 from vitflow.models import model_kwargs
 from vitflow.models.pretrained.config import apply_pretrained
 from vitflow.runtime import settled_heap
-from vitflow.training.callbacks import Callback, CallbackList, LiveReport, StepOutput
+from vitflow.training.callbacks import Callback, CallbackList, StepOutput
 from vitflow.training.normalize import open_run_datasets
 from vitflow.training.optim.schedules import schedule_of
 from vitflow.training.plan.budget import ProgressiveResizing
@@ -244,10 +244,3 @@ class Trainer:
         path = write_checkpoint(self, records, best)
         self.callbacks.call("on_checkpoint", self, path)
         return path
-
-def train(cfg: Config, on_eval: Callable[[Path], Any] | None = None, callbacks: Sequence[Callback] = ()
-          ) -> dict[str, Any]:
-    """Build a :class:`Trainer` for ``cfg`` and run it; returns :meth:`Trainer.fit`'s summary.
-    ``on_eval(run_dir)`` runs on rank 0 after every evaluation (the CLI's live report);
-    ``callbacks``: user :class:`~vitflow.training.callbacks.Callback` objects."""
-    return Trainer(cfg, ([LiveReport(on_eval)] if on_eval else []) + list(callbacks)).fit()

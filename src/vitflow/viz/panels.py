@@ -1,14 +1,18 @@
-"""Small report panels: the run's status line (running / finished / interrupted), the attention
-maps of one of the run's held-out sample images, labelled with what they show, and the samples
-themselves with what the newest checkpoint predicts for them."""
+"""Small report panels: the run's status line (running / finished / interrupted), the race of a
+planned run (what each candidate reached, the winner and why), the attention maps of one of the
+run's held-out sample images, labelled with what they show, and the samples themselves with what
+the newest checkpoint predicts for them."""
 
 from __future__ import annotations
 
 import base64
 import html
+import json
 import logging
 from pathlib import Path
 from typing import Any
+
+from vitflow.rundir import RACE
 
 log = logging.getLogger(__name__)
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
@@ -23,6 +27,27 @@ def status_line(final: dict[str, Any]) -> str:
     what = ("Run in progress (or stopped without a summary)" if status == "incomplete" else f"Run {status}")
     return (f"<p class=sub><b>{html.escape(what)}</b>: figures so far, up to step {step}. This page is rewritten "
             "after every evaluation; refresh to update.</p>")
+
+
+def race_panel(run: Path) -> str:
+    """An HTML section: each candidate of the run's race with its validation top-1 (and 95%
+    interval), steps and training seconds after each rung, then the winner and why; empty text for
+    a run without a race."""
+    try:
+        r = json.loads((Path(run) / RACE).read_text())
+    except (OSError, ValueError):
+        return ""
+    rungs = max(len(v) for v in r["candidates"].values())
+    head = "".join(f"<th>rung {k + 1}</th>" for k in range(rungs))
+    rows = []
+    for name, done in r["candidates"].items():
+        cells = "".join(f"<td>{100 * x['top1']:.1f}% [{100 * x['top1_ci95'][0]:.1f}-{100 * x['top1_ci95'][1]:.1f}]"
+                        f"<br><span class=sub>{x['steps']} steps, {x['seconds']:.0f} s</span></td>" for x in done)
+        mark = " (winner)" if name == r["winner"] else ""
+        rows.append(f"<tr><td>{html.escape(name)}{mark}</td>{cells}{'<td>-</td>' * (rungs - len(done))}</tr>")
+    return (f"<h2>Race</h2><p>Candidates trained on this data and halved by validation top-1 in "
+            f"{r['race_s']:.0f} s of the {r['budget_s']:.0f} s budget: {html.escape(r['why'])}.</p>"
+            f"<table><tr><th>model</th>{head}</tr>{''.join(rows)}</table>")
 
 
 def attention_panel(run: Path, out: Path, checkpoint: str | Path | None = None) -> str:

@@ -54,6 +54,7 @@ def _variants() -> dict[str, dict[str, Any]]:
     out.update({f"mvitv2_{s}_cls": dict(_BASE, depths=d, class_token=True, **kw) for s, (d, kw) in _CLS.items()})
     out["mvit_v2_s"] = dict(out["mvitv2_small_cls"], stride_kv_adaptive=8, residual_pooling="grid")
     out["mvitv2_cifar_32"] = dict(CIFAR)
+    out["mvitv2_compact_64"] = dict(CIFAR, img_size=64, patch_size=4, patch_kernel=7)
     return out
 
 

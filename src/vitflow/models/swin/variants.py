@@ -5,7 +5,9 @@ names and configurations; its ``model`` section is :class:`vitflow.config.SwinCo
 - Swin V2 (Liu et al. 2022): timm's ``swinv2_*`` (window 8 / 16 at 256 px, window 12 at 192,
   the ``12to16`` / ``12to24`` fine-tunes with V2's pretrained window sizes);
 - ``swin_cifar_patch2_window4_32``: 32x32 inputs (CIFAR), patch 2 (a 16x16 grid), window 4,
-  width 96, depths (2, 2, 2) over three stages (16x16, 8x8, 4x4 grids).
+  width 96, depths (2, 2, 2) over three stages (16x16, 8x8, 4x4 grids);
+- ``swin_compact_patch4_window4_64``: the same for 64-px photos on a CPU (the plan's race), patch 4
+  (the same grids).
 
 Depths and heads are per stage in a Swin: ``model.depths`` / ``model.num_heads`` take one number
 per stage (``model.depths=2,2,6,2``), as :func:`vitflow.create_model`'s ``depths`` / ``num_heads``.
@@ -54,6 +56,8 @@ def _variants() -> dict[str, dict[str, Any]]:
     # 32x32 inputs (CIFAR): patch 2 -> 16x16, 8x8, 4x4 grids; window 4 shifts in every stage
     out["swin_cifar_patch2_window4_32"] = dict(img_size=32, patch_size=2, window_size=4, embed_dim=96,
                                                depths=(2, 2, 2), num_heads=(3, 6, 12), mlp_ratio=2.0)
+    # the same for 64-px photos on a CPU (the plan's race): patch 4 -> the same 16x16, 8x8, 4x4 grids
+    out["swin_compact_patch4_window4_64"] = dict(out["swin_cifar_patch2_window4_32"], img_size=64, patch_size=4)
     return out
 
 

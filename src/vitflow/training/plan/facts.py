@@ -18,8 +18,9 @@ class Facts:
     median ``short_side`` in pixels, and whether every sampled image has one size ``uniform``),
     the device kind (``cpu`` / ``cuda``), the family of a model the user named (``vit`` otherwise),
     the pretrained source's architecture (``source``: ``(origin, model name, model kwargs)``; the
-    name ``None`` for bare weights without a ``model.name``) for a fine-tune, the evaluated images (``eval_images``: the validation split, ``final_images``:
-    every split evaluated at the end), the measured :class:`~vitflow.training.plan.clock.Clock` (phase 1),
+    name ``None`` for bare weights without a ``model.name``) for a fine-tune, the evaluated images
+    (``eval_images``: the split monitored during training, ``final_images``: every split evaluated
+    at the end, ``val_images``: the validation split's, 0 without one), the measured :class:`~vitflow.training.plan.clock.Clock` (phase 1),
     the keys the user set and the model the user named (``named``: its ``model.name``, whose
     architecture the plan keeps)."""
 
@@ -32,6 +33,7 @@ class Facts:
     source: tuple[str, str, dict[str, Any]] | None = None
     eval_images: int = 0
     final_images: int = 0
+    val_images: int = 0
     clock: Clock | None = None
     user: frozenset[str] = field(default_factory=frozenset)
     named: str | None = None

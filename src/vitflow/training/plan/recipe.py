@@ -18,6 +18,7 @@ are far above what the images hold.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 
@@ -29,6 +30,7 @@ from vitflow.config.messages import MESSAGES
 from vitflow.data import DataError
 from vitflow.data.remote.fs import configure_from as configure_remote
 from vitflow.data.sources.dispatch import open_split, open_training, resolve_eval_splits
+from vitflow.data.sources.splits import parse_split
 from vitflow.data.sources.table import reads_path
 from vitflow.models import config_class, family_of, model_kwargs
 from vitflow.models.pretrained.backbones import BACKBONES, choose_backbone
@@ -52,6 +54,7 @@ log = logging.getLogger(__name__)
 PHOTO_PRESET = "photos-auto"
 FINETUNE_PRESET = "finetune"
 SAMPLE = 64  # images whose headers give the typical size
+HELD_OUT, MAX_HELD_OUT, MIN_HOLDING = 0.1, 2000, 300  # data without a validation split: the share held out of train
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +143,8 @@ def make_facts(m: ModelConfig, device: str, profile: DataProfile, user: set[str]
     named = m.name if "model.name" in user and m.name != "auto" and not source else None
     return Facts(profile.images, profile.classes, profile.short_side, profile.uniform,
                  resolve_device(device).type, family, source, eval_images=monitored,
-                 final_images=profile.val_images + profile.test_images, user=frozenset(user), named=named)
+                 final_images=profile.val_images + profile.test_images, val_images=profile.val_images,
+                 user=frozenset(user), named=named)
 
 
 def _measure(preset: str, planned: list, overrides: list[str], checks, classes: int) -> Clock | None:
@@ -176,8 +180,12 @@ def planned_config(overrides: list[str], checks, preset: str | None = None) -> C
     log.info("plan: %d training images of %d classes, median %dx%d px; %d validation and %d test images",
              profile.images, profile.classes, profile.long_side, profile.short_side, profile.val_images,
              profile.test_images)
+    held = held_out_count(profile, base.data, user)
+    held_out = held_out_keys(base.data.train_split, held, profile.images) if held else []
+    profile = dataclasses.replace(profile, images=profile.images - held, val_images=profile.val_images + held)
     facts, values = make_facts(base.model, base.train.device, profile, user), flatten(base.to_dict())
-    planned = _family_keys(run_rules(facts, values, 0), base.model)
+    values.update({k: v for k, v, _ in held_out})
+    planned = held_out + _family_keys(run_rules(facts, values, 0), base.model)
     clock = _measure(preset, planned, overrides, checks, profile.classes)
     facts = dataclasses.replace(facts, clock=clock)
     planned += _family_keys(run_rules(facts, values, 1), base.model)
@@ -192,7 +200,50 @@ def planned_config(overrides: list[str], checks, preset: str | None = None) -> C
     for warning in size_warnings(cfg.model, cfg.train.device, profile):
         log.warning("%s", warning)
     log.info("resolved config (save it and pass --config FILE to repeat the run):\n%s", to_yaml(cfg).rstrip())
+    if cfg.train.race != "none":  # each other candidate is planned when the race starts (its clock measured then)
+        threads = [f"train.threads={clock.threads}"] if clock and "train.threads" not in user else []
+        cfg.plan_candidate = functools.partial(plan_candidate, overrides + threads, checks, preset)  # type: ignore
     return cfg
+
+
+def plan_candidate(overrides: list[str], checks, preset: str | None, name: str) -> Config:
+    """The planned config of the race's candidate model ``name``: :func:`planned_config` of the
+    run's ``overrides`` (the backbone already resolved, the plan's thread count) with
+    ``model.name=name`` and no race of its own; its own clock measured, its lines quiet (warnings
+    still said).
+
+    Raises:
+        as :func:`planned_config`.
+    """
+    quiet = logging.getLogger("vitflow.training.plan")
+    level = quiet.level
+    quiet.setLevel(max(logging.WARNING, quiet.getEffectiveLevel()))
+    try:
+        return planned_config([*overrides, f"model.name={name}", "train.race=none"], checks, preset)
+    finally:
+        quiet.setLevel(level)
+
+
+def held_out_count(profile: DataProfile, d: DataConfig, user: set[str]) -> int:
+    """Training images to hold out as the validation split: :data:`HELD_OUT` of them (at most
+    :data:`MAX_HELD_OUT`) when the data has no validation split and :data:`MIN_HOLDING` training
+    images or more, so that checkpoints, early stopping and the race are chosen on them, never on
+    the test split; 0 when the user set ``data.train_split`` or ``data.val_split``, or the training
+    split is already a slice."""
+    if (profile.val_images or profile.images < MIN_HOLDING or {"data.train_split", "data.val_split"} & user
+            or parse_split(d.train_split).sliced):
+        return 0
+    return min(MAX_HELD_OUT, round(profile.images * HELD_OUT))
+
+
+def held_out_keys(train_split: str, k: int, images: int) -> list[tuple[str, str, str]]:
+    """``(key, value, why)`` of the slices holding the last ``k`` of the ``images`` of
+    ``train_split`` out (a slice is a fixed pseudo-random draw: each class in about its share)."""
+    name = train_split.strip()
+    why = (f"the data has no validation split: {k} of the {images} training images held out to choose on "
+           "(checkpoints, the race), so the test split chooses nothing")
+    return [("data.train_split", f"{name}[:-{k}]", f"the training images but the {k} held out"),
+            ("data.val_split", f"{name}[-{k}:]", why)]
 
 
 def named_geometry(name: str, m: ModelConfig) -> str:

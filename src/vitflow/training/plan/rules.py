@@ -19,6 +19,7 @@ from vitflow.config import parse_duration
 from vitflow.data.cache import photo_cache_size
 from vitflow.training.plan.clock import EVALUATIONS, evaluation_count, fit_steps
 from vitflow.training.plan.facts import Facts, Values, input_size
+from vitflow.training.plan.rivals import race_choice
 
 Choice = tuple[Any, str] | None  # (value, why), or None: the rule leaves the key alone
 
@@ -375,6 +376,7 @@ RULES: tuple[Rule, ...] = (
     Rule("data.random_erasing", ("train.total_steps", "train.batch_size"), _erasing, 1),
     Rule("data.mixup_alpha", ("train.total_steps", "train.batch_size"), lambda f, v: _mix(f, v, 0.8, "Mixup alpha 0.8"), 1),
     Rule("data.cutmix_alpha", ("train.total_steps", "train.batch_size"), lambda f, v: _mix(f, v, 1.0, "CutMix alpha 1.0"), 1),
+    Rule("train.race", ("model.name", "train.time_budget"), race_choice, 1),
 )
 
 

@@ -106,7 +106,8 @@ def interrupted_end(trainer) -> dict:
     summary = {"interrupted": trainer.interrupted, "step": trainer.step, "run_dir": str(trainer.run_dir),
                "checkpoint": str(path), "elapsed_s": time.perf_counter() - trainer.started}
     trainer.metrics.write("interrupted", **summary)
-    log.warning("%s: checkpoint %s written at step %d; continue with: vitflow resume %s", trainer.interrupted, path,
-                trainer.step, trainer.run_dir)
+    said = log.warning if trainer.interrupted.startswith("SIG") else log.debug  # a signal, or a pause (a race's rung)
+    said("%s: checkpoint %s written at step %d; continue with: vitflow resume %s", trainer.interrupted, path,
+         trainer.step, trainer.run_dir)
     after_checkpoint(trainer.interrupted, trainer.dist.is_main)  # SIGUSR1 under Slurm: requeue the job
     return summary

@@ -1,0 +1,133 @@
+"""The race of a planned run (``train.race``): successive halving's rungs and their share of the
+budget, the winner called only where the paired interval separates it (else the cheaper one), the
+plan's rule (raced families, no race without a budget, a validation split or the time for a rung),
+the validation split held out of data without one, and a real race on the hymenoptera photos: the
+candidates trained and halved, the winner's folder continued as the run within what is left of the
+budget, the record and the report's section."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_plan import CLOCK, HYMENOPTERA, plan
+
+from helpers import HYMENOPTERA_TAR, cifar_subset, need
+from vitflow.cli.commands import CONFIG_CHECKS
+from vitflow.config import ConfigError, build_config
+from vitflow.training import train
+from vitflow.training.plan.recipe import planned_config
+from vitflow.training.plan.rivals import RACE_SHARE, halving, rung_seconds
+from vitflow.training.plan.rules import run_rules
+from vitflow.training.race import Entrant, decide
+
+PHOTOS = dataclasses.replace(HYMENOPTERA, val_images=153)
+FAMILIES = "vit_compact_patch8_64,mvitv2_compact_64,swin_compact_patch4_window4_64"
+
+
+@pytest.mark.parametrize("n,counts", [(2, [2]), (3, [3, 2]), (4, [4, 2]), (5, [5, 3, 2]), (8, [8, 4, 2])])
+def test_halving_keeps_the_better_half_until_two_and_the_losers_get_the_race_share(n, counts):
+    assert halving(n) == counts
+    rung = rung_seconds(300, n)
+    losers = (sum(counts) - len(counts)) * rung  # every rung's candidates but the one that goes on
+    assert losers == pytest.approx(RACE_SHARE * 300)
+    assert rung_seconds(300, 3) == pytest.approx(20.0)
+
+
+def _entrant(name: str, hits: np.ndarray, images_per_s: float) -> Entrant:
+    return Entrant(name, None, Path(name), seconds=10.0, images=int(images_per_s * 10), hits=hits)
+
+
+def test_the_winner_is_called_only_where_the_paired_interval_separates_it():
+    rng = np.random.default_rng(0)
+    base = rng.random(400) < 0.6
+    better = base.copy()
+    better[np.flatnonzero(~base)[:40]] = True  # right on 40 more images, wrong on none the other gets
+    winner, why = decide(_entrant("mvit", better, 80.0), _entrant("vit", base, 130.0))
+    assert winner.name == "mvit" and why.startswith("mvit leads vit by +10.0 points [+") and "400 images" in why
+    close = base.copy()
+    close[np.flatnonzero(~base)[:6]] = True  # +1.5 points: within the noise of 400 images
+    close[np.flatnonzero(base)[:2]] = False
+    winner, why = decide(_entrant("mvit", close, 80.0), _entrant("vit", base, 130.0))
+    assert winner.name == "vit" and "cannot separate" in why and "the cheaper vit (130 img/s) is kept" in why
+
+
+def test_the_plan_races_the_families_only_with_a_budget_a_validation_split_and_time_for_a_rung():
+    assert plan(PHOTOS, **{"train.default_budget": "5m"})["train.race"] == FAMILIES
+    cifar = dataclasses.replace(PHOTOS, short_side=32, uniform=True)
+    assert plan(cifar, **{"train.default_budget": "5m"})["train.race"] == (
+        "vit_cifar_patch4_32,mvitv2_cifar_32,swin_cifar_patch2_window4_32")
+
+    def why(facts, **user):
+        values = {**plan(facts, **user)}
+        facts = dataclasses.replace(facts, user=frozenset(user))
+        return dict((k, (v, w)) for k, v, w in run_rules(facts, values, 1)).get("train.race")
+
+    assert why(PHOTOS, **{"train.default_budget": "4m"}) == (
+        "none", "train.time_budget=4m would give each of 3 candidates 16 s a rung, under 20 s: no race")
+    assert why(HYMENOPTERA)[0] == "none" and "no validation split" in why(HYMENOPTERA)[1]
+    assert why(PHOTOS, **{"train.total_steps": 300})[0] == "none"  # the user's steps: no budget to race in
+    assert why(PHOTOS, **{"model.name": "vit_small_patch16_224"}) is None  # a named model is not raced
+    assert why(dataclasses.replace(PHOTOS, device="cuda")) is None  # a GPU's ViT-Tiny/16 has no rivals listed
+    assert plan(PHOTOS, **{"train.race": "none"})["train.race"] == "none"
+
+
+def test_train_race_names_two_models_or_more():
+    for value, said in (("vit_compact_patch8_64", "two model names or more"),
+                        ("vit_compact_patch8_64,mvit_nope", "mvit_nope is not a model")):
+        with pytest.raises(ConfigError, match=said):
+            build_config("photos-auto", overrides=[f"train.race={value}"], checks=CONFIG_CHECKS)
+
+
+def test_data_without_a_validation_split_gets_one_held_out_of_train(tmp_path: Path, monkeypatch, caplog):
+    """CIFAR-like data (train and test only): a slice of the training images is held out as the
+    validation split the run (and a race) chooses on; the test split only reports."""
+    monkeypatch.setattr("vitflow.training.plan.recipe.measure_clock", lambda *a: CLOCK)
+    folder = cifar_subset(tmp_path / "cifar", n_train=400, n_test=60)
+    with caplog.at_level(logging.INFO, logger="vitflow"):
+        cfg = planned_config([f"data.path={folder}", "train.default_budget=5m"], CONFIG_CHECKS)
+    assert (cfg.data.train_split, cfg.data.val_split) == ("train[:-40]", "train[-40:]")
+    assert "plan: data.val_split=train[-40:]  (the data has no validation split: 40 of the 400 training images" in (
+        caplog.text)
+    assert cfg.train.race == "vit_cifar_patch4_32,mvitv2_cifar_32,swin_cifar_patch2_window4_32"
+    small = cifar_subset(tmp_path / "small", n_train=200, n_test=20)  # too few to hold any out
+    assert planned_config([f"data.path={small}", "train.default_budget=5m"], CONFIG_CHECKS).data.val_split == "auto"
+    user = planned_config([f"data.path={folder}", "train.default_budget=5m", "data.val_split=test"], CONFIG_CHECKS)
+    assert (user.data.train_split, user.data.val_split) == ("train", "test")
+
+
+def test_a_race_on_real_photos_halves_the_families_and_continues_the_winner_within_the_budget(tmp_path: Path,
+                                                                                                caplog):
+    run = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="vitflow"):
+        cfg = planned_config([f"data.path={need(HYMENOPTERA_TAR)}", f"train.run_dir={run}", "train.default_budget=60s",
+                              f"train.race={FAMILIES}", "train.log_every=2"], CONFIG_CHECKS)
+        summary = train(cfg)
+    record = json.loads((run / "race" / "race.json").read_text())
+    assert summary["race"] == record and set(record["candidates"]) == set(FAMILIES.split(","))
+    rungs = {name: len(done) for name, done in record["candidates"].items()}
+    assert sorted(rungs.values()) == [1, 2, 2]  # three trained a rung, the better two another
+    winner = record["winner"]
+    assert rungs[winner] == 2 and record["why"] and f"race: {winner} wins: " in caplog.text
+    for name, done in record["candidates"].items():
+        assert [r["rung"] for r in done] == list(range(1, len(done) + 1))
+        assert all(0 <= r["top1_ci95"][0] <= r["top1"] <= r["top1_ci95"][1] <= 1 for r in done)
+        assert (run / "race" / name).is_dir() == (name != winner)  # the winner's folder became the run
+    # the winner continued from its weights: the run's records begin at its first steps, and go on past the race
+    saved = build_config(config_file=run / "config.yaml", checks=CONFIG_CHECKS)
+    assert saved.model.name == winner and summary["run_dir"] == str(run)
+    records = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    race_steps = record["candidates"][winner][-1]["steps"]
+    assert min(r["step"] for r in records if r["kind"] == "train") <= 2 < race_steps < summary["step"]
+    # what is left of the budget after the race, and the run kept it
+    left = max(1.0, 60 - record["race_s"])
+    assert saved.train.time_budget == f"{left:.0f}s" and summary["elapsed_s"] <= left * 1.15 + 5
+    from vitflow.viz.report import write_report
+
+    write_report(run)
+    page = (run / "report.html").read_text()
+    assert "<h2>Race</h2>" in page and f"{winner} (winner)" in page and "rung 2" in page
