@@ -215,6 +215,14 @@ def test_measure_clock_times_each_augmentation_tier_and_a_checkpoint():
     assert set(c.augment_s) == {"light", "strong"} and 0 < c.augment_s["light"] < c.step_s * 10
     assert c.augment_s["strong"] > c.augment_s["light"] * 0.9 and c.checkpoint_s > 0
     assert c.step_cost("strong") == c.step_s + c.augment_s["strong"]
+    # a race's candidate: only its own steps and evaluation forward timed, at the plan's thread count, the rest the plan's
+    mvit = build_config("photos-auto", overrides=[f"data.path={need(HYMENOPTERA_TAR)}", "model.pretrained=none",
+                                                   "model.name=mvitv2_compact_64", "model.depths=1,1,1",
+                                                   "train.batch_size=16"], model_config=config_class)
+    quick = clock_module.measure_clock(mvit.model, mvit.data, mvit.train, mvit.optim, 2, like=c)
+    assert list(quick.by_threads) == [1] and quick.threads == 1 and quick.step_s > 0 and quick.eval_image_s > 0
+    assert (quick.augment_s, quick.checkpoint_s, quick.decode_s) == (c.augment_s, c.checkpoint_s, c.decode_s)
+    assert quick.probe_s < c.probe_s
 
 
 def test_a_named_model_keeps_its_geometry_and_the_plan_says_what_it_set_over_it(caplog, monkeypatch):

@@ -23,7 +23,7 @@ from vitflow.training import train
 from vitflow.training.plan.recipe import planned_config
 from vitflow.training.plan.rivals import RACE_SHARE, halving, rung_seconds
 from vitflow.training.plan.rules import run_rules
-from vitflow.training.race import Entrant, decide
+from vitflow.training.race import Entrant, rank, verdict
 
 PHOTOS = dataclasses.replace(HYMENOPTERA, val_images=153)
 FAMILIES = "vit_compact_patch8_64,mvitv2_compact_64,swin_compact_patch4_window4_64"
@@ -42,18 +42,24 @@ def _entrant(name: str, hits: np.ndarray, images_per_s: float) -> Entrant:
     return Entrant(name, None, Path(name), seconds=10.0, images=int(images_per_s * 10), hits=hits)
 
 
-def test_the_winner_is_called_only_where_the_paired_interval_separates_it():
+def test_a_costlier_candidate_ranks_higher_only_where_the_paired_interval_separates_it():
     rng = np.random.default_rng(0)
     base = rng.random(400) < 0.6
     better = base.copy()
     better[np.flatnonzero(~base)[:40]] = True  # right on 40 more images, wrong on none the other gets
-    winner, why = decide(_entrant("mvit", better, 80.0), _entrant("vit", base, 130.0))
-    assert winner.name == "mvit" and why.startswith("mvit leads vit by +10.0 points [+") and "400 images" in why
     close = base.copy()
-    close[np.flatnonzero(~base)[:6]] = True  # +1.5 points: within the noise of 400 images
+    close[np.flatnonzero(~base)[:6]] = True  # +1.0 point: within the noise of 400 images
     close[np.flatnonzero(base)[:2]] = False
-    winner, why = decide(_entrant("mvit", close, 80.0), _entrant("vit", base, 130.0))
-    assert winner.name == "vit" and "cannot separate" in why and "the cheaper vit (130 img/s) is kept" in why
+    vit, mvit = _entrant("vit", base, 130.0), _entrant("mvit", better, 80.0)
+    assert [e.name for e in rank([vit, mvit])] == ["mvit", "vit"]
+    assert verdict(mvit, vit).startswith("mvit leads vit by +10.0 points [+") and "400 images" in verdict(mvit, vit)
+    swin = _entrant("swin", close, 100.0)
+    assert [e.name for e in rank([swin, vit])] == ["vit", "swin"]  # ahead within the noise: the cheaper kept
+    assert "cannot separate: the cheaper vit (130 img/s against 100) is kept" in verdict(vit, swin)
+    # three: the costliest is separated from both, the other two are not separated from each other
+    assert [e.name for e in rank([swin, mvit, vit])] == ["mvit", "vit", "swin"]
+    # the cheaper candidate does not climb over one that is separated from it, however cheap
+    assert [e.name for e in rank([_entrant("fast", base, 500.0), mvit])] == ["mvit", "fast"]
 
 
 def test_the_plan_races_the_families_only_with_a_budget_a_validation_split_and_time_for_a_rung():
@@ -131,3 +137,54 @@ def test_a_race_on_real_photos_halves_the_families_and_continues_the_winner_with
     write_report(run)
     page = (run / "report.html").read_text()
     assert "<h2>Race</h2>" in page and f"{winner} (winner)" in page and "rung 2" in page
+
+
+def test_runs_inside_shared_datasets_open_and_decode_the_splits_once():
+    """The race's runs follow one another in one process: one data section at one input size is
+    opened (and decoded into RAM) once inside ``shared_datasets``, as often as asked outside it."""
+    import copy
+
+    from vitflow.training.normalize import open_run_datasets, shared_datasets
+    from vitflow.training.scale.distributed import DistEnv
+
+    d = build_config("photos-auto", overrides=[f"data.path={need(HYMENOPTERA_TAR)}"], checks=CONFIG_CHECKS).data
+    with shared_datasets():
+        first = open_run_datasets(d, 64, DistEnv(), None)
+        assert open_run_datasets(copy.deepcopy(d), 64, DistEnv(), None) is first
+        assert open_run_datasets(d, 32, DistEnv(), None) is not first  # another input size: other pixels
+    assert open_run_datasets(d, 64, DistEnv(), None) is not first
+
+
+def test_a_candidate_that_fails_is_dropped_and_the_race_goes_on(tmp_path: Path, monkeypatch, caplog):
+    """The race's bookkeeping with the training stubbed: a candidate whose rung raises is dropped
+    with one line and recorded, the others are halved and the winner's folder becomes the run's."""
+    import copy
+
+    from vitflow.training import race as race_module
+
+    cfg = build_config("photos-auto", overrides=[f"train.run_dir={tmp_path / 'run'}", "train.time_budget=5m",
+                                                  f"train.race={FAMILIES}"], checks=CONFIG_CHECKS)
+    cfg.plan_candidate = lambda name: copy.deepcopy(cfg)
+    right = {"vit_compact_patch8_64": 0.5, "mvitv2_compact_64": 0.9}
+
+    def rung(e, k, seconds, winner_s):
+        if e.name.startswith("swin"):
+            raise RuntimeError("non-finite loss in 10 steps in a row\n(details)")
+        e.folder.mkdir(parents=True, exist_ok=True)
+        (e.folder / "metrics.jsonl").write_text(f"{e.name} rung {k + 1}\n")
+        e.seconds, e.images, e.steps = e.seconds + seconds, e.images + 2000, e.steps + 10
+        e.hits = np.arange(200) < 200 * right[e.name]
+        e.rungs.append({"rung": k + 1, "seconds": e.seconds, "steps": e.steps, "top1": e.top1, "top1_ci95": [0, 1]})
+
+    monkeypatch.setattr(race_module, "_rung", rung)
+    with caplog.at_level(logging.WARNING, logger="vitflow"):
+        out, record = race_module.race(cfg)
+    assert "race: swin_compact_patch4_window4_64 dropped in rung 1: non-finite loss in 10 steps in a row" in caplog.text
+    assert record["candidates"]["swin_compact_patch4_window4_64"] == [
+        {"rung": 1, "error": "non-finite loss in 10 steps in a row"}]
+    assert record["winner"] == "mvitv2_compact_64" and "leads vit_compact_patch8_64 by +40.0 points" in record["why"]
+    run = tmp_path / "run"
+    assert (run / "metrics.jsonl").read_text() == "mvitv2_compact_64 rung 2\n" and not (run / "race" / "mvitv2_compact_64").exists()
+    assert out.train.run_dir == str(run) and out.train.resume == "auto"
+    assert out.train.time_budget == f"{300 - record['race_s']:.0f}s"
+    assert json.loads((run / "race" / "race.json").read_text()) == record

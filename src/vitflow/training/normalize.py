@@ -1,16 +1,35 @@
 """The run's datasets, normalised as ``data.normalize`` says: with ``dataset``, the training split's
 own mean and std (:func:`vitflow.data.stats.store.dataset_normalization`) go into the data section before
 the splits are opened, so that the device pipeline, every evaluation and the checkpoint's
-preprocessing (hence ``vitflow eval``, ``predict``, ``export`` and serving) use them."""
+preprocessing (hence ``vitflow eval``, ``predict``, ``export`` and serving) use them. Within
+:func:`shared_datasets` (a race's runs, one after another in one process) the splits of one data
+section at one input size are opened, and decoded into RAM, once."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import dataclasses
+from typing import Any, Iterator
 
 from vitflow.config import DataConfig
 from vitflow.data import Datasets, open_datasets
 from vitflow.data.stats.store import dataset_normalization
 from vitflow.training.scale.distributed import DistEnv
+
+_SHARED: dict[tuple[str, int], Datasets] | None = None  # inside shared_datasets(): (data section, size) -> splits
+
+
+@contextlib.contextmanager
+def shared_datasets() -> Iterator[None]:
+    """Within: every :func:`open_run_datasets` of the same data section and input size returns the
+    same :class:`~vitflow.data.Datasets` (for runs that follow one another in this process: the
+    candidates of a race and its winner's continuation decode the images once)."""
+    global _SHARED
+    outer, _SHARED = _SHARED, {}
+    try:
+        yield
+    finally:
+        _SHARED = outer
 
 
 def open_run_datasets(d: DataConfig, image_size: int, dist: DistEnv, resumed: dict[str, Any] | None,
@@ -33,4 +52,9 @@ def open_run_datasets(d: DataConfig, image_size: int, dist: DistEnv, resumed: di
         if dist.is_main:
             dataset_normalization(d, origins)
         d.mean, d.std = dist.broadcast((tuple(d.mean), tuple(d.std)))
-    return open_datasets(d, image_size)
+    if _SHARED is None:
+        return open_datasets(d, image_size)
+    key = (repr(dataclasses.asdict(d)), image_size)
+    if key not in _SHARED:
+        _SHARED[key] = open_datasets(d, image_size)
+    return _SHARED[key]

@@ -7,12 +7,13 @@ data position to the end of the budget, so none of its work is thrown away.
 Each candidate is a run folder of its own under ``RUN/race/NAME`` whose schedule is fitted, from
 the start, to the time the winner will have: a rung pauses it (a checkpoint, as a pre-emption
 does) and the next resumes it, exactly as ``vitflow resume`` would. The winner's folder becomes
-the run folder; ``RUN/race/race.json`` records what each reached and why the winner won. The
-last rung's two candidates are compared on the same images (:func:`~vitflow.metrics.intervals.
-paired_difference`): the better-scoring one wins only where the 95% interval of the difference
-excludes zero; else the one that trained more images a second (the cheaper) is kept, and the log
-says so. What the losers trained is at most :data:`~vitflow.training.plan.rules.RACE_SHARE` of the
-budget; their start-ups, probes and rung evaluations are counted in it too (the winner's
+the run folder; ``RUN/race/race.json`` records what each reached and why the winner won. At
+every rung the candidates are compared on the same images (:func:`~vitflow.metrics.intervals.
+paired_difference`): one ranks above a cheaper one (more images a second) only where the 95%
+interval of their difference excludes zero, so a difference within the noise of the validation
+split keeps the cheaper (the plan's own model is the cheapest), and the log says so. What the
+losers train is :data:`~vitflow.training.plan.rivals.RACE_SHARE` of the budget; the start-ups,
+the candidates' step timing and the rung evaluations count against the budget too (the winner's
 continuation gets what is left).
 """
 
@@ -37,6 +38,7 @@ from vitflow.metrics.intervals import paired_difference, wilson
 from vitflow.rundir import RACE
 from vitflow.training.callbacks import Callback, LiveReport, StepOutput
 from vitflow.training.loop import Trainer
+from vitflow.training.normalize import shared_datasets
 from vitflow.training.plan.rivals import halving, rung_seconds
 from vitflow.training.run.folder import check_new_run, run_dir_for
 
@@ -66,6 +68,14 @@ class Entrant:
     @property
     def images_per_s(self) -> float:
         return self.images / self.seconds if self.seconds else 0.0
+
+
+class RaceInterrupted(Exception):
+    """A signal stopped a candidate's rung (SIGTERM, SIGINT ...): the race ends with that run's summary."""
+
+    def __init__(self, summary: dict[str, Any]):
+        super().__init__(summary["interrupted"])
+        self.summary = summary
 
 
 class RungEnd(Callback):
@@ -99,6 +109,8 @@ def _rung(e: Entrant, k: int, seconds: float, winner_s: float) -> None:
     c.train.time_budget = f"{max(winner_s - e.seconds, seconds):.0f}s"
     trainer = Trainer(c, [RungEnd(seconds, f"race: rung {k + 1} done")])
     summary = trainer.fit()
+    if str(summary.get("interrupted", "")).startswith("SIG"):  # pre-empted, not paused by the rung
+        raise RaceInterrupted(summary)
     steps = summary["step"] - e.steps
     e.seconds += summary["elapsed_s"]
     e.images += steps * c.train.batch_size
@@ -111,16 +123,62 @@ def _rung(e: Entrant, k: int, seconds: float, winner_s: float) -> None:
              100 * e.top1, 100 * low, 100 * high, e.steps, e.seconds, e.images_per_s)
 
 
-def decide(first: Entrant, second: Entrant) -> tuple[Entrant, str]:
-    """The winner of the last rung and why: the higher top-1 when the paired 95% interval of the
-    difference excludes zero, else the cheaper (more images a second) of the two."""
+def _halve(alive: list[Entrant], counts: list[int], rung: float, winner_s: float) -> list[Entrant]:
+    """Successive halving: each rung trains the candidates still in (``rung`` seconds each), then
+    the best ``counts[k + 1]`` go on; returns the last rung's, best first. A candidate whose rung
+    raises ValueError or RuntimeError (a diverged loss, too little memory) is dropped, said and
+    recorded.
+
+    Raises:
+        RuntimeError: every candidate failed.
+    """
+    for k in range(len(counts)):
+        for e in list(alive):
+            try:
+                _rung(e, k, rung, winner_s)
+            except (ValueError, RuntimeError) as err:
+                log.warning("race: %s dropped in rung %d: %s", e.name, k + 1, str(err).splitlines()[0])
+                e.rungs.append({"rung": k + 1, "error": str(err).splitlines()[0]})
+                alive.remove(e)
+        if not alive:
+            raise RuntimeError("race: every candidate failed (see the warnings above); train.race=none trains the "
+                               "plan's model alone")
+        alive = rank(alive)
+        if k + 1 < len(counts):
+            alive = alive[:counts[k + 1]]
+    return alive
+
+
+def separated(a: Entrant, b: Entrant) -> bool:
+    """Whether ``a``'s validation top-1 is above ``b``'s beyond the 95% interval of their paired
+    difference (:func:`~vitflow.metrics.intervals.paired_difference`)."""
+    return paired_difference(a.hits, b.hits)[1][0] > 0
+
+
+def rank(entrants: list[Entrant]) -> list[Entrant]:
+    """``entrants`` best first: by validation top-1, except that a costlier candidate stays above a
+    cheaper one (more images a second) only where :func:`separated` says it is better: a
+    difference the interval cannot tell from noise keeps the cheaper (the plan's own model, at
+    the front of the race, is the cheapest)."""
+    order = sorted(entrants, key=lambda e: (-e.top1, -e.images_per_s))
+    swapped = True
+    while swapped:  # each swap lifts a cheaper candidate over a costlier one: it ends
+        swapped = False
+        for i in range(len(order) - 1):
+            a, b = order[i], order[i + 1]
+            if b.images_per_s > a.images_per_s and not separated(a, b):
+                order[i], order[i + 1], swapped = b, a, True
+    return order
+
+
+def verdict(first: Entrant, second: Entrant) -> str:
+    """Why ``first`` ranks above ``second`` (:func:`rank`), with their paired difference."""
     diff, (low, high) = paired_difference(first.hits, second.hits)
     shown = f"{100 * diff:+.1f} points [{100 * low:+.1f}, {100 * high:+.1f}] on the same {first.hits.size} images"
     if low > 0:
-        return first, f"{first.name} leads {second.name} by {shown}"
-    cheaper = max((first, second), key=lambda e: e.images_per_s)
-    return cheaper, (f"{first.name} vs {second.name}: {shown}, which the interval cannot separate: the cheaper "
-                     f"{cheaper.name} ({cheaper.images_per_s:.0f} img/s) is kept")
+        return f"{first.name} leads {second.name} by {shown}"
+    return (f"{first.name} vs {second.name}: {shown}, which the interval cannot separate: the cheaper "
+            f"{first.name} ({first.images_per_s:.0f} img/s against {second.images_per_s:.0f}) is kept")
 
 
 def race(cfg: Config) -> tuple[Config, dict[str, Any]]:
@@ -129,7 +187,9 @@ def race(cfg: Config) -> tuple[Config, dict[str, Any]]:
 
     Raises:
         RunDirError: the run folder is taken (checked before any training).
-        as :class:`~vitflow.training.loop.Trainer`, for a candidate the plan cannot build.
+        RaceInterrupted: a signal stopped a rung (its run's summary: continue it with ``vitflow resume``).
+        RuntimeError: every candidate failed (:func:`_halve`).
+        as :func:`~vitflow.training.plan.recipe.planned_config`, for a candidate the plan cannot build.
     """
     started, budget = time.perf_counter(), parse_duration(cfg.train.time_budget)
     run_dir = run_dir_for(cfg.train, cfg.preset, None)
@@ -141,14 +201,8 @@ def race(cfg: Config) -> tuple[Config, dict[str, Any]]:
              ", ".join(names), rung, " -> ".join(map(str, counts)))
     entrants = [Entrant(n, cfg if n == cfg.model.name else cfg.plan_candidate(n), run_dir / RACE_DIR / n)
                 for n in names]
-    alive = list(entrants)
-    for k, count in enumerate(counts):
-        for e in alive:
-            _rung(e, k, rung, winner_s)
-        alive = sorted(alive, key=lambda e: (-e.top1, -e.images_per_s))
-        if k + 1 < len(counts):
-            alive = alive[:counts[k + 1]]
-    winner, why = decide(alive[0], alive[1]) if len(alive) > 1 else (alive[0], "the only candidate")
+    alive = _halve(list(entrants), counts, rung, winner_s)
+    winner, why = alive[0], verdict(alive[0], alive[1]) if len(alive) > 1 else "the only candidate left"
     log.info("race: %s wins: %s", winner.name, why)
     spent = time.perf_counter() - started
     record = {"candidates": {e.name: e.rungs for e in entrants}, "winner": winner.name,
@@ -175,8 +229,12 @@ def train(cfg: Config, on_eval: Callable[[Path], Any] | None = None, callbacks: 
     when it has one (a planned run's ``train.race``); returns :meth:`Trainer.fit`'s summary (with
     the race's record under ``race``). ``on_eval(run_dir)`` runs on rank 0 after every evaluation
     (the CLI's live report); ``callbacks``: user :class:`~vitflow.training.callbacks.Callback` objects."""
-    record = None
-    if cfg.train.race != "none" and cfg.train.resume == "none" and hasattr(cfg, "plan_candidate"):
-        cfg, record = race(cfg)
-    summary = Trainer(cfg, ([LiveReport(on_eval)] if on_eval else []) + list(callbacks)).fit()
-    return {**summary, "race": record} if record else summary
+    if cfg.train.race == "none" or cfg.train.resume != "none" or not hasattr(cfg, "plan_candidate"):
+        return Trainer(cfg, ([LiveReport(on_eval)] if on_eval else []) + list(callbacks)).fit()
+    with shared_datasets():  # the candidates and the winner's continuation decode the images once
+        try:
+            cfg, record = race(cfg)
+        except RaceInterrupted as e:  # the CLI says how the candidate's run continues
+            return e.summary
+        summary = Trainer(cfg, ([LiveReport(on_eval)] if on_eval else []) + list(callbacks)).fit()
+    return {**summary, "race": record}

@@ -41,7 +41,8 @@ def race_panel(run: Path) -> str:
     head = "".join(f"<th>rung {k + 1}</th>" for k in range(rungs))
     rows = []
     for name, done in r["candidates"].items():
-        cells = "".join(f"<td>{100 * x['top1']:.1f}% [{100 * x['top1_ci95'][0]:.1f}-{100 * x['top1_ci95'][1]:.1f}]"
+        cells = "".join(f"<td>dropped: {html.escape(x['error'])}</td>" if "error" in x else
+                        f"<td>{100 * x['top1']:.1f}% [{100 * x['top1_ci95'][0]:.1f}-{100 * x['top1_ci95'][1]:.1f}]"
                         f"<br><span class=sub>{x['steps']} steps, {x['seconds']:.0f} s</span></td>" for x in done)
         mark = " (winner)" if name == r["winner"] else ""
         rows.append(f"<tr><td>{html.escape(name)}{mark}</td>{cells}{'<td>-</td>' * (rungs - len(done))}</tr>")

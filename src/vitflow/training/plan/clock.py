@@ -39,6 +39,7 @@ from vitflow.training.optim.optimizers import build_optimizer
 log = logging.getLogger(__name__)
 
 TIMED_STEPS = 5  # optimizer steps timed (per thread count) after an untimed one
+QUICK_STEPS, QUICK_IMAGES = 2, 16  # a clock like another's: steps timed, images decoded (repeated to the batch)
 MAX_PROBE_SECONDS = 8.0  # fewer timed steps when they are slow (per thread count)
 # the batched augmentation of each tier the plan chooses from (data.auto_augment, data.random_erasing), after the
 # random-resized crop and flip every tier has
@@ -101,7 +102,8 @@ def _images(d: DataConfig, size: int, n: int) -> tuple[torch.Tensor, float]:
     return batch[torch.arange(n) % len(batch)], decode_s
 
 
-def measure_clock(m: ModelConfig, d: DataConfig, t: TrainConfig, o: OptimConfig, classes: int) -> Clock:
+def measure_clock(m: ModelConfig, d: DataConfig, t: TrainConfig, o: OptimConfig, classes: int,
+                  like: Clock | None = None) -> Clock:
     """Time a few optimizer steps (after one untimed step: per-shape kernel choices happen there) of
     a fresh model ``m`` (no pretrained weights: the cost is the architecture's; optimizer ``o``) at
     ``t``'s micro-batch, accumulation and precision, on a batch of ``d``'s training images; then one
@@ -109,7 +111,10 @@ def measure_clock(m: ModelConfig, d: DataConfig, t: TrainConfig, o: OptimConfig,
     with torch's default (the cores), and the faster is the clock's ``threads``: on a machine other
     processes keep busy, OpenMP threads waiting for each other can make two threads several times
     slower than one. ``classes``: the head's width. ``m.name`` must be a registered variant
-    (resolve ``auto`` first). Leaves torch's thread count as it found it.
+    (resolve ``auto`` first). Leaves torch's thread count as it found it. ``like``: the clock of
+    another model on the same data, batch and machine (a race's candidates): only this model's
+    steps (:data:`QUICK_STEPS`, at ``like``'s thread count, on :data:`QUICK_IMAGES` images) and its
+    evaluation forward are timed, the decode, augmentation and checkpoint costs are ``like``'s.
 
     Raises:
         DataError: the training split cannot be opened (as :func:`vitflow.data.open_split`).
@@ -120,10 +125,12 @@ def measure_clock(m: ModelConfig, d: DataConfig, t: TrainConfig, o: OptimConfig,
     precision = resolve_precision(t.precision, device)
     size = m.img_size or model_kwargs(m.name)["img_size"]
     micro = t.batch_size // t.accum_steps
-    raw, decode_s = _images(d, size, micro)
+    raw, decode_s = _images(d, size, micro if like is None else min(micro, QUICK_IMAGES))
+    raw = raw[torch.arange(micro) % len(raw)]
     x = model_input(raw, d.mean, d.std, device)
     y = torch.arange(micro, device=device) % classes
-    candidates = [t.threads] if t.threads else ([1, default] if default > 1 and device.type == "cpu" else [default])
+    candidates = [like.threads] if like else [t.threads] if t.threads else (
+        [1, default] if default > 1 and device.type == "cpu" else [default])
     medians: dict[int, float] = {}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the run's seed stream stays
         torch.manual_seed(0)
@@ -133,12 +140,16 @@ def measure_clock(m: ModelConfig, d: DataConfig, t: TrainConfig, o: OptimConfig,
             for n in candidates:
                 torch.set_num_threads(n)
                 step = _stepper(model, optimizer, x, y, precision, t.accum_steps, t.label_smoothing, device)
-                medians[n] = _median_step(step, min(medians.values(), default=None))
+                medians[n] = _median_step(step, min(medians.values(), default=None),
+                                          QUICK_STEPS if like else TIMED_STEPS)
             threads = min(medians, key=medians.get)
             torch.set_num_threads(threads)
             eval_image_s = _eval_seconds(model, x, precision, device) / len(x)
-            augment_s = {tier: _augment_seconds(raw, y, size, d, device, tier) * t.accum_steps for tier in TIERS}
-            checkpoint_s = _checkpoint_seconds(model, optimizer)
+            if like is not None:
+                decode_s, augment_s, checkpoint_s = like.decode_s, like.augment_s, like.checkpoint_s
+            else:
+                augment_s = {tier: _augment_seconds(raw, y, size, d, device, tier) * t.accum_steps for tier in TIERS}
+                checkpoint_s = _checkpoint_seconds(model, optimizer)
         finally:
             torch.set_num_threads(default)
     return Clock(medians[threads], eval_image_s, decode_s, precision.name, threads, medians,
@@ -187,15 +198,15 @@ def _stepper(model, optimizer, x, y, precision, accum: int, smoothing: float, de
     return step
 
 
-def _median_step(step, best: float | None) -> float:
-    """The median of up to :data:`TIMED_STEPS` timed calls of ``step`` after an untimed one, fewer
+def _median_step(step, best: float | None, timed: int = TIMED_STEPS) -> float:
+    """The median of up to ``timed`` timed calls of ``step`` after an untimed one, fewer
     past :data:`MAX_PROBE_SECONDS`, or after one that is 1.5x slower than ``best`` (another thread
     count's median: this one loses anyway; an untimed call 3x slower ends it at once)."""
     warm = step()
     if best is not None and warm > 3 * best:
         return warm
     times, t0 = [], time.perf_counter()
-    while len(times) < TIMED_STEPS:
+    while len(times) < timed:
         times.append(step())
         if time.perf_counter() - t0 > MAX_PROBE_SECONDS or (best is not None and times[-1] > 1.5 * best):
             break

@@ -147,7 +147,8 @@ def make_facts(m: ModelConfig, device: str, profile: DataProfile, user: set[str]
                  user=frozenset(user), named=named)
 
 
-def _measure(preset: str, planned: list, overrides: list[str], checks, classes: int) -> Clock | None:
+def _measure(preset: str, planned: list, overrides: list[str], checks, classes: int,
+             like: Clock | None = None) -> Clock | None:
     """The clock of the phase-0 plan's model (``None`` under torchrun: every rank must plan alike)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         log.info("plan: under torchrun the length is planned in epochs (the ranks must agree on a schedule)")
@@ -157,15 +158,16 @@ def _measure(preset: str, planned: list, overrides: list[str], checks, classes: 
     # model.name=auto: the source's architecture (its weights are not needed to time it)
     cfg.model, _ = apply_pretrained(cfg.model, cfg.data, getattr(cfg, "key_origins", None))
     cfg.model.pretrained = None
-    return measure_clock(cfg.model, cfg.data, cfg.train, cfg.optim, classes)
+    return measure_clock(cfg.model, cfg.data, cfg.train, cfg.optim, classes, like)
 
 
-def planned_config(overrides: list[str], checks, preset: str | None = None) -> Config:
+def planned_config(overrides: list[str], checks, preset: str | None = None, like: Clock | None = None) -> Config:
     """The config of ``vitflow train data.path=PHOTOS``: ``preset`` (the fixed part of the recipe:
     :data:`PHOTO_PRESET`, or :data:`FINETUNE_PRESET` for a ``model.pretrained`` source), then the
     planned values (each logged with its reason; the step time measured between the model and the
     length), then ``overrides``, which always win. Logs the run's expected duration, its first
-    evaluation and the size warnings of :func:`size_warnings`.
+    evaluation and the size warnings of :func:`size_warnings`. ``like``: the clock of another
+    model on this data (see :func:`~vitflow.training.plan.clock.measure_clock`).
 
     Raises:
         ConfigError, DataError: as :func:`vitflow.config.build_config` and :func:`profile_data`.
@@ -186,7 +188,7 @@ def planned_config(overrides: list[str], checks, preset: str | None = None) -> C
     facts, values = make_facts(base.model, base.train.device, profile, user), flatten(base.to_dict())
     values.update({k: v for k, v, _ in held_out})
     planned = held_out + _family_keys(run_rules(facts, values, 0), base.model)
-    clock = _measure(preset, planned, overrides, checks, profile.classes)
+    clock = _measure(preset, planned, overrides, checks, profile.classes, like)
     facts = dataclasses.replace(facts, clock=clock)
     planned += _family_keys(run_rules(facts, values, 1), base.model)
     if facts.named:
@@ -200,17 +202,17 @@ def planned_config(overrides: list[str], checks, preset: str | None = None) -> C
     for warning in size_warnings(cfg.model, cfg.train.device, profile):
         log.warning("%s", warning)
     log.info("resolved config (save it and pass --config FILE to repeat the run):\n%s", to_yaml(cfg).rstrip())
-    if cfg.train.race != "none":  # each other candidate is planned when the race starts (its clock measured then)
-        threads = [f"train.threads={clock.threads}"] if clock and "train.threads" not in user else []
-        cfg.plan_candidate = functools.partial(plan_candidate, overrides + threads, checks, preset)  # type: ignore
+    if cfg.train.race != "none":  # each other candidate is planned when the race starts (its steps timed then)
+        threads = [f"train.threads={cfg.train.threads}"] if cfg.train.threads and "train.threads" not in user else []
+        cfg.plan_candidate = functools.partial(plan_candidate, overrides + threads, checks, preset, clock)  # type: ignore
     return cfg
 
 
-def plan_candidate(overrides: list[str], checks, preset: str | None, name: str) -> Config:
+def plan_candidate(overrides: list[str], checks, preset: str | None, like: Clock | None, name: str) -> Config:
     """The planned config of the race's candidate model ``name``: :func:`planned_config` of the
     run's ``overrides`` (the backbone already resolved, the plan's thread count) with
-    ``model.name=name`` and no race of its own; its own clock measured, its lines quiet (warnings
-    still said).
+    ``model.name=name`` and no race of its own; its steps timed on a clock ``like`` the plan's model's, its lines quiet (warnings still
+    said).
 
     Raises:
         as :func:`planned_config`.
@@ -219,7 +221,7 @@ def plan_candidate(overrides: list[str], checks, preset: str | None, name: str) 
     level = quiet.level
     quiet.setLevel(max(logging.WARNING, quiet.getEffectiveLevel()))
     try:
-        return planned_config([*overrides, f"model.name={name}", "train.race=none"], checks, preset)
+        return planned_config([*overrides, f"model.name={name}", "train.race=none"], checks, preset, like)
     finally:
         quiet.setLevel(level)
 
