@@ -63,9 +63,9 @@ def test_a_costlier_candidate_ranks_higher_only_where_the_paired_interval_separa
 
 
 def test_the_plan_races_the_families_only_with_a_budget_a_validation_split_and_time_for_a_rung():
-    assert plan(PHOTOS, **{"train.default_budget": "5m"})["train.race"] == FAMILIES
+    assert plan(PHOTOS)["train.race"] == FAMILIES  # the default 15-minute budget: 60-s rungs
     cifar = dataclasses.replace(PHOTOS, short_side=32, uniform=True)
-    assert plan(cifar, **{"train.default_budget": "5m"})["train.race"] == (
+    assert plan(cifar, **{"train.default_budget": "20m"})["train.race"] == (
         "vit_cifar_patch4_32,mvitv2_cifar_32,swin_cifar_patch2_window4_32")
 
     def why(facts, **user):
@@ -73,8 +73,8 @@ def test_the_plan_races_the_families_only_with_a_budget_a_validation_split_and_t
         facts = dataclasses.replace(facts, user=frozenset(user))
         return dict((k, (v, w)) for k, v, w in run_rules(facts, values, 1)).get("train.race")
 
-    assert why(PHOTOS, **{"train.default_budget": "4m"}) == (
-        "none", "train.time_budget=4m would give each of 3 candidates 16 s a rung, under 20 s: no race")
+    assert why(PHOTOS, **{"train.default_budget": "5m"}) == (
+        "none", "train.time_budget=5m would give each of 3 candidates 20 s a rung, under 60 s: no race")
     assert why(HYMENOPTERA)[0] == "none" and "no validation split" in why(HYMENOPTERA)[1]
     assert why(PHOTOS, **{"train.total_steps": 300})[0] == "none"  # the user's steps: no budget to race in
     assert why(PHOTOS, **{"model.name": "vit_small_patch16_224"}) is None  # a named model is not raced
@@ -95,7 +95,7 @@ def test_data_without_a_validation_split_gets_one_held_out_of_train(tmp_path: Pa
     monkeypatch.setattr("vitflow.training.plan.recipe.measure_clock", lambda *a: CLOCK)
     folder = cifar_subset(tmp_path / "cifar", n_train=400, n_test=60)
     with caplog.at_level(logging.INFO, logger="vitflow"):
-        cfg = planned_config([f"data.path={folder}", "train.default_budget=5m"], CONFIG_CHECKS)
+        cfg = planned_config([f"data.path={folder}"], CONFIG_CHECKS)  # the default 15 minutes: a race
     assert (cfg.data.train_split, cfg.data.val_split) == ("train[:-40]", "train[-40:]")
     assert "plan: data.val_split=train[-40:]  (the data has no validation split: 40 of the 400 training images" in (
         caplog.text)

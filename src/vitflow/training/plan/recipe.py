@@ -211,8 +211,8 @@ def planned_config(overrides: list[str], checks, preset: str | None = None, like
 def plan_candidate(overrides: list[str], checks, preset: str | None, like: Clock | None, name: str) -> Config:
     """The planned config of the race's candidate model ``name``: :func:`planned_config` of the
     run's ``overrides`` (the backbone already resolved, the plan's thread count) with
-    ``model.name=name`` and no race of its own; its steps timed on a clock ``like`` the plan's model's, its lines quiet (warnings still
-    said).
+    ``model.name=name`` and no race of its own, its steps timed on a clock ``like`` the plan's
+    model's; its lines quiet (warnings still said).
 
     Raises:
         as :func:`planned_config`.

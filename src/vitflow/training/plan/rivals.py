@@ -11,7 +11,11 @@ from vitflow.config import parse_duration
 from vitflow.training.plan.facts import Facts, Values
 
 RACE_SHARE = 0.2  # the most of train.time_budget the race spends training the candidates that lose
-MIN_RUNG_S = 20.0  # the least training time a candidate gets in a rung (shorter: still in its warmup)
+# the least training time a candidate gets in a rung: 60 s, a race from 15-minute budgets. In 5-minute runs (20-s
+# rungs, benchmarks/plan_suite.py, 2026-12-06, avx2) the first rung's top-1 was near chance on 10-class folders
+# and the race's cost (the losers' 20% and ~7 s a rung of start-up and scoring: a third of the budget) took 6
+# points off eurosat_rgb, where the plan's ViT won anyway
+MIN_RUNG_S = 60.0
 RIVALS = {  # the plan's model -> the families raced against it, at the same input size and token grid
     "vit_compact_patch8_64": ("mvitv2_compact_64", "swin_compact_patch4_window4_64"),
     "vit_cifar_patch4_32": ("mvitv2_cifar_32", "swin_cifar_patch2_window4_32"),
