@@ -60,6 +60,10 @@ def test_a_costlier_candidate_ranks_higher_only_where_the_paired_interval_separa
     assert [e.name for e in rank([swin, mvit, vit])] == ["mvit", "vit", "swin"]
     # the cheaper candidate does not climb over one that is separated from it, however cheap
     assert [e.name for e in rank([_entrant("fast", base, 500.0), mvit])] == ["mvit", "fast"]
+    # candidates that scored other images (other input sizes): their Wilson intervals must not overlap
+    other = _entrant("other", np.ones(300, dtype=bool), 50.0)
+    assert [e.name for e in rank([vit, other])] == ["other", "vit"]
+    assert verdict(other, vit) == f"other leads vit by 100.0% against {100 * base.mean():.1f}% (on 300 and 400 images)"
 
 
 def test_the_plan_races_the_families_only_with_a_budget_a_validation_split_and_time_for_a_rung():

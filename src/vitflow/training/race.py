@@ -151,7 +151,10 @@ def _halve(alive: list[Entrant], counts: list[int], rung: float, winner_s: float
 
 def separated(a: Entrant, b: Entrant) -> bool:
     """Whether ``a``'s validation top-1 is above ``b``'s beyond the 95% interval of their paired
-    difference (:func:`~vitflow.metrics.intervals.paired_difference`)."""
+    difference (:func:`~vitflow.metrics.intervals.paired_difference`); where they scored other
+    images (planned to other input sizes), beyond both Wilson intervals."""
+    if a.hits.shape != b.hits.shape:
+        return wilson(int(a.hits.sum()), a.hits.size)[0] > wilson(int(b.hits.sum()), b.hits.size)[1]
     return paired_difference(a.hits, b.hits)[1][0] > 0
 
 
@@ -173,9 +176,12 @@ def rank(entrants: list[Entrant]) -> list[Entrant]:
 
 def verdict(first: Entrant, second: Entrant) -> str:
     """Why ``first`` ranks above ``second`` (:func:`rank`), with their paired difference."""
-    diff, (low, high) = paired_difference(first.hits, second.hits)
-    shown = f"{100 * diff:+.1f} points [{100 * low:+.1f}, {100 * high:+.1f}] on the same {first.hits.size} images"
-    if low > 0:
+    if first.hits.shape != second.hits.shape:
+        shown = f"{100 * first.top1:.1f}% against {100 * second.top1:.1f}% (on {first.hits.size} and {second.hits.size} images)"
+    else:
+        diff, (low, high) = paired_difference(first.hits, second.hits)
+        shown = f"{100 * diff:+.1f} points [{100 * low:+.1f}, {100 * high:+.1f}] on the same {first.hits.size} images"
+    if separated(first, second):
         return f"{first.name} leads {second.name} by {shown}"
     return (f"{first.name} vs {second.name}: {shown}, which the interval cannot separate: the cheaper "
             f"{first.name} ({first.images_per_s:.0f} img/s against {second.images_per_s:.0f}) is kept")
