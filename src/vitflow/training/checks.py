@@ -26,16 +26,21 @@ def check_config(t: TrainConfig) -> None:
     check_race(t)
 
 
+def race_names(race: str) -> list[str]:
+    """The model names of ``train.race`` (comma-separated; ``[]`` for ``none``)."""
+    return [] if race == "none" else [n.strip() for n in race.split(",")]
+
+
 def check_race(t: TrainConfig) -> None:
     """``train.race``: ``none`` or at least two registered model names (``vitflow models``).
 
     Raises:
         ConfigError: one name, or a name that is not a model, naming it.
     """
-    if t.race == "none":
+    names = race_names(t.race)
+    if not names:
         return
-    names, known = [n.strip() for n in t.race.split(",")], set(list_models())
-    unknown = [n for n in names if n not in known]
+    unknown = [n for n in names if n not in set(list_models())]
     if unknown or len(set(names)) < 2:
         raise ConfigError(f"train.race={t.race}: " + (f"{', '.join(unknown)} is not a model (vitflow models)" if unknown
                           else "a race needs two model names or more (or none)"), "train.race")

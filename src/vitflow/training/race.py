@@ -37,6 +37,7 @@ from vitflow.evaluation import evaluate
 from vitflow.metrics.intervals import paired_difference, wilson
 from vitflow.rundir import RACE
 from vitflow.training.callbacks import Callback, LiveReport, StepOutput
+from vitflow.training.checks import race_names
 from vitflow.training.loop import Trainer
 from vitflow.training.normalize import shared_datasets
 from vitflow.training.plan.rivals import halving, rung_seconds
@@ -200,7 +201,7 @@ def race(cfg: Config) -> tuple[Config, dict[str, Any]]:
     started, budget = time.perf_counter(), parse_duration(cfg.train.time_budget)
     run_dir = run_dir_for(cfg.train, cfg.preset, None)
     check_new_run(run_dir, "none")
-    names = [n.strip() for n in cfg.train.race.split(",")]
+    names = race_names(cfg.train.race)
     counts, rung = halving(len(names)), rung_seconds(budget, len(names))
     winner_s = budget - (sum(counts) - len(counts)) * rung
     log.info("race: %s, %.0f s of training each a rung (%s candidates a rung), judged on the validation split",
@@ -235,12 +236,13 @@ def train(cfg: Config, on_eval: Callable[[Path], Any] | None = None, callbacks: 
     when it has one (a planned run's ``train.race``); returns :meth:`Trainer.fit`'s summary (with
     the race's record under ``race``). ``on_eval(run_dir)`` runs on rank 0 after every evaluation
     (the CLI's live report); ``callbacks``: user :class:`~vitflow.training.callbacks.Callback` objects."""
+    callbacks = ([LiveReport(on_eval)] if on_eval else []) + list(callbacks)
     if cfg.train.race == "none" or cfg.train.resume != "none" or not hasattr(cfg, "plan_candidate"):
-        return Trainer(cfg, ([LiveReport(on_eval)] if on_eval else []) + list(callbacks)).fit()
+        return Trainer(cfg, callbacks).fit()
     with shared_datasets():  # the candidates and the winner's continuation decode the images once
         try:
             cfg, record = race(cfg)
         except RaceInterrupted as e:  # the CLI says how the candidate's run continues
             return e.summary
-        summary = Trainer(cfg, ([LiveReport(on_eval)] if on_eval else []) + list(callbacks)).fit()
+        summary = Trainer(cfg, callbacks).fit()
     return {**summary, "race": record}

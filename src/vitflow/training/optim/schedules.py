@@ -173,10 +173,11 @@ def lr_curve(cfg: OptimConfig, total_steps: int, depth: int, time_budget: str | 
     return LrCurve([cfg.lr * fn(s) for s in range(total_steps)], cfg.warmup_steps, lowest, title)
 
 
-def warn_long_warmup(cfg: OptimConfig, total_steps: int, what: str) -> None:
+def warn_long_warmup(cfg: OptimConfig, total_steps: int, what: str) -> bool:
     """Warn when ``optim.warmup_steps`` is not below the schedule's length ``total_steps`` (named
-    ``what``): the run would end inside the warmup."""
-    if cfg.warmup_steps >= total_steps:
-        log.warning("optim.warmup_steps=%d is not below %s (%d steps): the run ends inside the warmup, at "
-                    "%.3g of the peak lr %g", cfg.warmup_steps, what, total_steps, total_steps / cfg.warmup_steps,
-                    cfg.lr)
+    ``what``): the run would end inside the warmup. Returns whether it warned."""
+    if cfg.warmup_steps < total_steps:
+        return False
+    log.warning("optim.warmup_steps=%d is not below %s (%d steps): the run ends inside the warmup, at "
+                "%.3g of the peak lr %g", cfg.warmup_steps, what, total_steps, total_steps / cfg.warmup_steps, cfg.lr)
+    return True

@@ -129,9 +129,8 @@ class TimeBudget:
         if fit is not None and abs(fit - total) > 0.01 * total:
             set_total_steps(scheduler, fit)
             log.info("time budget: schedule set to %d steps", fit)
-            if dist.is_main and not self.warned_warmup and fit <= self.optim.warmup_steps:
-                warn_long_warmup(self.optim, fit, "the time budget's fitted schedule")
-                self.warned_warmup = True
+            if dist.is_main and not self.warned_warmup:
+                self.warned_warmup = warn_long_warmup(self.optim, fit, "the time budget's fitted schedule")
 
 
 class BudgetStop(Callback):

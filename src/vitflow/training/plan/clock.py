@@ -79,15 +79,17 @@ class Clock:
         return self.step_s + self.augment_s.get(tier, 0.0)
 
 
-def _images(d: DataConfig, size: int, n: int) -> tuple[torch.Tensor, float]:
+def _images(d: DataConfig, size: int, n: int, distinct: int | None = None) -> tuple[torch.Tensor, float]:
     """``uint8 (n, 3, size, size)`` images of the training split (decoded, resized and
-    center-cropped as evaluation does; repeated when the split is smaller; random pixels for a
-    split without random access) and the seconds one took to decode."""
+    center-cropped as evaluation does; at most ``distinct`` of them decoded, repeated to ``n``, as
+    when the split is smaller; random pixels for a split without random access) and the seconds
+    one took to decode."""
     pp = Preprocess(size, crop_pct=min(1.0, max(d.crop_pct, 1e-3)), interpolation=d.interpolation)
     transform, images, t0 = eval_transform(pp), [], time.perf_counter()
     try:
         src = open_training(d)
-        picks = [] if getattr(src, "streamed", False) else np.linspace(0, len(src) - 1, min(n, len(src))).astype(int)
+        picks = [] if getattr(src, "streamed", False) else np.linspace(
+            0, len(src) - 1, min(n, distinct or n, len(src))).astype(int)
         for i in picks:
             try:
                 images.append(transform(src.load(int(i))))
@@ -125,8 +127,7 @@ def measure_clock(m: ModelConfig, d: DataConfig, t: TrainConfig, o: OptimConfig,
     precision = resolve_precision(t.precision, device)
     size = m.img_size or model_kwargs(m.name)["img_size"]
     micro = t.batch_size // t.accum_steps
-    raw, decode_s = _images(d, size, micro if like is None else min(micro, QUICK_IMAGES))
-    raw = raw[torch.arange(micro) % len(raw)]
+    raw, decode_s = _images(d, size, micro, None if like is None else QUICK_IMAGES)
     x = model_input(raw, d.mean, d.std, device)
     y = torch.arange(micro, device=device) % classes
     candidates = [like.threads] if like else [t.threads] if t.threads else (
