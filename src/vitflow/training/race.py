@@ -211,9 +211,9 @@ def race(cfg: Config) -> tuple[Config, dict[str, Any]]:
     alive = _halve(list(entrants), counts, rung, winner_s)
     winner, why = alive[0], verdict(alive[0], alive[1]) if len(alive) > 1 else "the only candidate left"
     log.info("race: %s wins: %s", winner.name, why)
-    spent = time.perf_counter() - started
+    spent = round(time.perf_counter() - started, 1)  # as recorded: the budget left is the record's
     record = {"candidates": {e.name: e.rungs for e in entrants}, "winner": winner.name,
-              "why": why, "race_s": round(spent, 1), "budget_s": budget}
+              "why": why, "race_s": spent, "budget_s": budget}
     (run_dir / RACE).write_text(json.dumps(record, indent=1))
     _adopt(winner.folder, run_dir)
     out = copy.deepcopy(winner.cfg)
