@@ -288,3 +288,17 @@ def check_run_checkpoint(trainer, summary, name, key):
     with torch.no_grad():
         torch.testing.assert_close(model(x), trainer.model.eval()(x))
     assert 0.0 <= summary["test_top1"] <= 1.0
+
+
+def hymenoptera_subset(root: Path, counts=(("train", 12), ("val", 6))) -> Path:
+    """Real hymenoptera photos as ``root/<split>/<class>/<name>.jpg``: the first ``n`` of each class of each split."""
+    from vitflow.data import open_split
+
+    for split, n in counts:
+        src = open_split(need(HYMENOPTERA_TAR), split)
+        for c, name in enumerate(src.classes):
+            for i in np.flatnonzero(src.labels == c)[:n]:
+                p = root / split / name / src.name(int(i)).rsplit("/", 1)[-1]
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_bytes(src.encoded(int(i)))
+    return root

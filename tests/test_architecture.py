@@ -14,6 +14,8 @@ Units and what each may import (besides itself and the standard library / third 
 - ``training``: every layer to its left and the shared services;
 - ``infer``: the same but ``training``;
 - ``viz``: ``infer`` and what it may import, ``rundir``; no ``training``;
+- ``quality`` (``vitflow inspect``: what a dataset holds): as ``viz``; it never trains (the API's
+  k-fold path trains and hands it the probabilities);
 - ``api`` (the Python face, ``vitflow.train`` / ``load`` / ``Config`` / ``Run``): every layer but ``cli``;
 - the package (``vitflow/__init__.py``): ``models``, ``moved``, and ``api`` for the API's names;
 - ``cli``: everything.
@@ -59,6 +61,7 @@ ALLOWED: dict[str, set[str]] = {
     "training": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics", "rundir"},
     "infer": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics"},
     "viz": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics", "infer", "rundir"},
+    "quality": FOUNDATION | {"models", "data", "checkpoint", "evaluation", "metrics", "infer", "rundir"},
     "package": {"models", "moved", "api"},  # vitflow/__init__.py: create_model and friends, the API's names
 }
 ALLOWED["api"] = {u for u in ALLOWED if u not in ("api", "package")} | {"viz"}  # the Python face: all but the CLI

@@ -18,12 +18,12 @@ from vitflow.models import VisionTransformer, create_model, list_models
 from vitflow.moved import install as _install_moved
 
 __version__ = "0.1.0"
-_API = ("Callback", "Classifier", "Config", "Run", "load", "train")
-__all__ = ["VisionTransformer", "create_model", "list_models", "Callback", "Classifier", "Config", "Run", "load", "train",
-           "__version__"]
+_API = ("Callback", "Classifier", "Config", "Run", "inspect", "load", "train")
+__all__ = ["VisionTransformer", "create_model", "list_models", "Callback", "Classifier", "Config", "Run", "inspect", "load",
+           "train", "__version__"]
 
 if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editors
-    from vitflow.api import Callback, Classifier, Config, Run, load, train
+    from vitflow.api import Callback, Classifier, Config, Run, inspect, load, train
 
 _install_moved()
 

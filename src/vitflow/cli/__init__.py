@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
         if args.debug or os.environ.get("VITFLOW_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)

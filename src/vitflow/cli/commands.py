@@ -153,6 +153,26 @@ def _skipped_and_json(args: argparse.Namespace, r: dict, skipped: int) -> int:
     return 0
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from vitflow.api.quality import inspect
+
+    bad = [o for o in args.overrides if not o.startswith("data.") or "=" not in o]
+    if bad:
+        print(f"error: {bad[0]}: inspect takes data.KEY=VALUE overrides only", file=sys.stderr)
+        return 2
+    df = inspect(args.data, args.model, args.time_budget, args.output, args.folds, workers=args.workers,
+                 **dict(o.split("=", 1) for o in args.overrides))
+    summary, files = df.attrs["summary"], df.attrs["files"]
+    counts = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in summary["findings"].items()) or "no findings"
+    print(f"{sum(summary['images'].values())} images in {len(summary['images'])} split(s): {counts} "
+          f"({summary['seconds']:.0f} s)\npage: {files['page']}\nfindings: {files['findings.csv']}\n"
+          f"fixes: vitflow train ... data.exclude={files['exclude.txt']} (or data.relabel={files['relabel.csv']})")
+    if args.json:
+        _print_json(args, {"images": summary["images"], "findings": summary["findings"], "seconds": summary["seconds"],
+                           **{k.replace(".", "_"): v for k, v in files.items()}})
+    return 0
+
+
 def cmd_embed(args: argparse.Namespace) -> int:
     from vitflow.infer import collect_images
     from vitflow.infer.features.backbone import load_backbone
@@ -362,7 +382,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": cmd_train, "resume": cmd_resume, "eval": cmd_eval, "predict": cmd_predict, "attention": cmd_attention,
-            "embed": cmd_embed,
+            "embed": cmd_embed, "inspect": cmd_inspect,
             "export": cmd_export, "serve": cmd_serve, "quantize": cmd_quantize, "prune": cmd_prune, "prepare": cmd_prepare,
             "bench": cmd_bench, "lr-schedule": cmd_lr_schedule, "report": cmd_report, "presets": cmd_presets,
             "models": cmd_models,

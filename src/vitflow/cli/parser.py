@@ -108,7 +108,21 @@ def _add_knn_args(p: argparse.ArgumentParser) -> None:
 
 
 def _data_and_view_commands(sub) -> None:
-    """attention, prepare."""
+    """attention, prepare, inspect."""
+    p = sub.add_parser("inspect", help="find label issues, leaks and copies across splits, outliers and broken files "
+                       "in a dataset: a page, findings.csv/json and fix files for data.exclude / data.relabel")
+    p.add_argument("data", help="the images, as data.path takes them (class folders, a tar, a label file, a dataset, a URL)")
+    p.add_argument("--model", help="a run directory, checkpoint or model folder whose embeddings find copies and "
+                   "outliers and feed the label probes (fast); default: k-fold training inside --time-budget")
+    p.add_argument("--time-budget", default="5m", help="the k-fold path's wall-clock budget (default 5m)")
+    p.add_argument("--folds", type=int, default=2, help="k of the k-fold path (default 2)")
+    p.add_argument("-o", "--output", help="output folder (default inspect-<data name>; an earlier inspect's is "
+                   "updated, any other existing folder refused)")
+    p.add_argument("--workers", type=int, default=2, help="image decoding threads (default 2)")
+    p.add_argument("overrides", nargs="*", metavar="data.KEY=VALUE", help="data.* keys (data.train_split=..., "
+                   "data.label_column=...)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line: counts per finding and the files")
+
     p = sub.add_parser("attention", help="draw a checkpoint's attention maps and rollout on an image")
     p.add_argument("checkpoint", help="checkpoint file or run directory")
     p.add_argument("image", help="an image file")

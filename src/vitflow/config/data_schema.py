@@ -39,6 +39,11 @@ class DataConfig:
     split_column: str = "auto"  # label files: auto = a column named split, if any (values: train, val, test...)
     classes: str | None = None  # a text file of class names, one per line (default: the data's own)
     label_separator: str = ";"  # multilabel: separator of several labels in one cell (or a JSON list)
+    # fixes that leave the files alone, applied in every split (vitflow inspect writes both): a text file of images
+    # to drop, one per line (a path relative to the data's root, a tar member name or a full path), and a CSV of
+    # path,label rows giving images another class; an image in both is relabelled
+    exclude: str | None = None
+    relabel: str | None = None
     # training crops: auto = pad_crop up to 64 px, else random_resized_crop
     train_augment: Literal["auto", "random_resized_crop", "pad_crop", "none"] = "auto"
     scale: tuple[float, float] = (0.08, 1.0)  # random_resized_crop area range

@@ -1,5 +1,5 @@
 """Small report panels: the run's status line (running / finished / interrupted), the race of a
-planned run (what each candidate reached, the winner and why), the attention maps of one of the
+planned run (what each candidate reached, the winner and why), the data fixes it trained with, the attention maps of one of the
 run's held-out sample images, labelled with what they show, and the samples themselves with what
 the newest checkpoint predicts for them."""
 
@@ -49,6 +49,29 @@ def race_panel(run: Path) -> str:
     return (f"<h2>Race</h2><p>Candidates trained on this data and halved by validation top-1 in "
             f"{r['race_s']:.0f} s of the {r['budget_s']:.0f} s budget: {html.escape(r['why'])}.</p>"
             f"<table><tr><th>model</th>{head}</tr>{''.join(rows)}</table>")
+
+
+def fixes_panel(run: Path) -> str:
+    """An HTML section naming the fix files the run trained with (``data.exclude``, ``data.relabel``,
+    as ``vitflow inspect`` writes them) and how many images each lists; empty text without them."""
+    import yaml
+
+    try:
+        data = (yaml.safe_load((Path(run) / "config.yaml").read_text()) or {}).get("data") or {}
+    except (OSError, ValueError, yaml.YAMLError):
+        return ""
+    items = []
+    for key, what in (("exclude", "listed to drop"), ("relabel", "listed to relabel")):
+        if data.get(key):
+            try:
+                lines = [x for x in Path(data[key]).read_text(errors="replace").splitlines()
+                         if x.strip() and not x.startswith("#")]
+                n = len(lines) - (key == "relabel")  # the CSV's header
+            except OSError:
+                n = None
+            count = f"{n} image(s) {what}" if n is not None else "the file is no longer there"
+            items.append(f"<li><code>data.{key}={html.escape(str(data[key]))}</code>: {count} in every split</li>")
+    return f"<h2>Data fixes</h2><ul>{''.join(items)}</ul>" if items else ""
 
 
 def attention_panel(run: Path, out: Path, checkpoint: str | Path | None = None) -> str:

@@ -42,7 +42,7 @@ from vitflow.rundir import read_eval_records, read_metrics
 from vitflow.viz.classmetrics import calibration_html, prf_table
 from vitflow.viz.curves import line_plot
 from vitflow.viz.distribution import distribution_panel
-from vitflow.viz.panels import attention_panel, race_panel, samples_panel, status_line
+from vitflow.viz.panels import attention_panel, fixes_panel, race_panel, samples_panel, status_line
 from vitflow.viz.progress import later_evaluations, newest_evaluation, pending_evaluation
 
 MAX_MATRIX_CLASSES = 40  # larger confusion matrices are summarised as the most frequent confusions
@@ -290,6 +290,7 @@ def write_report(run_dir: str | Path, output: str | Path | None = None, checkpoi
 {attention_panel(run, html_path.parent / "report", checkpoint) if model_panels else ""}
 {distribution_panel(run)}
 {race_panel(run)}
+{fixes_panel(run)}
 <h2>Config</h2><pre>{html.escape(config)}</pre>
 </body></html>
 """

@@ -15,6 +15,7 @@ import numpy as np
 
 from vitflow.config import DataConfig
 from vitflow.config.messages import MESSAGES
+from vitflow.data.fixes import apply_fixes, read_fixes
 from vitflow.data.remote.fs import is_remote
 from vitflow.data.sources import table
 from vitflow.data.sources.base import DataError, ImageSource
@@ -126,6 +127,8 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
     name = canonical_split(sp.name, kind.split_names(where, cfg)) if sp.name in VAL_NAMES else sp.name
     src = kind.open(where, name or sp.name, classes, cfg)  # not there: the kind's message names what it has
     src = src.subset(sp.select(len(src)))
+    if cfg.exclude or cfg.relabel:
+        src = apply_fixes(src, read_fixes(cfg.exclude, cfg.relabel), split if isinstance(split, str) else sp.name)
     if classes is not None and (absent := absent_classes(src)):  # a held-out split, labelled with the run's classes
         shown = ", ".join(absent[:10]) + (f" and {len(absent) - 10} more" if len(absent) > 10 else "")
         log.warning("split %r of %s has no images of %d of the %d classes (%s): its macro averages and per-class "
@@ -153,6 +156,9 @@ def open_training(cfg: DataConfig, label: str = "data.path") -> ImageSource:
     """
     kind = kind_of(cfg.path, cfg.source, label)
     if kind.stream is not None:
+        if cfg.exclude or cfg.relabel:
+            raise DataError(f"data.exclude / data.relabel need images read by index; {label} is streamed ({kind.name}): "
+                            "drop or relabel those images when writing the shards")
         return kind.stream(_where(kind, cfg.path), cfg.train_split, cfg)
     return open_split(cfg.path, cfg.train_split, cfg.source, label=label, cfg=cfg)
 

@@ -1,0 +1,99 @@
+"""Exact copies, near-copies and leaks across splits.
+
+- exact copies: the same encoded bytes (SHA-1 of the file; decoded pixels for in-memory data);
+- near-copies: candidates are pairs whose pHashes (:mod:`vitflow.quality.phash`, the whole image
+  against the whole and the 90% crops of the other) are within :data:`PHASH_CANDIDATE` bits, or
+  the nearest embeddings by cosine; a candidate is a copy when the pixels of the two agree
+  (:func:`~vitflow.quality.phash.view_correlation` at least :data:`VIEW_CORRELATION_MIN`, or at least
+  :data:`CLOSE_CORRELATION_MIN` when the hashes are within :data:`CLOSE_BITS`), so a weak model's
+  embeddings or a look-alike photo do not make copies;
+- a pair in two different splits is a **leak**: a test image whose copy is in train inflates the
+  test figure.
+
+Candidates come from k-NN searches (faiss), never from all pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vitflow.quality.neighbors import cosine_knn
+from vitflow.quality.phash import hamming, hash_neighbours, view_correlation
+from vitflow.quality.scan import SplitScan
+
+PHASH_CANDIDATE = 12  # bits of 64
+VIEW_CORRELATION_MIN = 0.92  # pixels' correlation of a near-copy (a 90%-crop, 0.6x, JPEG-q60 copy: >= 0.923)
+CLOSE_BITS, CLOSE_CORRELATION_MIN = 6, 0.8  # hashes this close need less agreement of the pixels
+NEIGHBOURS = 8  # candidates looked at per image (each of its hash views; its embedding)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Two images that are copies: ``(split, row)`` each, ``kind`` ``exact`` or ``near``, the pHash
+    distance in bits (whole to nearest view), the pixels' correlation and the embedding cosine
+    (``nan`` without embeddings)."""
+
+    a: tuple[str, int]
+    b: tuple[str, int]
+    kind: str
+    phash_bits: int
+    correlation: float
+    cosine: float
+
+    @property
+    def leak(self) -> bool:
+        return self.a[0] != self.b[0]
+
+
+def _candidates(hashes: np.ndarray, emb: np.ndarray | None) -> set[tuple[int, int]]:
+    views = hashes.shape[1]
+    pairs = {(min(q, r // views), max(q, r // views)) for q, r, _ in
+             hash_neighbours(np.ascontiguousarray(hashes[:, 0]), hashes.reshape(-1), NEIGHBOURS * 2, PHASH_CANDIDATE)
+             if r // views != q}
+    if emb is not None:
+        _, nn = cosine_knn(emb, emb, NEIGHBOURS, same=True)
+        pairs |= {(min(a, int(b)), max(a, int(b))) for a in range(len(emb)) for b in nn[a] if b >= 0}
+    return pairs
+
+
+def find_copies(scans: list[SplitScan], correlation_min: float = VIEW_CORRELATION_MIN) -> list[Pair]:
+    """Every pair of copies among the readable images of ``scans``, each pair once, exact copies
+    first, then by the pixels' correlation (highest first)."""
+    rows = [(s.split, int(i)) for s in scans for i in np.flatnonzero(s.readable)]
+    if len(rows) < 2:
+        return []
+    by = {s.split: s for s in scans}
+    pick = {s.split: np.array([i for sp, i in rows if sp == s.split], dtype=np.int64) for s in scans}
+    hashes = np.concatenate([by[s].phash[pick[s]] for s in by])
+    views = np.concatenate([by[s].views[pick[s]] for s in by])
+    sha = [by[s].sha1[i] for s, i in rows]
+    emb = np.concatenate([by[s].features[pick[s]] for s in by]) if all(
+        s.features is not None for s in scans) else None
+    cand = sorted(_candidates(hashes, emb) | _same_bytes(sha))
+    if not cand:
+        return []
+    a, b = np.array(cand).T
+    corr = view_correlation(views[a], views[b])
+    bits = np.minimum(hamming(hashes[a, :1], hashes[b]).min(-1), hamming(hashes[a], hashes[b, :1]).min(-1))
+    cos = np.full(len(a), np.nan, np.float32)
+    if emb is not None:
+        e = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+        cos = (e[a] * e[b]).sum(1)
+    pairs = [Pair(rows[i], rows[j], "exact" if sha[i] == sha[j] else "near", int(d), float(c), float(co))
+             for i, j, d, c, co in zip(a, b, bits, corr, cos)
+             if sha[i] == sha[j] or c >= correlation_min or (d <= CLOSE_BITS and c >= CLOSE_CORRELATION_MIN)]
+    return sorted(pairs, key=lambda p: (p.kind != "exact", -p.correlation))
+
+
+def _same_bytes(sha: list[str]) -> set[tuple[int, int]]:
+    """Pairs of rows with the same digest: each row with the first of its group."""
+    first: dict[str, int] = {}
+    out = set()
+    for i, d in enumerate(sha):
+        if d in first:
+            out.add((first[d], i))
+        else:
+            first[d] = i
+    return out

@@ -1,0 +1,211 @@
+"""``vitflow inspect`` without the training: open every split, scan it (:mod:`.scan`, cached), and
+turn the scans and out-of-sample probabilities into findings (:mod:`.findings`).
+
+The k-fold training path lives in the Python API (:func:`vitflow.api.inspect.inspect`), which hands
+its out-of-fold probabilities in here: this package reads a model through ``infer`` and never
+trains one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from vitflow.config import DataConfig
+from vitflow.data import open_split
+from vitflow.data.sources.base import DataError, ImageSource
+from vitflow.data.sources.dispatch import split_names
+from vitflow.infer.features.backbone import Backbone
+from vitflow.quality.duplicates import find_copies
+from vitflow.quality.labels import probe_probabilities, rank_label_issues
+from vitflow.quality.outliers import class_faults, image_faults, outlier_cut, outlier_scores
+from vitflow.quality.scan import SplitScan, scan_split
+
+log = logging.getLogger(__name__)
+
+
+def open_splits(dcfg: DataConfig) -> list[tuple[str, ImageSource]]:
+    """``(split, source)`` of every split of the data, the training split first, all labelled with its
+    classes. Raises DataError: no images, or fewer than two classes."""
+    train = open_split(dcfg.path, dcfg.train_split, dcfg.source, cfg=dcfg)
+    if len(train) == 0:
+        raise DataError(f"{dcfg.path}: split {dcfg.train_split!r} holds no images")
+    if len(train.classes) < 2:
+        raise DataError(f"{dcfg.path}: one class ({train.classes[0] if train.classes else 'none'}) in split "
+                        f"{dcfg.train_split!r}; inspecting labels needs at least two class folders or label values")
+    out = [(dcfg.train_split, train)]
+    for name in split_names(dcfg.path, dcfg.source, dcfg):
+        if name != dcfg.train_split.split("[")[0]:
+            out.append((name, open_split(dcfg.path, name, dcfg.source, classes=list(train.classes), cfg=dcfg)))
+    return out
+
+
+def _digest(split: str, source: ImageSource, backbone: Backbone | None) -> str:
+    model = None
+    if backbone is not None:
+        p = Path(backbone.source)
+        stat = p.stat() if p.exists() else None
+        model = [str(p.resolve()) if stat else backbone.source, stat and stat.st_mtime_ns, stat and stat.st_size,
+                 backbone.name, vars(backbone.preprocess) if hasattr(backbone.preprocess, "__dict__") else
+                 str(backbone.preprocess)]
+    keys = [source.name(i) for i in range(len(source))]
+    return hashlib.sha1(json.dumps([split, model, keys, np.asarray(source.labels).tolist()], default=str)
+                        .encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+def cached_scan(split: str, source: ImageSource, backbone: Backbone | None, cache_dir: Path | None,
+                workers: int = 2) -> SplitScan:
+    """:func:`~vitflow.quality.scan.scan_split`, kept in ``cache_dir`` as ``scan-<split>-<digest>.npz``
+    (the digest covers the model file, its preprocessing and the split's images and labels)."""
+    path = cache_dir / f"scan-{split}-{_digest(split, source, backbone)}.npz" if cache_dir else None
+    if path is not None and path.is_file():
+        z = np.load(path, allow_pickle=False)
+        log.info("split %r: scan read from %s", split, path)
+        s = SplitScan(split, list(source.classes), [str(k) for k in z["keys"]], [source.name(i) for i in
+                      range(len(source))], z["labels"])
+        for k in ("phash", "views", "width", "height", "nbytes", "brightness", "contrast"):
+            setattr(s, k, z[k])
+        s.sha1, s.error = [str(x) for x in z["sha1"]], [str(x) for x in z["error"]]
+        s.features = z["features"] if "features" in z else None
+        return s
+    s = scan_split(source, split, backbone, workers=workers)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp.npz")
+        np.savez(tmp, **s.arrays())
+        os.replace(tmp, path)
+    return s
+
+
+def _row(s: SplitScan, i: int, finding: str, score: float, detail: str, **more) -> dict:
+    label = s.classes[int(s.labels[i])] if s.labels.ndim == 1 else ""
+    return {"finding": finding, "score": round(float(score), 4), "split": s.split, "key": s.keys[i],
+            "path": s.names[i], "label": label, "detail": detail, **more}
+
+
+def label_rows(scans: list[SplitScan], probs: dict[str, np.ndarray] | None) -> list[dict]:
+    """Label issues of every split: ``probs`` (split -> out-of-sample ``(N, C)``) or, without them,
+    linear probes on the scans' features. No features and no probs: none."""
+    train = scans[0]
+    if train.labels.ndim != 1:
+        log.warning("label issues are found for single-label data; this data is multi-label: leaks, copies and "
+                    "outliers only")
+        return []
+    if probs is None:
+        if train.features is None:
+            return []
+        ok = [s.readable for s in scans]
+        oof, rest = probe_probabilities(train.features[ok[0]], train.labels[ok[0]], len(train.classes),
+                                        [s.features[m] for s, m in zip(scans[1:], ok[1:])])
+        probs = {}
+        for s, m, p in zip(scans, ok, [oof, *rest]):
+            full = np.full((len(s), len(train.classes)), 1 / len(train.classes), np.float32)
+            full[m] = p
+            probs[s.split] = full
+    rows = []
+    for s in scans:
+        ok = np.flatnonzero(s.readable)
+        if s.split not in probs or len(ok) < 2:
+            continue
+        flagged, quality, suggested = rank_label_issues(s.labels[ok], probs[s.split][ok])
+        for r, q, c in zip(flagged, quality, suggested):
+            i = int(ok[r])
+            rows.append(_row(s, i, "label_issue", 1 - q, f"given {s.classes[int(s.labels[i])]}, the model says "
+                             f"{s.classes[c]} ({probs[s.split][i, c]:.0%})", suggested=s.classes[c]))
+    return rows
+
+
+def copy_rows(scans: list[SplitScan]) -> list[dict]:
+    """Leaks, exact and near copies (:func:`~vitflow.quality.duplicates.find_copies`). A leak's row
+    is the image outside the held-out split (the training copy) so dropping it keeps the test set whole."""
+    by = {s.split: s for s in scans}
+    order = {s.split: k for k, s in enumerate(scans)}
+    rows = []
+    for p in find_copies(scans):
+        (sa, a), (sb, b) = sorted([p.a, p.b], key=lambda t: (order[t[0]], t[1]))
+        kind = "leak" if p.leak else f"{p.kind}_duplicate"
+        if p.leak:  # keep the held-out copy: the row (and the fix) is the training-side image
+            (sa, a), (sb, b) = ((sa, a), (sb, b)) if order[sa] == 0 else ((sb, b), (sa, a))
+        else:  # within a split: the later copy goes
+            (sa, a), (sb, b) = (sb, b), (sa, a)
+        s, o = by[sa], by[sb]
+        score = 1.0 if p.kind == "exact" else p.correlation
+        detail = "identical files" if p.kind == "exact" else (
+            f"pixels' correlation {p.correlation:.3f}, pHash {p.phash_bits} bits apart"
+            + ("" if np.isnan(p.cosine) else f", embedding cosine {p.cosine:.3f}"))
+        rows.append(_row(s, a, kind, score, detail, other_split=o.split, other_key=o.keys[b], other_path=o.names[b]))
+    return rows
+
+
+def fault_rows(scans: list[SplitScan]) -> list[dict]:
+    """Broken, tiny, elongated, near-constant, outlying images; small classes and imbalance."""
+    train = scans[0]
+    sides = np.minimum(train.width, train.height)[train.readable]
+    median_side = float(np.median(sides)) if len(sides) else 0.0
+    rows = [_row(s, i, k, sc, d) for s in scans for i, k, sc, d in image_faults(s, median_side)]
+    scores = outlier_scores(scans, train)
+    cut = outlier_cut(scores[train.split])
+    for s in scans:
+        for i in np.flatnonzero(scores[s.split] > cut):
+            rows.append(_row(s, int(i), "outlier", min(1.0, float(scores[s.split][i])),
+                             f"mean cosine distance {scores[s.split][i]:.3f} to its nearest training images "
+                             f"(the cut: {cut:.3f})"))
+    for c, k, sc, d in class_faults(train):
+        rows.append({"finding": k, "score": round(sc, 4), "split": train.split, "label": c, "detail": d})
+    return rows
+
+
+def check_output(out: Path) -> None:
+    """Refuse to write into a folder that holds anything but an earlier ``vitflow inspect``'s files.
+    Raises FileExistsError naming it."""
+    ours = out.is_dir() and ((out / "summary.json").is_file() or {p.name for p in out.iterdir()} <= {"cache", "kfold"})
+    if out.exists() and not ours:
+        raise FileExistsError(f"-o {out}: exists and is not an earlier vitflow inspect folder (no summary.json); "
+                              "give a new or empty folder")
+
+
+def inspect_data(dcfg: DataConfig, out: str | Path, backbone: Backbone | None = None,
+                 probs: dict[str, np.ndarray] | None = None, cache_dir: str | Path | None = None,
+                 workers: int = 2, extra: dict | None = None):
+    """Every finding of the data ``dcfg`` names, written to ``out`` (:func:`~vitflow.quality.findings.write_findings`
+    and ``index.html``).
+
+    Args:
+        backbone: the model whose embeddings find near-copies and outliers (and feed the label probes).
+        probs: out-of-sample class probabilities per split (k-fold training); without them, probes on
+            the embeddings.
+        cache_dir: where scans are kept between runs (default: ``out/cache``).
+        extra: more lines for the summary (how the probabilities were made).
+    Returns:
+        ``(findings DataFrame, summary dict, files dict)``.
+    Raises:
+        DataError: no images, one class, unreadable splits; FileExistsError: ``out`` is a folder of
+        something else. Nothing is written before the scans succeed.
+    """
+    import time
+
+    from vitflow.quality.findings import KINDS, frame, write_findings
+    from vitflow.quality.page import write_page
+
+    t0 = time.perf_counter()
+    out = Path(out)
+    check_output(out)
+    sources = open_splits(dcfg)
+    cache = Path(cache_dir) if cache_dir else out / "cache"
+    scans = [cached_scan(name, src, backbone, cache, workers) for name, src in sources]
+    if not scans[0].readable.any():
+        raise DataError(f"{dcfg.path}: none of the {len(scans[0])} images of split {scans[0].split!r} can be read")
+    df = frame(label_rows(scans, probs) + copy_rows(scans) + fault_rows(scans))
+    df["action"] = df["finding"].map({k: a for k, (_, a) in KINDS.items()})
+    summary = {"data": str(dcfg.path), "model": backbone.source if backbone else "none",
+               **(extra or {}), "images": {s.split: len(s) for s in scans},
+               "findings": {k: int((df["finding"] == k).sum()) for k in KINDS if (df["finding"] == k).any()},
+               "seconds": round(time.perf_counter() - t0, 1)}
+    files = write_findings(df, out, summary)
+    files["page"] = str(write_page(df, summary, dict(sources), out, f"vitflow inspect: {dcfg.path}"))
+    return df, summary, files
