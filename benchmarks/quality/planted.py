@@ -63,22 +63,21 @@ def build(data: str, out: Path, flip: float, copies: int, seed: int, per_class: 
         given = true
         if i in flipped:
             given = src.classes[int(rng.choice([c for c in range(len(src.classes)) if c != src.labels[i]]))]
-        name = Path(src.name(int(i)).split(":")[-1]).name
-        key = f"train/{given}/{name}"
+        key = f"train/{given}/{int(i):06d}{Path(src.name(int(i))).suffix}"  # unique whatever class it lands in
         (out / key).parent.mkdir(parents=True, exist_ok=True)
         (out / key).write_bytes(src.encoded(int(i)))
         if given != true:
             truth["flipped"][key] = true
     hsrc, hidx = keep[held_name]
     for i in hidx:
-        key = f"{held_name}/{hsrc.classes[int(hsrc.labels[i])]}/{Path(hsrc.name(int(i)).split(':')[-1]).name}"
+        key = f"{held_name}/{hsrc.classes[int(hsrc.labels[i])]}/{int(i):06d}{Path(hsrc.name(int(i))).suffix}"
         (out / key).parent.mkdir(parents=True, exist_ok=True)
         (out / key).write_bytes(hsrc.encoded(int(i)))
     for n, i in enumerate(rng.choice(hidx, copies, replace=False)):
         c = hsrc.classes[int(hsrc.labels[i])]
         key = f"train/{c}/planted_{n:03d}.jpg"
         (out / key).write_bytes(near_copy(hsrc.encoded(int(i)), rng))
-        truth["planted"].append([key, f"{held_name}/{c}/{Path(hsrc.name(int(i)).split(':')[-1]).name}"])
+        truth["planted"].append([key, f"{held_name}/{c}/{int(i):06d}{Path(hsrc.name(int(i))).suffix}"])
     (out.parent / f"{out.name}.truth.json").write_text(json.dumps(truth, indent=1))
     return truth
 

@@ -87,3 +87,20 @@ def test_planted_copies_are_leaks_found_all_and_only(planted):
     assert not [r for r in rows if r["finding"] == "near_duplicate"]
     near = [p for p in find_copies(scans) if p.kind == "near"]
     assert len(near) == 4 and all(p.correlation >= 0.92 or p.phash_bits <= 6 and p.correlation >= 0.8 for p in near)
+
+
+def test_the_cut_rises_where_every_image_looks_like_its_neighbours():
+    """Cells on a slide correlate at 0.95 with any other cell: a copy must stand out of its data
+    (1 - correlation at most a quarter of the median's), and such near-copies are for review."""
+    from vitflow.quality.duplicates import HOMOGENEOUS_MEDIAN, data_cuts
+
+    n = 200
+    a, b = np.arange(n), (np.arange(n) + 1) % n
+    varied = np.full(n, 0.6, np.float32)  # photos: the nearest image correlates at 0.6
+    cut, close, median = data_cuts(varied, a, b, n)
+    assert cut == 0.92 and close == pytest.approx(0.8) and median == pytest.approx(0.6)
+    alike = np.full(n, 0.96, np.float32)
+    cut, close, median = data_cuts(alike, a, b, n)
+    assert cut == pytest.approx(0.99) and close == pytest.approx(0.98) and median > HOMOGENEOUS_MEDIAN
+    half = np.where(np.arange(n) < n // 3, 0.99, 0.5).astype(np.float32)  # a third of the images copies: robust
+    assert data_cuts(half, a, b, n)[0] == 0.92

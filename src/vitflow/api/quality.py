@@ -29,6 +29,7 @@ from vitflow.quality.inspection import check_output, inspect_data, open_splits
 log = logging.getLogger(__name__)
 FOLDS = 2  # k of the k-fold path: each model sees half the training images and half the time
 TRAIN_SHARE = 0.8  # of the time budget for the k-fold training; the rest scans and scores
+MIN_FOLD_S = 15.0  # seconds a fold trains at least, whatever the budget
 
 
 def inspect(data: str | os.PathLike, model: str | os.PathLike | None = None, time_budget: str | float = "5m",
@@ -70,7 +71,7 @@ def inspect(data: str | os.PathLike, model: str | os.PathLike | None = None, tim
                                           extra={"labels": "linear probes cross-validated on the model's embeddings"})
     else:
         budget = parse_duration(time_budget)
-        probs, backbone, extra = kfold_probabilities(dcfg, out, folds, budget, seed)
+        probs, backbone, extra = kfold_probabilities(dcfg, out, folds, budget, seed, keys)
         df, summary, files = inspect_data(dcfg, out, backbone, probs=probs, workers=workers, extra=extra)
     df.attrs.update(summary=summary, files=files)
     return df
@@ -113,11 +114,12 @@ def class_probabilities(backbone: Backbone, source: ImageSource, batch_size: int
     return out
 
 
-def kfold_probabilities(dcfg: DataConfig, out: Path, folds: int, budget_s: float, seed: int = 0
-                        ) -> tuple[dict[str, np.ndarray], Backbone, dict]:
+def kfold_probabilities(dcfg: DataConfig, out: Path, folds: int, budget_s: float, seed: int = 0,
+                        data_overrides: list[str] = ()) -> tuple[dict[str, np.ndarray], Backbone, dict]:
     """Out-of-fold class probabilities of the training split (and, averaged over the fold models,
     of the other splits) from ``folds`` runs of ``vitflow train`` on the data, each with one fold
-    excluded (``data.exclude``) and ``TRAIN_SHARE * budget_s / folds`` seconds.
+    excluded (``data.exclude``) and ``TRAIN_SHARE * budget_s / folds`` seconds; ``data_overrides``
+    (``data.KEY=VALUE``) reach each run.
 
     Returns:
         ``(split -> float32 (N, C), the first fold's model, summary lines)``.
@@ -134,11 +136,12 @@ def kfold_probabilities(dcfg: DataConfig, out: Path, folds: int, budget_s: float
     probs = {name: np.zeros((len(src), len(train_src.classes)), np.float32) for name, src in sources}
     first = None
     for f in range(folds):
-        left = max(30.0, TRAIN_SHARE * budget_s - (time.perf_counter() - t0)) / (folds - f)
+        left = max(MIN_FOLD_S, (TRAIN_SHARE * budget_s - (time.perf_counter() - t0)) / (folds - f))
         exclude = work / f"fold-{f}.exclude.txt"
         exclude.write_text("".join(f"{k}\n" for k, g in zip(keys, fold) if g == f), encoding="utf-8",
                            errors="surrogateescape")
-        run = train(data=str(dcfg.path), **{"data.exclude": str(exclude), "data.train_split": dcfg.train_split,
+        run = train(data=str(dcfg.path), **{**dict(o.split("=", 1) for o in data_overrides),
+                                            "data.exclude": str(exclude), "data.train_split": dcfg.train_split,
                                             "train.time_budget": f"{int(left)}s", "train.race": "none",
                                             "train.seed": seed + f, "train.run_dir": str(work / f"fold-{f}")})
         bb = load_backbone(run.folder)

@@ -9,7 +9,7 @@ issues), ``other_split`` / ``other_key`` / ``other_path`` (the copy, for duplica
 
 Files: ``findings.csv``, ``findings.json`` (a list of row objects), ``exclude.txt`` (every image
 whose action is ``exclude``, by section) and ``relabel.csv`` (``path,label,given,score`` of the
-label issues): ``vitflow train ... data.exclude=DIR/exclude.txt`` takes them as they are.
+label issues exclude.txt drops: the surest, of the training split): ``vitflow train ... data.exclude=DIR/exclude.txt`` takes them as they are.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ COLUMNS = ["finding", "score", "split", "key", "path", "label", "suggested", "ot
 # kind -> (title on the page, action of its images)
 KINDS = {
     "leak": ("Leaks: a copy of a held-out image in another split", "exclude"),
-    "label_issue": ("Label issues: the given class is likely wrong", "exclude"),
+    "label_issue": ("Label issues: the given class is likely wrong", "review"),  # the surest, of train: exclude
     "exact_duplicate": ("Exact copies within a split", "exclude"),
     "near_duplicate": ("Near-copies within a split", "review"),
     "broken": ("Broken files", "exclude"),
-    "near_constant": ("Near-constant images (blank, dark, bright)", "exclude"),
+    "near_constant": ("Near-constant images (blank, dark, bright)", "review"),
     "tiny": ("Tiny images", "review"),
     "extreme_aspect": ("Extreme aspect ratios", "review"),
     "outlier": ("Outliers: far from every training image", "review"),
@@ -59,7 +59,7 @@ def _atomic(path: Path, text: str) -> None:
 def exclude_lines(df) -> list[str]:
     """``exclude.txt``: the keys whose action is ``exclude``, a ``#`` heading per kind, each key once."""
     lines, seen = [], set()
-    for kind, (title, action) in KINDS.items():
+    for kind, (title, _) in KINDS.items():
         keys = [k for k in df.loc[(df["finding"] == kind) & (df["action"] == "exclude"), "key"] if k not in seen]
         if keys:
             seen.update(keys)
@@ -80,7 +80,7 @@ def write_findings(df, out: str | Path, summary: dict) -> dict[str, str]:
     header = ["# vitflow inspect: images to drop in every split; delete a line to keep that image.",
               "# Use: vitflow train ... data.exclude=" + str(files["exclude.txt"]), ""]
     _atomic(files["exclude.txt"], "\n".join(header + exclude_lines(df)) + "\n")
-    issues = df[df["finding"] == "label_issue"]
+    issues = df[(df["finding"] == "label_issue") & (df["action"] == "exclude")]  # the surest, of train
     relabel = issues[["key", "suggested", "label", "score"]].rename(columns={"key": "path", "suggested": "label",
                                                                             "label": "given"})
     _atomic(files["relabel.csv"], relabel.to_csv(index=False))

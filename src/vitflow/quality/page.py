@@ -70,6 +70,8 @@ def render_page(df, summary: dict, sources: dict[str, ImageSource], title: str) 
         if not len(part):
             continue
         shown = part.head(PER_KIND)
+        dropped = int((part["action"] == "exclude").sum())
+        action = action if dropped in (0, len(part)) else f"{dropped} exclude, the rest review"
         parts.append(f"<h2 id='{kind}'>{e(heading)}: {len(part)} <span class='k'>(fix files: {action}"
                      f"{'; the first ' + str(PER_KIND) + ' shown' if len(part) > PER_KIND else ''})</span></h2>")
         parts.append("<div class='grid'>" + "".join(_card(r, sources, rows) for r in shown.to_dict("records"))
