@@ -116,6 +116,7 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, tiny_run):
         if case == "foreign output":
             out.mkdir()
             (out / "mine.txt").write_text("keep me")
+            (out / "summary.json").write_text('{"x": 1}')  # someone else's summary: still refused
         else:
             args.append("train.lr=1")
     r = subprocess.run([sys.executable, "-m", "vitflow", "inspect", *args], capture_output=True, text=True)
@@ -125,7 +126,8 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, tiny_run):
     assert {"empty": "no image", "one class": "one class", "foreign output": "not an earlier vitflow inspect",
             "bad override": "data.key=value"}[case] in errors[0].lower() or case == "empty"
     if case == "foreign output":
-        assert [p.name for p in out.iterdir()] == ["mine.txt"]
+        assert sorted(p.name for p in out.iterdir()) == ["mine.txt", "summary.json"]
+        assert (out / "summary.json").read_text() == '{"x": 1}'
     else:
         assert not out.exists()
 

@@ -166,7 +166,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     counts = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in summary["findings"].items()) or "no findings"
     print(f"{sum(summary['images'].values())} images in {len(summary['images'])} split(s): {counts} "
           f"({summary['seconds']:.0f} s)\npage: {files['page']}\nfindings: {files['findings.csv']}\n"
-          f"fixes: vitflow train ... data.exclude={files['exclude.txt']} (or data.relabel={files['relabel.csv']})")
+          f"fixes: vitflow train ... data.exclude={files['exclude.txt']} (and data.relabel={files['relabel.csv']} "
+          "to relabel its surest label issues instead of dropping them)")
     if args.json:
         _print_json(args, {"images": summary["images"], "findings": summary["findings"], "seconds": summary["seconds"],
                            **{k.replace(".", "_"): v for k, v in files.items()}})

@@ -29,6 +29,7 @@ import numpy as np
 from vitflow.data.sources.base import DataError, FileSource, ImageSource
 
 log = logging.getLogger(__name__)
+_SAID: set[tuple] = set()  # (files, split, size) already logged: a split opened again says it at debug level
 
 
 def image_key(source: ImageSource, i: int) -> str:
@@ -122,7 +123,10 @@ def apply_fixes(source: ImageSource, fixes: Fixes, split: str) -> ImageSource:
             labels[position[i]] = index[c]
         out.labels = labels
     changed = int((np.asarray(out.labels) != np.asarray(source.labels)[kept]).sum()) if new_label else 0
-    log.info("split %r: %d image(s) excluded (data.exclude), %d relabelled (data.relabel; %d to another class)",
-             split, int(drop.sum()), len(new_label), changed)
+    said = (fixes.exclude_file, fixes.relabel_file, split, len(source))
+    (log.debug if said in _SAID else log.info)(
+        "split %r: %d image(s) excluded (data.exclude), %d relabelled (data.relabel; %d to another class)",
+        split, int(drop.sum()), len(new_label), changed)
+    _SAID.add(said)
     return out
 

@@ -188,13 +188,26 @@ def fault_rows(scans: list[SplitScan]) -> list[dict]:
     return rows
 
 
+MARK = "vitflow_inspect"  # the key of summary.json that says the folder is an inspect's output
+
+
 def check_output(out: Path) -> None:
-    """Refuse to write into a folder that holds anything but an earlier ``vitflow inspect``'s files.
-    Raises FileExistsError naming it."""
-    ours = out.is_dir() and ((out / "summary.json").is_file() or {p.name for p in out.iterdir()} <= {"cache", "kfold"})
-    if out.exists() and not ours:
-        raise FileExistsError(f"-o {out}: exists and is not an earlier vitflow inspect folder (no summary.json); "
-                              "give a new or empty folder")
+    """Refuse to write into anything but a new or empty folder or an earlier ``vitflow inspect``'s
+    (its ``summary.json`` carries :data:`MARK`). Raises FileExistsError naming it."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"-o {out}: is a file; give a new or empty folder")
+    names = {p.name for p in out.iterdir()}
+    if names <= {"cache", "kfold"}:
+        return
+    try:
+        ours = MARK in json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError, TypeError):
+        ours = False
+    if not ours:
+        raise FileExistsError(f"-o {out}: holds files that are not an earlier vitflow inspect's; give a new or "
+                              "empty folder")
 
 
 def inspect_data(dcfg: DataConfig, out: str | Path, backbone: Backbone | None = None,
@@ -232,7 +245,7 @@ def inspect_data(dcfg: DataConfig, out: str | Path, backbone: Backbone | None = 
     default = df["finding"].map({k: a for k, (_, a) in KINDS.items()})
     df["action"] = df["action"].where(df["action"] != "", default)
     df.loc[(df["split"] != scans[0].split) & (df["action"] == "exclude"), "action"] = "review"  # held-out: by hand
-    summary = {"data": str(dcfg.path), "model": backbone.source if backbone else "none",
+    summary = {MARK: 1, "data": str(dcfg.path), "model": backbone.source if backbone else "none",
                **(extra or {}), "images": {s.split: len(s) for s in scans},
                "findings": {k: int((df["finding"] == k).sum()) for k in KINDS if (df["finding"] == k).any()},
                "seconds": round(time.perf_counter() - t0, 1)}

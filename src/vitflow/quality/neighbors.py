@@ -4,7 +4,17 @@ similarity search with GPUs")."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
+
+
+def faiss():
+    """The faiss module, its loader's notes on which CPU build it found kept out of INFO logs."""
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    import faiss as module
+
+    return module
 
 
 def normalized(x: np.ndarray) -> np.ndarray:
@@ -23,13 +33,11 @@ def cosine_knn(queries: np.ndarray, bank: np.ndarray, k: int, same: bool = False
         ``(similarity float32 (Q, k'), index int64 (Q, k'))``, most similar first, ``k' = min(k, N - same)``;
         ``index`` is ``-1`` where there are fewer neighbours.
     """
-    import faiss
-
     q, b = normalized(queries), normalized(bank)
     kk = min(k + int(same), len(b))
     if kk <= 0 or not len(q):
         return np.zeros((len(q), 0), np.float32), np.zeros((len(q), 0), np.int64)
-    index = faiss.IndexFlatIP(b.shape[1])
+    index = faiss().IndexFlatIP(b.shape[1])
     index.add(b)
     sim, nn = index.search(q, kk)
     if same:  # drop each row's own match (wherever ties put it)

@@ -62,7 +62,8 @@ def render_page(df, summary: dict, sources: dict[str, ImageSource], title: str) 
     """The page's HTML. ``sources``: split -> the source the keys index (for thumbnails)."""
     rows = _rows(df, sources)
     e = html.escape
-    head = "".join(f"<tr><th>{e(str(k))}</th><td>{e(_plain(v))}</td></tr>" for k, v in summary.items())
+    head = "".join(f"<tr><th>{e(str(k))}</th><td>{e(_plain(v))}</td></tr>" for k, v in summary.items()
+                   if k != "vitflow_inspect")
     parts = [f"<!doctype html><meta charset='utf-8'><title>{e(title)}</title><style>{STYLE}</style>",
              f"<h1>{e(title)}</h1><table>{head}</table>"]
     for kind, (heading, action) in KINDS.items():

@@ -91,11 +91,11 @@ def hash_neighbours(queries: np.ndarray, bank: np.ndarray, k: int, max_distance:
     """Pairs ``(query row, bank row, distance)`` whose pHashes differ in at most ``max_distance`` bits,
     among the ``k`` nearest bank rows of each query (faiss ``IndexBinaryFlat``: exact Hamming k-NN in
     ``O(N k)`` memory; no ``N x N`` matrix)."""
-    import faiss
+    from vitflow.quality.neighbors import faiss
 
     if not len(queries) or not len(bank):
         return []
-    index = faiss.IndexBinaryFlat(BITS)
+    index = faiss().IndexBinaryFlat(BITS)
     index.add(np.ascontiguousarray(bank.view(np.uint8).reshape(-1, 8)))
     dist, nn = index.search(np.ascontiguousarray(queries.view(np.uint8).reshape(-1, 8)), min(k, len(bank)))
     return [(q, int(j), int(d)) for q, (row, drow) in enumerate(zip(nn, dist)) for j, d in zip(row, drow)
