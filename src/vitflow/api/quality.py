@@ -56,32 +56,34 @@ def inspect(data: str | os.PathLike, model: str | os.PathLike | None = None, tim
     """
     if folds < 2:
         raise ValueError(f"folds={folds}: k-fold needs at least 2")
-    keys = [f"data.{k.removeprefix('data__').removeprefix('data.')}={v}" for k, v in overrides.items()]
+    data_keys = [f"data.{k.removeprefix('data__').removeprefix('data.')}={v}" for k, v in overrides.items()]
     fresh = [f"data.path={data}", "data.source=auto", "data.train_split=train", "data.val_split=auto",
              "data.test_split=auto"]  # the data's own splits, not a preset's
-    dcfg = build_config(overrides=[*fresh, *keys]).data
+    dcfg = build_config(overrides=[*fresh, *data_keys]).data
     out = Path(out) if out else Path(f"inspect-{Path(str(data).rstrip('/')).stem or 'data'}")
     check_output(out)
+    sources = open_splits(dcfg)
     if model is not None:
         backbone = load_backbone(model)
-        _say_mismatch(backbone, dcfg)
+        _say_mismatch(backbone, sources[0][1])
         run_dir = Path(model) if Path(model).is_dir() else None
         cache = run_dir / "inspect-cache" if run_dir is not None and (run_dir / "checkpoints").is_dir() else None
-        df, summary, files = inspect_data(dcfg, out, backbone, cache_dir=cache, workers=workers,
+        df, summary, files = inspect_data(dcfg, out, backbone, cache_dir=cache, workers=workers, sources=sources,
                                           extra={"labels": "linear probes cross-validated on the model's embeddings"})
     else:
         budget = parse_duration(time_budget)
-        probs, backbone, extra = kfold_probabilities(dcfg, out, folds, budget, seed, keys)
-        df, summary, files = inspect_data(dcfg, out, backbone, probs=probs, workers=workers, extra=extra)
+        probs, backbone, extra = kfold_probabilities(dcfg, sources, out, folds, budget, seed, data_keys)
+        df, summary, files = inspect_data(dcfg, out, backbone, probs=probs, workers=workers, extra=extra,
+                                          sources=sources)
     df.attrs.update(summary=summary, files=files)
     return df
 
 
-def _say_mismatch(backbone: Backbone, dcfg: DataConfig) -> None:
-    """One line when ``--model`` was trained on other classes: its features are used as a frozen backbone."""
+def _say_mismatch(backbone: Backbone, train: ImageSource) -> None:
+    """One line when ``--model`` was trained on other classes than ``train``'s: its features are used as a
+    frozen backbone."""
     if backbone.classes is None:
         return
-    train = open_splits(dcfg)[0][1]
     if list(backbone.classes) != list(train.classes):
         log.warning("--model %s was trained on %d other classes (%s ...), not this data's %d (%s ...): its embeddings "
                     "are used as a frozen backbone", backbone.source, len(backbone.classes),
@@ -114,11 +116,13 @@ def class_probabilities(backbone: Backbone, source: ImageSource, batch_size: int
     return out
 
 
-def kfold_probabilities(dcfg: DataConfig, out: Path, folds: int, budget_s: float, seed: int = 0,
-                        data_overrides: list[str] = ()) -> tuple[dict[str, np.ndarray], Backbone, dict]:
+def kfold_probabilities(dcfg: DataConfig, sources: list[tuple[str, ImageSource]], out: Path, folds: int,
+                        budget_s: float, seed: int = 0, data_overrides: list[str] = ()
+                        ) -> tuple[dict[str, np.ndarray], Backbone, dict]:
     """Out-of-fold class probabilities of the training split (and, averaged over the fold models,
     of the other splits) from ``folds`` runs of ``vitflow train`` on the data, each with one fold
-    excluded (``data.exclude``) and ``TRAIN_SHARE * budget_s / folds`` seconds; ``data_overrides``
+    excluded (``data.exclude``) and ``TRAIN_SHARE * budget_s / folds`` seconds. ``sources``: the
+    splits :func:`~vitflow.quality.inspection.open_splits` opened for ``dcfg``; ``data_overrides``
     (``data.KEY=VALUE``) reach each run.
 
     Returns:
@@ -127,7 +131,6 @@ def kfold_probabilities(dcfg: DataConfig, out: Path, folds: int, budget_s: float
     from vitflow.api.run import train
 
     t0 = time.perf_counter()
-    sources = open_splits(dcfg)
     train_name, train_src = sources[0]
     fold = fold_of(np.asarray(train_src.labels), folds, seed)
     keys = [image_key(train_src, i) for i in range(len(train_src))]

@@ -109,7 +109,7 @@ def apply_fixes(source: ImageSource, fixes: Fixes, split: str) -> ImageSource:
     if drop.all():
         raise DataError(f"data.exclude={fixes.exclude_file} excludes every image of split {split!r}")
     kept = np.flatnonzero(~drop)
-    out = source.subset(kept) if drop.any() else source.subset(np.arange(len(source)))
+    out = source.subset(kept)  # a new source even when nothing is dropped: relabelling must not touch ``source``
     if new_label:
         if np.asarray(source.labels).ndim != 1:
             raise DataError("data.relabel gives one class per image; this data is data.task=multilabel")

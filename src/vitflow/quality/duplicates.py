@@ -74,11 +74,11 @@ def _candidates(hashes: np.ndarray, emb: np.ndarray | None) -> set[tuple[int, in
 def find_copies(scans: list[SplitScan], correlation_min: float = VIEW_CORRELATION_MIN) -> list[Pair]:
     """Every pair of copies among the readable images of ``scans``, each pair once, exact copies
     first, then by the pixels' correlation (highest first)."""
-    rows = [(s.split, int(i)) for s in scans for i in np.flatnonzero(s.readable)]
+    by = {s.split: s for s in scans}
+    pick = {s.split: np.flatnonzero(s.readable) for s in scans}
+    rows = [(split, int(i)) for split, idx in pick.items() for i in idx]
     if len(rows) < 2:
         return []
-    by = {s.split: s for s in scans}
-    pick = {s.split: np.array([i for sp, i in rows if sp == s.split], dtype=np.int64) for s in scans}
     hashes = np.concatenate([by[s].phash[pick[s]] for s in by])
     views = np.concatenate([by[s].views[pick[s]] for s in by])
     sha = [by[s].sha1[i] for s, i in rows]

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from vitflow.infer.features.backbone import Backbone
 from vitflow.quality.duplicates import find_copies
 from vitflow.quality.labels import probe_probabilities, rank_label_issues
 from vitflow.quality.outliers import class_faults, image_faults, outlier_cut, outlier_scores
-from vitflow.quality.scan import SplitScan, scan_split
+from vitflow.quality.scan import NUMERIC, SplitScan, scan_split
 
 log = logging.getLogger(__name__)
 # a training image's label issue goes to exclude.txt when the out-of-sample probability of its given class is
@@ -74,7 +75,7 @@ def cached_scan(split: str, source: ImageSource, backbone: Backbone | None, cach
         log.info("split %r: scan read from %s", split, path)
         s = SplitScan(split, list(source.classes), [str(k) for k in z["keys"]], [source.name(i) for i in
                       range(len(source))], z["labels"])
-        for k in ("phash", "views", "width", "height", "nbytes", "brightness", "contrast"):
+        for k in NUMERIC:
             setattr(s, k, z[k])
         s.sha1, s.error = [str(x) for x in z["sha1"]], [str(x) for x in z["error"]]
         s.features = z["features"] if "features" in z else None
@@ -135,12 +136,11 @@ def copy_rows(scans: list[SplitScan]) -> list[dict]:
     order = {s.split: k for k, s in enumerate(scans)}
     rows = []
     for p in find_copies(scans):
-        (sa, a), (sb, b) = sorted([p.a, p.b], key=lambda t: (order[t[0]], t[1]))
+        first, second = sorted([p.a, p.b], key=lambda t: (order[t[0]], t[1]))
         kind = "leak" if p.leak else f"{p.kind}_duplicate"
-        if p.leak:  # keep the held-out copy: the row (and the fix) is the training-side image
-            (sa, a), (sb, b) = ((sa, a), (sb, b)) if order[sa] == 0 else ((sb, b), (sa, a))
-        else:  # within a split: the later copy goes
-            (sa, a), (sb, b) = (sb, b), (sa, a)
+        # a leak keeps the held-out copy (the row, and the fix, is the training-side image); within a split the
+        # later copy goes
+        (sa, a), (sb, b) = (first, second) if p.leak and order[first[0]] == 0 else (second, first)
         s, o = by[sa], by[sb]
         score = 1.0 if p.kind == "exact" else p.correlation
         detail = "identical files" if p.kind == "exact" else (
@@ -212,7 +212,8 @@ def check_output(out: Path) -> None:
 
 def inspect_data(dcfg: DataConfig, out: str | Path, backbone: Backbone | None = None,
                  probs: dict[str, np.ndarray] | None = None, cache_dir: str | Path | None = None,
-                 workers: int = 2, extra: dict | None = None):
+                 workers: int = 2, extra: dict | None = None,
+                 sources: list[tuple[str, ImageSource]] | None = None):
     """Every finding of the data ``dcfg`` names, written to ``out`` (:func:`~vitflow.quality.findings.write_findings`
     and ``index.html``).
 
@@ -222,21 +223,20 @@ def inspect_data(dcfg: DataConfig, out: str | Path, backbone: Backbone | None = 
             the embeddings.
         cache_dir: where scans are kept between runs (default: ``out/cache``).
         extra: more lines for the summary (how the probabilities were made).
+        sources: the splits :func:`open_splits` opened for ``dcfg`` (default: opened here).
     Returns:
         ``(findings DataFrame, summary dict, files dict)``.
     Raises:
         DataError: no images, one class, unreadable splits; FileExistsError: ``out`` is a folder of
         something else. Nothing is written before the scans succeed.
     """
-    import time
-
     from vitflow.quality.findings import KINDS, frame, write_findings
     from vitflow.quality.page import write_page
 
     t0 = time.perf_counter()
     out = Path(out)
     check_output(out)
-    sources = open_splits(dcfg)
+    sources = sources or open_splits(dcfg)
     cache = Path(cache_dir) if cache_dir else out / "cache"
     scans = [cached_scan(name, src, backbone, cache, workers) for name, src in sources]
     if not scans[0].readable.any():

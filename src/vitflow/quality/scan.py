@@ -29,6 +29,7 @@ from vitflow.quality.phash import VIEW_SIDE, VIEWS, crop_views, phash
 log = logging.getLogger(__name__)
 CHUNK = 64  # images decoded ahead of the model
 GRAY = torch.tensor([0.299, 0.587, 0.114]).view(3, 1, 1)  # ITU-R BT.601 luma
+NUMERIC = ("phash", "views", "width", "height", "nbytes", "brightness", "contrast")  # the array columns beside labels
 
 
 @dataclass
@@ -70,7 +71,7 @@ class SplitScan:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The per-image columns as arrays (for the cache file)."""
-        out = {k: getattr(self, k) for k in ("labels", "phash", "views", "width", "height", "nbytes", "brightness", "contrast")}
+        out = {k: getattr(self, k) for k in ("labels", *NUMERIC)}
         out.update(sha1=np.array(self.sha1), error=np.array(self.error), keys=np.array(self.keys))
         if self.features is not None:
             out["features"] = self.features

@@ -56,20 +56,20 @@ def fixes_panel(run: Path) -> str:
     as ``vitflow inspect`` writes them) and how many images each lists; empty text without them."""
     import yaml
 
+    from vitflow.data.fixes import read_exclude, read_relabel
+    from vitflow.data.sources.base import DataError
+
     try:
         data = (yaml.safe_load((Path(run) / "config.yaml").read_text()) or {}).get("data") or {}
     except (OSError, ValueError, yaml.YAMLError):
         return ""
     items = []
-    for key, what in (("exclude", "listed to drop"), ("relabel", "listed to relabel")):
+    for key, what, read in (("exclude", "listed to drop", read_exclude), ("relabel", "listed to relabel", read_relabel)):
         if data.get(key):
             try:
-                lines = [x for x in Path(data[key]).read_text(errors="replace").splitlines()
-                         if x.strip() and not x.startswith("#")]
-                n = len(lines) - (key == "relabel")  # the CSV's header
-            except OSError:
-                n = None
-            count = f"{n} image(s) {what}" if n is not None else "the file is no longer there"
+                count = f"{len(read(data[key]))} image(s) {what}"
+            except DataError:
+                count = "the file is no longer there or cannot be read"
             items.append(f"<li><code>data.{key}={html.escape(str(data[key]))}</code>: {count} in every split</li>")
     return f"<h2>Data fixes</h2><ul>{''.join(items)}</ul>" if items else ""
 
