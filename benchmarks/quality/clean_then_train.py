@@ -3,8 +3,8 @@ wall-clock time, scored on the clean test split:
 
 - **noisy**: ``vitflow train data.path=NOISY train.time_budget=TOTAL``;
 - **cleaned**: ``vitflow train`` for ``--first`` of the time, ``vitflow inspect --model`` that run,
-  then ``vitflow train data.exclude=exclude.txt model.pretrained=RUN`` (continuing from the first
-  run's weights) for what is left of TOTAL.
+  then ``vitflow train data.exclude=exclude.txt model.pretrained=RUN`` for what is left of TOTAL (the
+  plan continues a from-scratch run of the same data with its from-scratch recipe, from its weights).
 
     python benchmarks/quality/planted.py --data ../shared/data/cifar10-jpg.tar --per-class 1000 100 \
         --flip 0.2 --copies 0 --out /tmp/noisy20
@@ -17,6 +17,7 @@ how many of them were flipped) and the CPU flags. ``--arms cleaned`` runs one ar
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import shutil
 import subprocess
@@ -56,8 +57,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", type=Path, default=Path("/tmp/clean-then-train"))
     ap.add_argument("--second", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="overrides of the cleaned arm's second training (it plans a fine-tune of the first run: "
-                    "lr 2e-4, layer decay 0.75; e.g. optim.lr=7e-4 optim.layer_decay=1.0)")
+                    help="overrides of the cleaned arm's second training (the plan continues the first run with the "
+                    "from-scratch recipe for the time left)")
+    ap.add_argument("--label-cut", type=float, default=None, metavar="P",
+                    help="exclude the training label issues whose given class has probability below P (plus the "
+                    "other lines of exclude.txt) instead of exclude.txt's own cut (0.5 / classes)")
     ap.add_argument("--arms", nargs="+", default=["noisy", "cleaned"], choices=["noisy", "cleaned"])
     a = ap.parse_args()
     truth = json.loads((a.data.parent / f"{a.data.name}.truth.json").read_text())
@@ -78,12 +82,20 @@ def main() -> None:
     vitflow("train", *common, f"train.time_budget={int(first)}s", f"train.run_dir={a.work / 'first'}")
     found, _ = vitflow("inspect", str(a.data), "--model", str(a.work / "first"), "-o", str(a.work / "inspect"))
     excluded = {x for x in Path(found["exclude_txt"]).read_text().splitlines() if x and not x.startswith("#")}
+    exclude_file = found["exclude_txt"]
+    if a.label_cut is not None:
+        rows = list(csv.DictReader(open(found["findings_csv"], newline="")))
+        excluded = {r["key"] for r in rows if r["action"] == "exclude" and r["finding"] != "label_issue"} | {
+            r["key"] for r in rows if r["finding"] == "label_issue" and r["split"] == "train"
+            and 1 - float(r["score"]) < a.label_cut}
+        exclude_file = str(a.work / f"exclude-below-{a.label_cut:g}.txt")
+        Path(exclude_file).write_text("\n".join(sorted(excluded)) + "\n")
     left = total - (time.perf_counter() - t0)
-    cleaned, _ = vitflow("train", *common, f"train.time_budget={int(left)}s", f"data.exclude={found['exclude_txt']}",
+    cleaned, _ = vitflow("train", *common, f"train.time_budget={int(left)}s", f"data.exclude={exclude_file}",
                          f"model.pretrained={a.work / 'first'}", f"train.run_dir={a.work / 'cleaned'}", *a.second)
     seconds = time.perf_counter() - t0
     full, _ = vitflow("eval", str(a.work / "cleaned"), "data.exclude=null")  # the whole clean test split
-    print(json.dumps({"arm": "cleaned", "test_top1": full["test_top1"], "test_images": full["test_images"],
+    print(json.dumps({"arm": "cleaned", "label_cut": a.label_cut, "test_top1": full["test_top1"], "test_images": full["test_images"],
                       "seconds": round(seconds, 1),
                       "excluded": len(excluded), "excluded_flipped": len(excluded & set(truth["flipped"])),
                       "flipped": len(truth["flipped"])}))

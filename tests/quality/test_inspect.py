@@ -86,7 +86,7 @@ def _train_keys(root):
     return {str(p.relative_to(root)) for p in (root / "train").rglob("*") if p.is_file()}
 
 
-def test_relabel_and_exclude_in_every_split(photos, tmp_path):
+def test_relabel_and_exclude_in_every_split(photos, tmp_path, caplog):
     (tmp_path / "ex.txt").write_text("# a comment\ntrain/ants/leaked.jpg\n\n" + str(sorted((photos / "val" / "bees")
                                      .iterdir())[0]) + "\n")  # a key, and a full path
     bee = sorted((photos / "train" / "bees").glob("*.jpg"))[0].name
@@ -102,6 +102,12 @@ def test_relabel_and_exclude_in_every_split(photos, tmp_path):
     (tmp_path / "bad.csv").write_text(f"path,label\ntrain/bees/{bee},wasps\n")
     with pytest.raises(DataError, match=r"wasps.*is not a class of the data"):
         open_split(cfg.path, "train", cfg=DataConfig(path=str(photos), relabel=str(tmp_path / "bad.csv")))
+    (tmp_path / "other.txt").write_text("photos/train/ants/a.jpg\n")  # keys of another root: said, nothing lost
+    with caplog.at_level(logging.WARNING, logger="vitflow.data.fixes"):
+        tr = open_split(cfg.path, "train", cfg=DataConfig(path=str(photos), exclude=str(tmp_path / "other.txt")))
+    assert len(tr) == len(tr0)
+    said = [r.getMessage() for r in caplog.records if "none of its 1 image key" in r.getMessage()]
+    assert len(said) == 1 and "other.txt" in said[0] and "'train/ants/" in said[0]
 
 
 @pytest.mark.parametrize("case", ["empty", "one class", "foreign output", "bad override"])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CIFAR_TAR, HYMENOPTERA_TAR, IMAGENET_TAR, need, write_csv
+from helpers import CIFAR_TAR, HYMENOPTERA_TAR, IMAGENET_TAR, hymenoptera_subset, need, write_csv
 from vitflow.cli.commands import CONFIG_CHECKS
 from vitflow.config import build_config, parse_duration
 from vitflow.config.build import flatten
@@ -299,6 +299,29 @@ def test_hymenoptera_planned_measures_the_clock_and_ends_within_its_budget(tmp_p
     assert "val_top5" not in summary  # 2 classes: top-5 means nothing
     evals = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"eval"' in r]
     assert evals[0]["step"] < summary["step"] == evals[-1]["step"]  # timed evaluations before the final one
+
+
+def test_a_run_of_this_plan_on_this_data_is_continued_not_fine_tuned(tmp_path: Path, caplog, monkeypatch):
+    """``model.pretrained=RUN`` where RUN is a from-scratch run of the plan on the same data (train ->
+    inspect -> train data.exclude=...) carries it on with the from-scratch recipe in its own
+    architecture; the same weights on other data are a backbone to fine-tune."""
+    monkeypatch.setattr("vitflow.training.plan.recipe.measure_clock", lambda *a: CLOCK)
+    data = [f"data.path={need(HYMENOPTERA_TAR)}", "data.train_split=train", "data.val_split=val"]
+    first = tmp_path / "first"
+    train(planned_config([*data, f"train.run_dir={first}", "train.total_steps=2", "train.race=none"], CONFIG_CHECKS))
+    with caplog.at_level(logging.INFO, logger="vitflow"):
+        cfg = planned_config([data[0], f"model.pretrained={first}", "train.time_budget=60s",
+                              f"train.run_dir={tmp_path / 'second'}"], CONFIG_CHECKS)
+    assert f"model.pretrained={first} is a from-scratch run of this plan on this data" in caplog.text
+    assert cfg.preset == "photos-auto" and cfg.optim.layer_decay is None
+    assert cfg.optim.lr == pytest.approx(7e-4 * math.sqrt(cfg.train.batch_size / 128), rel=0.03)
+    assert (cfg.model.name, cfg.model.img_size, cfg.model.patch_size) == ("vit_compact_patch8_64", 64, 8)
+    assert (cfg.data.train_split, cfg.data.val_split) == ("train", "val")  # the run's split (not val_split=auto)
+    cfg.train.total_steps, cfg.train.time_budget = 2, None
+    assert train(cfg)["step"] == 2  # the first run's weights load into the architecture kept
+    other = hymenoptera_subset(tmp_path / "other")  # the same classes, another folder: a fine-tune
+    tuned = planned_config([f"data.path={other}", f"model.pretrained={first}", "train.time_budget=60s"], CONFIG_CHECKS)
+    assert tuned.preset == "finetune" and tuned.optim.layer_decay == 0.75
 
 
 @pytest.fixture(scope="module")

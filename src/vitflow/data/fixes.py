@@ -123,6 +123,12 @@ def apply_fixes(source: ImageSource, fixes: Fixes, split: str) -> ImageSource:
             labels[position[i]] = index[c]
         out.labels = labels
     changed = int((np.asarray(out.labels) != np.asarray(source.labels)[kept]).sum()) if new_label else 0
+    if not new_label and not drop.any() and split.split("[", 1)[0] == "train":  # likely keys of another root
+        files = " and ".join(f"data.{k}={v}" for k, v in (("exclude", fixes.exclude_file),
+                                                              ("relabel", fixes.relabel_file)) if v)
+        log.warning("%s: none of its %d image key(s) is in split %r (its keys look like %r; a key is the path "
+                    "relative to data.path, a tar's member name or the full path), so nothing is fixed there",
+                    files, len(fixes.exclude | set(fixes.relabel)), split, keys[0][0])
     said = (fixes.exclude_file, fixes.relabel_file, split, len(source))
     (log.debug if said in _SAID else log.info)(
         "split %r: %d image(s) excluded (data.exclude), %d relabelled (data.relabel; %d to another class)",

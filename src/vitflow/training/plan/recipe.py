@@ -38,6 +38,7 @@ from vitflow.models.pretrained.config import apply_pretrained
 from vitflow.models.pretrained.hub import resolve_pretrained
 from vitflow.runtime import resolve_device
 from vitflow.training.plan.clock import Clock, measure_clock
+from vitflow.training.plan.continuation import continued_run
 from vitflow.training.plan.facts import Facts
 from vitflow.training.plan.rules import (
     augment_tier,
@@ -134,10 +135,13 @@ def _source(m: ModelConfig) -> tuple[str, str | None, dict] | None:
     return pre.origin or f"the config of {m.pretrained}", pre.model_name, kwargs
 
 
-def make_facts(m: ModelConfig, device: str, profile: DataProfile, user: set[str]) -> Facts:
+def make_facts(m: ModelConfig, device: str, profile: DataProfile, user: set[str], continues: bool = False) -> Facts:
     """The :class:`~vitflow.training.plan.rules.Facts` of a run of model ``m`` on ``device``
-    (``train.device``) on data ``profile``; ``user``: the keys the user set."""
-    source = _source(m)
+    (``train.device``) on data ``profile``; ``user``: the keys the user set; ``continues``: ``m``'s
+    ``model.pretrained`` is a from-scratch run of this data carried on
+    (:func:`~vitflow.training.plan.continuation.continued_run`): no
+    fine-tune's source."""
+    source = None if continues else _source(m)
     family = "vit" if m.name == "auto" or source else family_of(m.name).name
     monitored = profile.val_images or profile.test_images
     named = m.name if "model.name" in user and m.name != "auto" and not source else None
@@ -176,8 +180,19 @@ def planned_config(overrides: list[str], checks, preset: str | None = None, like
     user = {o.split("=", 1)[0].strip() for o in overrides}
     overrides = with_backbone(overrides, preset)
     source = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip() == "model.pretrained"]
-    preset = preset or (FINETUNE_PRESET if source and source[-1].lower() not in ("none", "null", "") else PHOTO_PRESET)
-    base = build_config(preset, overrides=overrides, checks=checks, model_config=config_class)
+    chosen = preset or (FINETUNE_PRESET if source and source[-1].lower() not in ("none", "null", "") else PHOTO_PRESET)
+    base = build_config(chosen, overrides=overrides, checks=checks, model_config=config_class)
+    kept = continued_run(base.model, base.data, PHOTO_PRESET) if chosen == FINETUNE_PRESET and not preset else None
+    architecture = [f"{k}={_shown(v)}" for k, v in kept.items()] if kept is not None else None
+    if architecture is not None:  # carried on with its own recipe, in its own architecture
+        log.info("plan: model.pretrained=%s is a from-scratch run of this plan on this data: it is continued with the "
+                 "from-scratch recipe planned for this run (not a backbone's fine-tune), in its architecture and on its split: %s",
+                 base.model.pretrained, " ".join(architecture))
+        overrides = architecture + overrides  # the user's own keys still win
+        user |= {o.split("=", 1)[0] for o in architecture}
+        chosen = PHOTO_PRESET
+        base = build_config(chosen, overrides=overrides, checks=checks, model_config=config_class)
+    preset = chosen
     profile = profile_data(base.data)
     log.info("plan: %d training images of %d classes, median %dx%d px; %d validation and %d test images",
              profile.images, profile.classes, profile.long_side, profile.short_side, profile.val_images,
@@ -185,13 +200,14 @@ def planned_config(overrides: list[str], checks, preset: str | None = None, like
     held = held_out_count(profile, base.data, user)
     held_out = held_out_keys(base.data.train_split, held, profile.images) if held else []
     profile = dataclasses.replace(profile, images=profile.images - held, val_images=profile.val_images + held)
-    facts, values = make_facts(base.model, base.train.device, profile, user), flatten(base.to_dict())
+    facts = make_facts(base.model, base.train.device, profile, user, continues=architecture is not None)
+    values = flatten(base.to_dict())
     values.update({k: v for k, v, _ in held_out})
     planned = held_out + _family_keys(run_rules(facts, values, 0), base.model)
     clock = _measure(preset, planned, overrides, checks, profile.classes, like)
     facts = dataclasses.replace(facts, clock=clock)
     planned += _family_keys(run_rules(facts, values, 1), base.model)
-    if facts.named:
+    if facts.named and architecture is None:  # (a continued run's architecture is said above)
         log.info("plan: %s", named_geometry(facts.named, base.model))
     for key, value, why in planned:
         log.info("plan: %s=%s  (%s)%s", key, _shown(value), why, against_named(facts.named, key, value))
