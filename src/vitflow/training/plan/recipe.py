@@ -138,9 +138,8 @@ def _source(m: ModelConfig) -> tuple[str, str | None, dict] | None:
 def make_facts(m: ModelConfig, device: str, profile: DataProfile, user: set[str], continues: bool = False) -> Facts:
     """The :class:`~vitflow.training.plan.rules.Facts` of a run of model ``m`` on ``device``
     (``train.device``) on data ``profile``; ``user``: the keys the user set; ``continues``: ``m``'s
-    ``model.pretrained`` is a from-scratch run of this data carried on
-    (:func:`~vitflow.training.plan.continuation.continued_run`): no
-    fine-tune's source."""
+    ``model.pretrained`` is a from-scratch run of this data carried on, not a fine-tune's source
+    (:func:`~vitflow.training.plan.continuation.continued_run`)."""
     source = None if continues else _source(m)
     family = "vit" if m.name == "auto" or source else family_of(m.name).name
     monitored = profile.val_images or profile.test_images
