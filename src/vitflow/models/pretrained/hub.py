@@ -60,6 +60,7 @@ class Pretrained:
             (any subset), or None.
         label_names: the class names of the weights' head, or None.
         source: the spec as given (for messages).
+        config: the whole run config a vitflow checkpoint keeps (a dict), or None.
     """
 
     weights: Path
@@ -69,6 +70,7 @@ class Pretrained:
     label_names: list[str] | None = None
     source: str = ""
     origin: str = ""  # what the source is, for messages: "vitflow run RUN (best.pt, step 1200)" ...
+    config: dict[str, Any] | None = None  # a vitflow run's or checkpoint's whole config (its preset, data, ...)
 
     @property
     def vitflow(self) -> bool:

@@ -56,14 +56,15 @@ def read_checkpoint_meta(path: Path) -> dict[str, Any] | None:
 
 def from_checkpoint(path: Path) -> dict[str, Any] | None:
     """What a vitflow checkpoint file names: ``{"model_name", "model_kwargs", "preprocess",
-    "label_names", "origin"}``, or ``None`` when ``path`` is not a vitflow checkpoint."""
+    "label_names", "origin", "config"}`` (``config``: the run's whole config as a dict, or ``None``),
+    or ``None`` when ``path`` is not a vitflow checkpoint."""
     meta = read_checkpoint_meta(path)
     if meta is None:
         return None
     name, kwargs = architecture(meta["model_args"])
     return {"weights": path, "model_name": name, "model_kwargs": kwargs,
             "preprocess": preprocess_of(meta.get("preprocess") or {}), "label_names": meta.get("classes"),
-            "origin": f"vitflow checkpoint {path} (step {meta.get('step')})"}
+            "origin": f"vitflow checkpoint {path} (step {meta.get('step')})", "config": meta.get("config")}
 
 
 def from_run(folder: Path) -> dict[str, Any] | None:

@@ -17,7 +17,6 @@ from typing import Any
 from vitflow.config import DataConfig, ModelConfig, field_names
 from vitflow.models import config_class
 from vitflow.models.pretrained.hub import resolve_pretrained
-from vitflow.models.pretrained.vitflow_source import read_checkpoint_meta
 
 
 def continued_run(m: ModelConfig, d: DataConfig, preset: str) -> dict[str, Any] | None:
@@ -36,8 +35,7 @@ def continued_run(m: ModelConfig, d: DataConfig, preset: str) -> dict[str, Any] 
     if not spec or spec == "auto" or spec.startswith("hf-hub:"):
         return None
     pre = resolve_pretrained(spec)
-    meta = read_checkpoint_meta(pre.weights) if pre.vitflow and pre.weights.suffix in (".pt", ".pth") else None
-    config = (meta or {}).get("config") or {}
+    config = pre.config or {}
     data = config.get("data") or {}
     if config.get("preset") != preset or not same_path(data.get("path"), d.path):
         return None
