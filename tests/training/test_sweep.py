@@ -1,5 +1,6 @@
 """``vitflow sweep`` on the embedded digits: six trials with median pruning, the table and the best
-config; a sweep stopped by SIGINT and continued by the same command."""
+config; a sweep stopped by SIGINT and continued by the same command (the stopped trial from its
+checkpoint). Several workers: ``test_sweep_workers.py``."""
 
 from __future__ import annotations
 
@@ -70,6 +71,9 @@ def test_sweep_prunes_writes_the_table_and_best_config_and_continues_after_sigin
     rerun = rows[int(interrupted[0]["trial"]) + 1]  # the interrupted trial's values run again, next
     assert (rerun["optim.lr"], rerun["optim.weight_decay"]) == (interrupted[0]["optim.lr"],
                                                                 interrupted[0]["optim.weight_decay"])
+    assert rerun["run_dir"] == interrupted[0]["run_dir"]  # in its run folder, from the checkpoint of the signal
+    starts = [e for e in read_metrics(rerun["run_dir"]) if e["kind"] == "start"]
+    assert len(starts) == 2 and starts[1]["step"] > 0 and starts[1]["resumed_from"]
     assert {row["state"] for row in counted} == {"complete", "pruned"}
 
     for row in counted:  # each trial is a normal run directory; its value is its own record's

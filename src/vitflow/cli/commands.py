@@ -92,7 +92,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     try:
         r = run_sweep(args.space, args.trials, args.dir, args.preset, args.config, args.overrides, args.metric,
-                      args.direction, args.seed, args.prune_after, CONFIG_CHECKS)
+                      args.direction, args.seed, args.prune_after, CONFIG_CHECKS, storage=args.storage,
+                      study=args.study, workers=args.workers, threads=args.threads, heartbeat=args.heartbeat,
+                      retry_failed=args.retry_failed)
     except SweepInterrupted as e:
         print(f"{e}; continue the sweep with the same command", file=sys.stderr)
         return 130

@@ -91,6 +91,18 @@ def _sweep_command(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="the TPE sampler's seed (default 0)")
     p.add_argument("--prune-after", type=int, default=3, metavar="K", help="trials run to the end before the median "
                    "rule prunes (default 3)")
+    g = p.add_argument_group("workers (several commands on one --dir or --storage cooperate)")
+    g.add_argument("--workers", type=positive, default=1, metavar="N", help="trials at a time on this machine (N "
+                   "processes, the cores split between them; default 1)")
+    g.add_argument("--storage", metavar="URL", help="the trials' database, shared by every worker: postgresql://USER:"
+                   "PASSWORD@HOST/DB, mysql+pymysql://... (default: sqlite in the sweep folder, for one machine)")
+    g.add_argument("--study", default="sweep", metavar="NAME", help="the search's name in --storage (default sweep)")
+    g.add_argument("--threads", type=positive, metavar="T", help="each trial's train.threads (default: torch's; "
+                   "--workers N: cores // N)")
+    g.add_argument("--heartbeat", type=positive, default=10, metavar="S", help="seconds between a running trial's "
+                   "heartbeats; a trial silent for 3 of them lost its worker and is failed (default 10)")
+    g.add_argument("--retry-failed", type=int, default=1, metavar="K", help="times a trial that lost its worker runs "
+                   "again, from its last checkpoint (default 1)")
     p.add_argument("--json", action="store_true", help="end with one JSON line: counts, best trial, files")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="every trial's overrides, e.g. its budget: "
                    "train.total_steps=300 train.eval_every=100 (or train.time_budget=2m)")
