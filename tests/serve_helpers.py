@@ -4,6 +4,7 @@ serving tests and the load benchmark's checks: :class:`Served` waits until ``/re
 from __future__ import annotations
 
 import os
+import ssl
 import subprocess
 import sys
 import threading
@@ -20,13 +21,16 @@ class Served:
     """``python -m vitflow serve SOURCE ARGS... --port P`` with its stderr in ``log``;
     ``url`` is ``http://127.0.0.1:P``. ``stop()`` sends SIGTERM and returns the exit status."""
 
-    def __init__(self, source, *args: str, log: Path, ready_s: float = 180.0):
+    def __init__(self, source, *args: str, log: Path, ready_s: float = 180.0, env: dict | None = None,
+                 verify: Path | None = None):
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        # --tls-cert: a client that trusts that certificate only (and checks the name it is for)
+        self.verify = ssl.create_default_context(cafile=str(verify)) if verify else True
+        self.url = f"{'https' if verify else 'http'}://127.0.0.1:{self.port}"
         self.log = Path(log)
         cmd = [sys.executable, "-m", "vitflow", "serve", str(source), "--port", str(self.port), *args]
         with open(self.log, "wb") as f:
-            self.proc = subprocess.Popen(cmd, env=ENV, stdout=f, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, env={**ENV, **(env or {})}, stdout=f, stderr=subprocess.STDOUT)
         self.wait_ready(ready_s)
 
     def wait_ready(self, seconds: float) -> None:
@@ -35,7 +39,7 @@ class Served:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vitflow serve exited with {self.proc.returncode}:\n{self.log.read_text()}")
             try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/readyz", timeout=2, verify=self.verify).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

@@ -214,6 +214,7 @@ def self_signed_cert(folder: Path) -> Path:
     """A PEM file holding a fresh self-signed certificate for ``127.0.0.1`` and its key (a
     certificate no client trusts: ``RangeServer(root, certfile=...)`` serves HTTPS with it)."""
     import datetime
+    import ipaddress
 
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -225,7 +226,10 @@ def self_signed_cert(folder: Path) -> Path:
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
-            .not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)  # what a client checking the name matches against
+            .sign(key, hashes.SHA256()))
     path = Path(folder) / "self-signed.pem"
     path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                        serialization.NoEncryption()) + cert.public_bytes(serialization.Encoding.PEM))

@@ -125,6 +125,15 @@ def serve_command(sub) -> None:
     p.add_argument("--topk", type=positive, default=5, help="classes per image unless the request asks ?top_k= (5)")
     p.add_argument("--name", help="the model's name in answers (default: the source's file or folder name)")
     p.add_argument("--log-json", action="store_true", help="request log lines as JSON objects")
+    g = p.add_argument_group("access")
+    g.add_argument("--api-key-file", metavar="FILE", help="API keys, one per line (also VITFLOW_SERVE_API_KEYS, "
+                   "comma-separated): requests need Authorization: Bearer KEY or X-API-Key: KEY; reloaded on SIGHUP")
+    g.add_argument("--metrics-open", action="store_true", help="/metrics answers without a key (/healthz, /readyz "
+                   "and the page always do)")
+    g.add_argument("--auth-failures", type=int, default=10, metavar="N", help="failed key attempts from one "
+                   "address in a minute before it gets 429 (10; 0: no limit, e.g. behind a proxy all clients share)")
+    g.add_argument("--tls-cert", metavar="CERT.pem", help="serve HTTPS with this certificate (chain), PEM")
+    g.add_argument("--tls-key", metavar="KEY.pem", help="the certificate's private key, PEM")
     p.add_argument("--ray", action="store_true", help="deploy on Ray Serve (RAY_ADDRESS, or a local Ray instance)")
     p.add_argument("--replicas", type=positive, default=1, help="--ray: replicas, each with its own batcher (1)")
 

@@ -16,7 +16,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue, timeout=args.timeout, workers=args.workers, threads=args.threads,
         decode_threads=args.decode_threads, backend=args.backend, device=args.device, weights=args.weights,
         tta=args.tta, max_body_bytes=args.max_body_bytes, max_pixels=args.max_pixels, max_images=args.max_images,
-        topk=args.topk, log_json=args.log_json, name=args.name)
+        topk=args.topk, log_json=args.log_json, name=args.name, api_key_file=args.api_key_file,
+        metrics_open=args.metrics_open, auth_failures=args.auth_failures, tls_cert=args.tls_cert, tls_key=args.tls_key)
     if args.ray:
         from vitflow.infer.serve.ray import run_ray
 

@@ -6,10 +6,15 @@ Routes (answers are JSON; the fields are documented in the deployment guide and 
 - ``POST /v1/classify`` -> ``{"model", "predictions": [{"top": [{"class", "index", "prob"}],
   "labels"?}], "batch_size", "timing_ms"}``: one prediction per image, in order;
 - ``POST /v1/embed`` -> ``{"model", "embeddings": [[float, ...]], "dim", "batch_size", "timing_ms"}``;
-- ``GET /healthz`` (the process answers), ``GET /readyz`` (model loaded and warmed up: 200, else
-  503), ``GET /metrics`` (Prometheus text), ``GET /docs`` and ``/openapi.json``.
+- ``GET /v1/model`` -> the model's card: name, version, backend, task, classes and their names,
+  input size;
+- ``GET /`` (a page to try the model in a browser: :mod:`.page`), ``GET /healthz`` (the process
+  answers), ``GET /readyz`` (model loaded and warmed up: 200, else 503), ``GET /metrics``
+  (Prometheus text), ``GET /docs`` and ``/openapi.json``.
 
-Every error answer is ``{"error": "<one line>", "kind": "<kind>", "status": N}``.
+With API keys (:mod:`.auth`) every route but the page, the health checks and the schema needs
+one. Every error answer is ``{"error": "<one line>", "kind": "<kind>", "status": N}``; the schema
+lists each status a route can answer.
 """
 
 from __future__ import annotations
@@ -23,28 +28,47 @@ import sys
 import threading
 import time
 from contextlib import asynccontextmanager
+from importlib import resources
 from typing import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
-from vitflow.infer.serve.inputs import RequestError, parse_upload, read_body, request_timeout, top_k
+from vitflow.infer.serve.auth import OPEN_PATHS, ApiKeys, RequireKey, keys_from_env
+from vitflow.infer.serve.inputs import MIN_TIMEOUT_S, RequestError, parse_upload, read_body, request_timeout, top_k
 from vitflow.infer.serve.service import Service
 from vitflow.infer.serve.settings import ENV_VAR, ServeSettings
 
 access_log = logging.getLogger("vitflow.serve.access")
+# the page at /: one self-contained file (no CDN: it works offline), calling the API below with the key typed in it
+PAGE = resources.files("vitflow.infer.serve").joinpath("page.html").read_text(encoding="utf-8")
 IMAGE_BODY = {"requestBody": {"required": True, "content": {
     "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
     "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
-    "multipart/form-data": {"schema": {"type": "object", "properties": {
-        "file": {"type": "string", "format": "binary"}, "top_k": {"type": "integer"}}}},
-    "application/json": {"schema": {"type": "object", "properties": {
-        "image": {"type": "string", "description": "base64"},
-        "images": {"type": "array", "items": {"type": "string", "description": "base64"}},
-        "top_k": {"type": "integer"}}}}}},
+    "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {
+        "file": {"type": "string", "format": "binary"}, "top_k": {"type": "integer", "minimum": 1}}}},
+    "application/json": {"schema": {"type": "object", "anyOf": [{"required": ["image"]}, {"required": ["images"]}],
+                                    "properties": {
+        "image": {"type": "string", "minLength": 1, "description": "base64"},
+        "images": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1, "description": "base64"}},
+        "top_k": {"type": "integer", "minimum": 1}}}}}},
     "parameters": [{"name": "top_k", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1}},
                    {"name": "timeout", "in": "query", "required": False, "description": "seconds, at most --timeout",
-                    "schema": {"type": "number", "exclusiveMinimum": 0}}]}
+                    "schema": {"type": "number", "minimum": MIN_TIMEOUT_S}}]}
+ERROR = {"content": {"application/json": {"schema": {"type": "object", "required": ["error", "kind", "status"],
+                                                     "properties": {"error": {"type": "string"},
+                                                                    "kind": {"type": "string"},
+                                                                    "status": {"type": "integer"}}}}}}
+STATUSES = {400: "a bad request or image (one line naming it)", 401: "no API key, or not an accepted one",
+            408: "the body did not arrive within the deadline", 413: "too large: body, image or image count",
+            415: "not an image type the service reads", 429: "too many failed API key attempts from this address",
+            501: "not available for this model", 503: "overloaded (Retry-After), or not ready",
+            504: "the deadline passed before the answer"}
+
+
+def _answers(*statuses: int) -> dict:
+    """OpenAPI ``responses`` for the error ``statuses`` a route can answer (each the error object)."""
+    return {"responses": {str(c): {"description": STATUSES[c], **ERROR} for c in statuses}}
 
 
 def error_response(e: RequestError) -> JSONResponse:
@@ -60,7 +84,7 @@ async def answer(request: Request, route: str, settings: ServeSettings) -> Respo
         service.check_capacity()
         body = await read_body(request, settings.max_body_bytes, deadline)
         upload = await parse_upload(request, body, settings.max_images)
-        k = top_k(request, upload.options, settings.topk)
+        k = top_k(request, upload.options, settings.topk)  # (checked on /v1/embed too, where it is unused)
         rows, info, timing = await service.run(route, upload, deadline)
     except RequestError as e:
         request.state.error_kind = e.kind
@@ -100,56 +124,127 @@ def _drain_on_signals(service: Service) -> Callable[[], None]:
     return restore
 
 
+def _reload_on_sighup(keys: ApiKeys | None) -> Callable[[], None]:
+    """``SIGHUP`` reads the API key file again (the supervisor passes its SIGHUP on to the workers);
+    returns the function that puts the previous handler back. Outside the main thread, or without
+    keys, nothing is installed (a worker without keys ignores SIGHUP rather than dying of it)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    loop = asyncio.get_running_loop()
+    previous = signal.getsignal(signal.SIGHUP)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN if keys is None else
+                  (lambda sig, frame: loop.call_soon_threadsafe(keys.reload)))
+    return lambda: signal.signal(signal.SIGHUP, previous)
+
+
 def create_app(settings: ServeSettings) -> FastAPI:
     """The application for prepared ``settings`` (:func:`vitflow.infer.serve.backends.prepare`);
-    the model is loaded and warmed up in its lifespan start-up, before it accepts requests."""
+    the model is loaded and warmed up in its lifespan start-up, before it accepts requests.
+    Raises KeyFileError: API keys configured and unreadable."""
+    env_keys = keys_from_env()
+    keys = ApiKeys(settings.api_key_file, env_keys) if settings.api_key_file or env_keys else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.service = Service(settings)
         await app.state.service.start()
         restore = _drain_on_signals(app.state.service)
+        unhup = _reload_on_sighup(keys)
         yield
+        unhup()
         restore()
         await app.state.service.stop()
 
     app = FastAPI(title="vitflow serve", version="1", lifespan=lifespan,
                   description=f"Image classification with {settings.name} ({settings.source})")
-    app.add_middleware(AccessLog, service=lambda: getattr(app.state, "service", None), log_json=settings.log_json)
+    guarded: tuple[int, ...] = ()
+    service = lambda: getattr(app.state, "service", None)  # noqa: E731  (set by the lifespan)
+    if keys is not None:
+        open_paths = OPEN_PATHS | ({"/metrics"} if settings.metrics_open else set())
+        app.add_middleware(RequireKey, keys=keys, open_paths=open_paths,
+                           count=lambda reason: service() and service().metrics.auth_failures.labels(reason).inc(),
+                           failures=settings.auth_failures)
+        guarded = (401, 429) if settings.auth_failures else (401,)
+        _document_keys(app)
+    # outermost: the access log and the request counters see the refused requests too
+    app.add_middleware(AccessLog, service=service, log_json=settings.log_json)
+    image_route = {**IMAGE_BODY, **_answers(400, *guarded, 408, 413, 415, 503, 504)}
 
-    @app.post("/v1/classify", openapi_extra=IMAGE_BODY, summary="top-k classes of one or more images")
+    @app.post("/v1/classify", openapi_extra=image_route, summary="top-k classes of one or more images")
     async def classify(request: Request) -> Response:
         return await answer(request, "classify", settings)
 
-    @app.post("/v1/embed", openapi_extra=IMAGE_BODY, summary="pooled features of one or more images")
+    @app.post("/v1/embed", openapi_extra=image_route, summary="pooled features of one or more images")
     async def embed(request: Request) -> Response:
         return await answer(request, "embed", settings)
+
+    _describing_routes(app, settings, guarded)
+    return app
+
+
+def _describing_routes(app: FastAPI, settings: ServeSettings, guarded: tuple[int, ...]) -> None:
+    """The routes that describe the service: the model's card, the page, the health checks and the
+    metrics (``guarded``: the key statuses of the routes that need one)."""
+
+    @app.get("/v1/model", openapi_extra=_answers(*guarded, 503), summary="the model's card")
+    async def model_card(request: Request) -> Response:
+        service = getattr(request.app.state, "service", None)
+        if service is None or not service.ready:
+            return error_response(RequestError(503, "not_ready", "the model is loading"))
+        return JSONResponse({**service.info, "class_names": service.predictor.classes})
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(PAGE)
 
     @app.get("/healthz", summary="the process answers")
     async def healthz() -> dict:
         return {"ok": True, "pid": os.getpid()}
 
-    @app.get("/readyz", summary="the model is loaded and warmed up")
+    @app.get("/readyz", summary="the model is loaded and warmed up",
+             responses={503: {"description": "not ready yet", "content": {"application/json": {}}}})
     async def readyz(request: Request) -> Response:
         service = getattr(request.app.state, "service", None)
         if service is None or not service.ready:
             return JSONResponse({"ready": False}, 503)
         return JSONResponse({"ready": True, "model": service.info, "pid": os.getpid()})
 
-    @app.get("/metrics", summary="Prometheus metrics (text format)")
+    metrics_guard = () if settings.metrics_open else guarded
+
+    @app.get("/metrics", summary="Prometheus metrics (text format)", response_class=PlainTextResponse,
+             openapi_extra=_answers(*metrics_guard))
     async def metrics(request: Request) -> Response:
         body, ctype = request.app.state.service.metrics.render()
         return Response(body, media_type=ctype)
 
-    return app
+
+def _document_keys(app: FastAPI) -> None:
+    """The schema names the two ways to present a key (``components.securitySchemes``) and
+    requires one on every route that does."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            schema.setdefault("components", {})["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"}}
+            for path, ops in schema["paths"].items():
+                for op in ops.values():
+                    if "401" in op.get("responses", {}):
+                        op["security"] = [{"bearer": []}, {"apiKey": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 class AccessLog:
     """ASGI middleware: one log line per request at info level (``METHOD PATH STATUS MS``, or a
     JSON object with ``--log-json``) and the request counters and latency histogram."""
 
-    ROUTES = {"/v1/classify": "classify", "/v1/embed": "embed", "/healthz": "healthz", "/readyz": "readyz",
-              "/metrics": "metrics"}
+    ROUTES = {"/v1/classify": "classify", "/v1/embed": "embed", "/v1/model": "model", "/": "page",
+              "/healthz": "healthz", "/readyz": "readyz", "/metrics": "metrics"}
 
     def __init__(self, app, service, log_json: bool = False):
         self.app, self.service, self.log_json = app, service, log_json

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 RAW_TYPES = ("image/", "application/octet-stream")
+MIN_TIMEOUT_S = 0.5  # the shortest ?timeout= a request may ask for (seconds)
 
 
 class RequestError(Exception):
@@ -92,12 +93,12 @@ async def parse_upload(request: Request, body: bytes, max_images: int) -> Upload
     if not upload.images:
         raise RequestError(400, "missing_field", "no image in the request (multipart: a file part; JSON: "
                            "\"image\" or \"images\")")
+    empty = next((name for name, data in upload.images if not data), None)
+    if empty is not None:  # a malformed request is 400 before a well-formed one is too large
+        raise RequestError(400, "empty_body", f"{empty} is empty (0 bytes)")
     if len(upload.images) > max_images:
         raise RequestError(413, "too_many_images", f"{len(upload.images)} images in one request; the limit is "
                            f"{max_images} (--max-images)")
-    empty = next((name for name, data in upload.images if not data), None)
-    if empty is not None:
-        raise RequestError(400, "empty_body", f"{empty} is empty (0 bytes)")
     return upload
 
 
@@ -151,19 +152,21 @@ def _b64(name: str, value) -> bytes:
 
 
 def top_k(request: Request, options: dict, default: int) -> int:
-    """``top_k`` from the query string or the body's options (default ``default``).
+    """``top_k`` from the query string, else the body's options (default ``default``); each one
+    given is checked, the query's winning.
 
     Raises:
         RequestError: 400 ``bad_parameter`` for a value that is not an integer >= 1.
     """
-    value = request.query_params.get("top_k", options.get("top_k", default))
-    try:
-        k = int(value)
-        if isinstance(value, float) or k < 1:
-            raise ValueError
-    except (TypeError, ValueError):
-        raise RequestError(400, "bad_parameter", f"top_k={value!r}: must be an integer >= 1") from None
-    return k
+    given = [v for v in (request.query_params.get("top_k"), options.get("top_k")) if v is not None]
+    for value in given:
+        try:
+            k = int(value)
+            if isinstance(value, float) or k < 1:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise RequestError(400, "bad_parameter", f"top_k={value!r}: must be an integer >= 1") from None
+    return int(given[0]) if given else default
 
 
 def request_timeout(request: Request, limit: float) -> float:
@@ -171,15 +174,17 @@ def request_timeout(request: Request, limit: float) -> float:
     most ``limit``, ``--timeout``), else ``limit``.
 
     Raises:
-        RequestError: 400 ``bad_parameter`` for a value that is not a number > 0.
+        RequestError: 400 ``bad_parameter`` for a value that is not a number >= :data:`MIN_TIMEOUT_S`
+            (a shorter deadline would be spent before the body is read).
     """
     value = request.query_params.get("timeout")
     if value is None:
         return limit
     try:
         seconds = float(value)
-        if not seconds > 0:
+        if not seconds >= MIN_TIMEOUT_S:
             raise ValueError
     except ValueError:
-        raise RequestError(400, "bad_parameter", f"timeout={value!r}: must be a number of seconds > 0") from None
+        raise RequestError(400, "bad_parameter", f"timeout={value!r}: must be a number of seconds >= "
+                           f"{MIN_TIMEOUT_S:g}") from None
     return min(seconds, limit)

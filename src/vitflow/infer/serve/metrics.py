@@ -16,6 +16,7 @@ processes). Names and labels (all ``vitflow_serve_*``):
 ``batch_size``                    histogram   images per model call
 ``inflight_images``               gauge       images admitted and not yet answered (bounded by --max-queue)
 ``queued_images``                 gauge       images decoded and waiting for a model call
+``auth_failures_total``           counter     requests refused for their API key, by ``reason`` (missing, wrong, limited)
 ``model_info``                    gauge       1, labelled with the model's ``name``, ``version``, ``backend``
 ================================  ==========  =====================================================
 """
@@ -64,6 +65,8 @@ class Metrics:
                               multiprocess_mode="livesum")
         self.queued = Gauge(p + "queued_images", "images waiting for a model call", registry=r,
                             multiprocess_mode="livesum")
+        self.auth_failures = Counter(p + "auth_failures_total", "requests refused for their API key, by reason "
+                                     "(missing, wrong, limited)", ["reason"], registry=r)
         self.info = Gauge(p + "model_info", "the model served", ["name", "version", "backend"], registry=r,
                           multiprocess_mode="max")
 

@@ -9,6 +9,9 @@ checks the workers every half second and starts a new one in place of one that d
 ``SIGKILL``, an out-of-memory kill): the others keep answering meanwhile, the new one joins once
 warmed up.
 
+With ``--tls-cert`` / ``--tls-key`` uvicorn answers HTTPS only. ``SIGHUP`` to the parent makes
+every worker read its API keys again (:mod:`.auth`).
+
 ``SIGTERM`` (or ``SIGINT``) to the parent drains: the workers stop accepting connections, answer
 every request they accepted (queued ones included; each has its ``--timeout``), then exit, and the
 parent exits with status 0.
@@ -18,10 +21,13 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
 
+from vitflow.infer.serve.auth import KEYS_ENV, keys_from_env, loopback, read_keys
 from vitflow.infer.serve.backends import prepare
 from vitflow.infer.serve.settings import ENV_VAR, ServeSettings
 
@@ -30,7 +36,7 @@ APP = "vitflow.infer.serve.app:app_from_env"
 
 def describe(s: ServeSettings) -> str:
     """The start-up line: what is served, how, and where."""
-    where = f"http://{s.host}:{s.port}"
+    where = f"{'https' if s.tls_cert else 'http'}://{s.host}:{s.port}"
     return (f"serving {s.name} ({s.version}, backend {s.backend}, {s.torch_threads()} thread(s) each) on {where} "
             f"with {s.workers} worker(s): max batch {s.max_batch}, max wait {s.max_wait_ms:g} ms, max queue "
             f"{s.max_queue} images, timeout {s.timeout:g} s; API docs at {where}/docs")
@@ -49,7 +55,28 @@ def _supervisor_class():
                 sock.close()
             super().terminate_all()
 
+        def handle_hup(self) -> None:
+            """SIGHUP: each worker reads its API keys again, in place (uvicorn's own restarts the
+            workers, dropping the requests a lone worker holds)."""
+            for p in self.processes:
+                if p.is_alive() and p.pid:
+                    os.kill(p.pid, signal.SIGHUP)
+
     return Supervisor
+
+
+def access(settings: ServeSettings) -> int:
+    """The number of API keys the service will require (read here once, so a bad file stops the
+    start with one line), and a warning when a port other hosts reach needs none.
+
+    Raises:
+        KeyFileError: an unreadable key file, or a bad key (:func:`~vitflow.infer.serve.auth.read_keys`).
+    """
+    keys = len(read_keys(settings.api_key_file, keys_from_env())) if settings.api_key_file or keys_from_env() else 0
+    if not keys and not loopback(settings.host):
+        print(f"warning: --host {settings.host} without --api-key-file: anyone who reaches this port can use the model "
+              f"(set --api-key-file FILE or {KEYS_ENV}, or put a proxy with authentication in front)", file=sys.stderr)
+    return keys
 
 
 def run_server(settings: ServeSettings, say: Callable[[str], None] = print) -> int:
@@ -59,6 +86,7 @@ def run_server(settings: ServeSettings, say: Callable[[str], None] = print) -> i
     import uvicorn
     from uvicorn.config import STARTUP_FAILURE
 
+    keys = access(settings)
     with tempfile.TemporaryDirectory(prefix="vitflow-serve-") as tmp:
         prepared = prepare(settings, tmp, say)
         gc.collect()  # the parent's copies of the models go; the workers load their own
@@ -68,8 +96,9 @@ def run_server(settings: ServeSettings, say: Callable[[str], None] = print) -> i
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # read by prometheus_client in each worker
         config = uvicorn.Config(APP, factory=True, host=prepared.host, port=prepared.port, workers=prepared.workers,
                                 log_level="warning", access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=int(prepared.timeout) + 5)
-        say(describe(prepared))
+                                timeout_graceful_shutdown=int(prepared.timeout) + 5,
+                                ssl_certfile=prepared.tls_cert, ssl_keyfile=prepared.tls_key)
+        say(describe(prepared) + (f"; {keys} API key(s) required" if keys else ""))
         supervisor = _supervisor_class()(config, sockets=[config.bind_socket()])
         supervisor.run()
         return 1 if any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes) else 0

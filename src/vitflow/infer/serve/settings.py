@@ -36,6 +36,11 @@ class ServeSettings:
     topk: int = 5  # classes answered per image unless the request says top_k
     log_json: bool = False  # one JSON object per request log line
     name: str | None = None  # the model's name in answers (default: the source's file or folder name)
+    api_key_file: str | None = None  # keys, one per line (with $VITFLOW_SERVE_API_KEYS): the API needs one
+    metrics_open: bool = False  # /metrics answers without a key
+    auth_failures: int = 10  # failed key attempts per client address per minute before 429; 0: no limit
+    tls_cert: str | None = None  # PEM certificate (chain) and its private key: HTTPS
+    tls_key: str | None = None
     # filled by prepare(): the file each worker loads, the model it comes from (a checkpoint, hub folder or
     # ONNX file) and that model's content hash
     load_path: str | None = None
@@ -49,7 +54,7 @@ class ServeSettings:
                     "max_images", "topk"):
             if getattr(self, key) < 1:
                 raise ValueError(f"--{key.replace('_', '-')} must be >= 1 (got {getattr(self, key)})")
-        for key in ("max_wait_ms", "threads"):
+        for key in ("max_wait_ms", "threads", "auth_failures"):
             if getattr(self, key) < 0:
                 raise ValueError(f"--{key.replace('_', '-')} must be >= 0 (got {getattr(self, key)})")
         if self.timeout <= 0:
@@ -57,6 +62,11 @@ class ServeSettings:
         if self.max_images > self.max_queue:
             raise ValueError(f"--max-images {self.max_images} is over --max-queue {self.max_queue}: such a request "
                              "could never be admitted")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together (the certificate and its private key)")
+        for key in ("tls_cert", "tls_key", "api_key_file"):
+            if getattr(self, key) and not os.path.isfile(getattr(self, key)):
+                raise ValueError(f"--{key.replace('_', '-')} {getattr(self, key)}: no such file")
         if self.max_queue < self.max_batch:
             raise ValueError(f"--max-queue {self.max_queue} is below --max-batch {self.max_batch}: a full batch "
                              "could never form")
