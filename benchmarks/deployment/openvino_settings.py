@@ -8,7 +8,7 @@ same rounds (medians of the per-round ratios), with the CPU flags.
 Settings: ``default`` (OpenVINO's CPU defaults: latency hint, its own precision choice: bf16 on
 AMX / AVX512-BF16 CPUs), ``f32`` (exact float layers), ``bf16``, ``static`` (a static-shape copy per
 batch size), ``throughput`` (the throughput hint: a batch split over one stream a core), ``tuned``
-(what ``bench infer``'s ``openvino_int8_tuned`` runs: ``vitflow.infer.bench.paths.tuned_settings``).
+(what ``bench infer``'s ``openvino_int8_tuned`` runs: ``vitflow.infer.runtimes.openvino.tuned_settings``).
 
 Smoke run: a tiny digits run (``vitflow train train.total_steps=20 train.run_dir=/tmp/d``), then
 ``python benchmarks/deployment/openvino_settings.py /tmp/d --repeats 1``.
@@ -24,10 +24,10 @@ import torch
 
 from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.infer.bench.infer import cpu_flags, ratio, time_paths
-from vitflow.infer.bench.paths import Sources, tuned_settings
+from vitflow.infer.bench.paths import Sources
 from vitflow.infer.calibration import calibration_images
 from vitflow.infer.runtimes.onnx import ModelInfo
-from vitflow.infer.runtimes.openvino import OpenVinoModel
+from vitflow.infer.runtimes.openvino import OpenVinoModel, tuned_settings
 
 SETTINGS = {
     "default": {"precision": "auto"},

@@ -135,7 +135,8 @@ def test_serve_answers_from_the_ir_as_predict_does(exported, tmp_path, capsys):
 
     r, xml, _, _ = exported
     files = sorted(Path(r["samples"]).glob("*.png"))[:3]
-    expected = list(Predictor.load(xml).predict_refs(collect_images([str(f) for f in files]), topk=3))
+    served_as = Predictor.from_openvino(xml, "tuned", static_shapes=False)  # the settings serve runs an IR with
+    expected = list(served_as.predict_refs(collect_images([str(f) for f in files]), topk=3))
     s = Served(xml, "--threads", "1", log=tmp_path / "serve.log")
     try:
         for f, want in zip(files, expected):
@@ -149,6 +150,6 @@ def test_serve_answers_from_the_ir_as_predict_does(exported, tmp_path, capsys):
         assert e.status_code == 501 and "exported model" in e.text
     finally:
         assert s.stop() == 0, s.log.read_text()
-    assert "backend openvino" in s.log.read_text()
+    assert "backend openvino with vitflow's tuned settings" in s.log.read_text()  # the choice, said
     assert main(["serve", r["checkpoint"], "--backend", "openvino", "--port", "1"]) == 2
     assert "is not an OpenVINO IR" in capsys.readouterr().err

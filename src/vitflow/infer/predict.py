@@ -9,6 +9,7 @@ cannot be decoded does not stop the others: its result carries an ``error`` nami
 
 from __future__ import annotations
 
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,9 +25,11 @@ from vitflow.data.sources.readers import TarReader, is_hidden
 from vitflow.data.transforms import Preprocess, eval_transform
 from vitflow.infer.export.hub_folder import is_hub_folder, read_hub_folder
 from vitflow.infer.runtimes.onnx import OnnxModel, RuntimeModel, is_onnx
-from vitflow.infer.runtimes.openvino import OpenVinoModel, is_openvino
+from vitflow.infer.runtimes.openvino import OpenVinoModel, is_openvino, tuned_settings
 from vitflow.infer.tta import parse_tta, tta_where, with_tta
 from vitflow.runtime import configure_allocator, resolve_device, resolve_precision
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -138,12 +141,21 @@ class Predictor:
         return cls._from_runtime(OnnxModel(path, threads))
 
     @classmethod
-    def from_openvino(cls, path: str | Path, precision: str = "fp32", threads: int | None = None) -> "Predictor":
+    def from_openvino(cls, path: str | Path, precision: str = "fp32", threads: int | None = None,
+                      static_shapes: bool = True) -> "Predictor":
         """An OpenVINO IR (``.xml`` + ``.bin``) written by ``vitflow export --format openvino`` or
-        ``vitflow quantize --backend openvino``, its float layers run in ``precision`` (``fp32``
-        or ``bf16``). Raises FileNotFoundError / ValueError naming the file; UnavailableError
-        without the ``openvino`` package."""
-        return cls._from_runtime(OpenVinoModel(path, precision, threads))
+        ``vitflow quantize --backend openvino``, compiled with vitflow's tuned settings
+        (:func:`~vitflow.infer.runtimes.openvino.tuned_settings`: the throughput hint's streams for
+        a batch, static shapes per batch size unless ``static_shapes`` is False), its float layers in
+        ``precision``: ``fp32``, ``bf16``, or ``tuned`` (bf16 where the CPU has it natively, else
+        fp32). The choice is logged. Raises FileNotFoundError / ValueError naming the file;
+        UnavailableError without the ``openvino`` package."""
+        settings = {**tuned_settings(), "static_shapes": static_shapes}
+        if precision != "tuned":
+            settings["precision"] = precision
+        log.info("OpenVINO IR %s: %s float layers, %s hint, %s shapes (vitflow's tuned settings)", Path(path).name,
+                 settings["precision"], settings["hint"], "static" if static_shapes else "dynamic")
+        return cls._from_runtime(OpenVinoModel(path, threads=threads, **settings))
 
     @classmethod
     def _from_runtime(cls, model: RuntimeModel) -> "Predictor":

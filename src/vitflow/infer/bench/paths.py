@@ -9,7 +9,8 @@ The peers are built the way their own tools document: timm's model exported as i
 ``convert_model`` and NNCF's ``quantize`` with OpenVINO's default CPU configuration (no precision
 hint: bf16 float layers on CPUs with AMX / AVX512-BF16; the latency hint). vitflow's paths start from its
 :func:`~vitflow.infer.export.formats.deployable` export; its tuned OpenVINO path runs the same kind of
-INT8 IR with the settings vitflow chooses for the machine (:func:`tuned_settings`).
+INT8 IR with the settings vitflow chooses for the machine
+(:func:`~vitflow.infer.runtimes.openvino.tuned_settings`).
 Calibration images (static INT8, NNCF) are the same real images for both.
 """
 
@@ -29,7 +30,7 @@ from vitflow.infer.quantize.dynamic import CastModel, quantize_onnx
 from vitflow.infer.quantize.static import quantize_onnx_static
 from vitflow.infer.runtimes.onnx import ModelInfo, OnnxModel
 from vitflow.infer.runtimes.onnx_fusion import fusion_sizes, optimize_onnx
-from vitflow.infer.runtimes.openvino import OpenVinoModel, convert_onnx, nncf_quantize
+from vitflow.infer.runtimes.openvino import OpenVinoModel, convert_onnx, nncf_quantize, tuned_settings
 from vitflow.models import family_of, model_kwargs
 from vitflow.runtime import cpu_bf16_supported
 
@@ -80,14 +81,6 @@ def _timm_mvit(model_args: dict) -> torch.nn.Module:
     args = {k: v for k, v in model_args.items() if k != "lora"}
     cfg, kw = timm_config(model_kwargs(args.pop("name"), **args))
     return MultiScaleVit(MultiScaleVitCfg(**cfg), **kw).eval()
-
-def tuned_settings() -> dict:
-    """vitflow's OpenVINO settings for this machine: bf16 float layers where oneDNN has native
-    bf16 (AVX512-BF16 / AMX), else fp32; the throughput hint (a batch split over the streams)
-    with static shapes per batch size. Measured with ``vitflow bench infer``: see the deployment
-    guide's table."""
-    return {"precision": "bf16" if cpu_bf16_supported() else "fp32", "hint": "throughput", "static_shapes": True}
-
 
 class Sources:
     """What the path builders share, each made once on first use: the float vitflow model,

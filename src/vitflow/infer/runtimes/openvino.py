@@ -18,11 +18,21 @@ import numpy as np
 import torch
 
 from vitflow.infer.runtimes.onnx import META_PREFIX, RuntimeModel, quiet_toolchain, require
+from vitflow.runtime import cpu_bf16_supported
 
 IR_SUFFIX = ".xml"
 RT_KEY = "vitflow"  # rt_info section holding the vitflow.* metadata (without the prefix)
 PRECISIONS = {"fp32": "f32", "bf16": "bf16"}  # vitflow precision -> INFERENCE_PRECISION_HINT
 HINTS = ("latency", "throughput")
+
+
+def tuned_settings() -> dict:
+    """vitflow's OpenVINO settings for this machine: bf16 float layers where oneDNN has native
+    bf16 (AVX512-BF16 / AMX), else fp32; the throughput hint (a batch split over the streams)
+    with static shapes per batch size. Measured with ``vitflow bench infer``
+    (``openvino_int8_tuned``): see the deployment guide's table. ``vitflow serve`` runs an IR
+    with them."""
+    return {"precision": "bf16" if cpu_bf16_supported() else "fp32", "hint": "throughput", "static_shapes": True}
 
 
 def openvino():

@@ -9,7 +9,9 @@
                 is exported at start-up (``export_onnx`` + the CPU fusions of ``optimize_onnx``,
                 as ``vitflow export --optimize`` and ``bench infer``'s ``onnxruntime_fp32`` path)
 ``openvino``    OpenVINO on the CPU: an OpenVINO IR source (``.xml``, from ``vitflow export --format
-                openvino`` or ``vitflow quantize --backend openvino``) as it is, float layers in fp32
+                openvino`` or ``vitflow quantize --backend openvino``) as it is, with vitflow's tuned
+                settings (``tuned_settings``: bf16 float layers where the CPU has native bf16, else fp32;
+                the throughput hint's streams) but dynamic shapes, logged at start-up
 ``auto``        an ONNX source: ``onnxruntime``; an IR: ``openvino``; a checkpoint or run folder: the faster of
                 ``eager_fp32``, ``onnxruntime`` and (on CPUs with native bf16) ``eager_bf16``,
                 timed with ``bench infer``'s protocol (:func:`vitflow.infer.bench.infer.time_paths`)
@@ -39,14 +41,18 @@ from vitflow.infer.serve.settings import ServeSettings
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "eager_fp32", "eager_bf16", "onnxruntime", "openvino")
-PRECISION = {"eager_fp32": "fp32", "eager_bf16": "bf16", "onnxruntime": "fp32", "openvino": "fp32"}
+PRECISION = {"eager_fp32": "fp32", "eager_bf16": "bf16", "onnxruntime": "fp32", "openvino": "tuned"}
 RUNTIMES = {"onnxruntime": ("an ONNX model", is_onnx), "openvino": ("an OpenVINO IR", is_openvino)}
 
 
 def load_predictor(s: ServeSettings) -> Predictor:
     """The :class:`Predictor` of prepared settings (``s.load_path`` and a concrete ``s.backend``),
     with ``s.tta`` applied. Raises FileNotFoundError / ValueError as :meth:`Predictor.load`."""
-    p = Predictor.load(s.load_path or s.source, s.device, PRECISION[s.backend], s.weights)
+    if s.backend == "openvino":  # dynamic shapes: a server runs every batch size from 1 to --max-batch, and a
+        # static copy compiled for each while serving cost 0.68x the images/s at 16 clients (the serving guide)
+        p = Predictor.from_openvino(s.load_path or s.source, "tuned", static_shapes=False)
+    else:
+        p = Predictor.load(s.load_path or s.source, s.device, PRECISION[s.backend], s.weights)
     p.set_tta(s.tta)
     return p
 

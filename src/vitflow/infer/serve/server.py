@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from vitflow.infer.runtimes.openvino import tuned_settings
 from vitflow.infer.serve.auth import KEYS_ENV, keys_from_env, loopback, read_keys
 from vitflow.infer.serve.backends import prepare
 from vitflow.infer.serve.settings import ENV_VAR, ServeSettings
@@ -37,7 +38,11 @@ APP = "vitflow.infer.serve.app:app_from_env"
 def describe(s: ServeSettings) -> str:
     """The start-up line: what is served, how, and where."""
     where = f"{'https' if s.tls_cert else 'http'}://{s.host}:{s.port}"
-    return (f"serving {s.name} ({s.version}, backend {s.backend}, {s.torch_threads()} thread(s) each) on {where} "
+    backend = s.backend
+    if backend == "openvino":
+        t = tuned_settings()
+        backend += f" with vitflow's tuned settings: {t['precision']} float layers, {t['hint']} hint, dynamic shapes"
+    return (f"serving {s.name} ({s.version}, backend {backend}, {s.torch_threads()} thread(s) each) on {where} "
             f"with {s.workers} worker(s): max batch {s.max_batch}, max wait {s.max_wait_ms:g} ms, max queue "
             f"{s.max_queue} images, timeout {s.timeout:g} s; API docs at {where}/docs")
 
