@@ -5,7 +5,8 @@
     python benchmarks/serving/serve_load.py run http://127.0.0.1:8000 --images cifar10-jpg.tar --clients 16 --duration 30
     python benchmarks/serving/serve_load.py run http://127.0.0.1:8000 --images cifar10-jpg.tar --rate 200 --duration 60
 
-    # dynamic batching vs --max-batch 1: both servers started here, measured in alternating rounds
+    # dynamic batching vs --max-batch 1: both servers started here, measured in alternating rounds; then
+    # the model's own batch-16 / batch-1 ratio on the same backend (its ceiling) and the server's share of it
     python benchmarks/serving/serve_load.py compare RUN_DIR --images cifar10-jpg.tar --clients 16 --duration 20 --rounds 3
 
     # capacity, 5 minutes at 80% of it (RSS sampled), 3x overload for 60 s, then SIGKILL of a worker and
@@ -239,11 +240,48 @@ def compare(args) -> dict:
             proc.wait(60)
     med = {n: {k: sorted(m[k] for m in ms)[len(ms) // 2] for k in ("ok_per_s", "p50_ms", "p95_ms", "p99_ms")}
            for n, ms in rounds.items()}
+    gain = med["dynamic"]["ok_per_s"] / med["batch1"]["ok_per_s"]
+    own = model_ratio(args)
     out = {"model": args.source, "clients": args.clients, "max_batch": args.max_batch, "medians": med,
-           "throughput_ratio": round(med["dynamic"]["ok_per_s"] / med["batch1"]["ok_per_s"], 2),
-           "p99_ratio": round(med["dynamic"]["p99_ms"] / med["batch1"]["p99_ms"], 2), "cpu": cpu_flags()}
+           "throughput_ratio": round(gain, 2), "p99_ratio": round(med["dynamic"]["p99_ms"] / med["batch1"]["p99_ms"], 2),
+           **own, "server_share_of_model_ratio": round(gain / own["model_ratio"], 2), "cpu": cpu_flags()}
     print(json.dumps(out))
     return out
+
+
+def model_ratio(args, seconds: float = 5.0) -> dict:
+    """The model's own batching ceiling on this machine, the yardstick of the server's gain: the
+    same source, backend and threads as the servers (loaded as a serve worker loads it), called
+    directly: images/s at ``--max-batch`` times the seconds of one batch-1 call (medians of calls
+    over ``seconds`` each, after a warm-up). ``{"model_ratio", "model_b1_ms", "model_batch_ips"}``."""
+    import tempfile
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+    from vitflow.infer.serve.backends import load_predictor, prepare
+    from vitflow.infer.serve.settings import ServeSettings
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = prepare(ServeSettings(args.source, backend=args.backend, threads=args.threads,
+                                         max_batch=args.max_batch), tmp, lambda _: None)
+        predictor = load_predictor(settings)
+        size = predictor.pp.image_size
+        timed = {}
+        for batch in (1, args.max_batch):
+            x = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8)
+            for _ in range(3):
+                predictor.predict(x)
+            calls, end = [], time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                t0 = time.perf_counter()
+                predictor.predict(x)
+                calls.append(time.perf_counter() - t0)
+            timed[batch] = sorted(calls)[len(calls) // 2]
+    batch_ips = args.max_batch / timed[args.max_batch]
+    return {"model_ratio": round(batch_ips * timed[1], 2), "model_b1_ms": round(timed[1] * 1e3, 2),
+            "model_batch_ips": round(batch_ips, 1)}
 
 
 def main(argv=None) -> int:
