@@ -23,7 +23,7 @@ from serve_helpers import Clients, Served, wait_until
 from servers import self_signed_cert
 from vitflow.infer import Predictor, collect_images
 from vitflow.infer.serve.auth import FAILURES, FailureLimit, KeyFileError, read_keys
-from vitflow.infer.serve.server import access
+from vitflow.infer.serve.server import access, check_tls
 from vitflow.infer.serve.settings import ServeSettings
 
 KEY_A, KEY_B, KEY_C = "team-a-0123456789abcdef", "team-b-0123456789abcdef", "team-c-0123456789abcdef"
@@ -72,6 +72,8 @@ def test_api_keys_guard_the_api_reload_on_sighup_under_load_and_limit_failures(t
         assert refused.status_code == 401 and refused.json()["kind"] == "unauthorized"
         assert refused.headers["www-authenticate"] == "Bearer" and "X-API-Key" in refused.json()["error"]
         assert classify(KEY_A).status_code == 200 and classify(KEY_B, "X-API-Key").status_code == 200
+        schemeless = httpx.post(s.url + "/v1/classify", content=body, headers={"Authorization": KEY_A})
+        assert schemeless.status_code == 401 and "without the Bearer scheme" in schemeless.json()["error"]
         assert httpx.get(s.url + "/metrics").status_code == 401 and httpx.get(s.url + "/v1/model").status_code == 401
         card = httpx.get(s.url + "/v1/model", headers={"X-API-Key": KEY_A}).json()
         assert card["class_names"] == Predictor.load(str(run)).classes and card["image_size"] > 0
@@ -86,6 +88,7 @@ def test_api_keys_guard_the_api_reload_on_sighup_under_load_and_limit_failures(t
         statuses = [status for _, status in load.outcomes]
         assert len(statuses) > 8 and set(statuses) == {200}, statuses  # no request dropped, refused or lost
         assert s.proc.poll() is None and "API keys reloaded: 2 key(s)" in s.log.read_text()
+        assert re.search(r"POST /v1/classify 401 \S+ ms 127\.0\.0\.1 unauthorized", s.log.read_text())  # its kind
 
         before = _counts(s.url, KEY_A)
         other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"))  # another address
@@ -118,6 +121,20 @@ def test_tls_is_answered_to_a_client_that_checks_the_certificate(tiny_run, tmp_p
         assert f"https://127.0.0.1:{s.port}" in s.log.read_text()
     finally:
         assert s.stop() == 0, s.log.read_text()
+
+
+def test_a_certificate_and_key_that_do_not_fit_stop_the_start_in_one_line(tmp_path):
+    pem = self_signed_cert(tmp_path)
+    check_tls(ServeSettings(source="m", tls_cert=str(pem)))  # one file holding both: fine
+    (tmp_path / "other").mkdir()
+    other = self_signed_cert(tmp_path / "other")  # another certificate's key
+    key_only = tmp_path / "other-key.pem"
+    key_only.write_text(other.read_text().split("-----BEGIN CERTIFICATE-----")[0])
+    with pytest.raises(ValueError, match="not a PEM certificate and its own private key"):
+        check_tls(ServeSettings(source="m", tls_cert=str(pem), tls_key=str(key_only)))
+    out = subprocess.run([sys.executable, "-m", "vitflow", "serve", "no-model", "--tls-cert", str(pem), "--tls-key",
+                          str(key_only)], capture_output=True, text=True, env=ENV, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "own private key" in out.stderr
 
 
 def test_key_files_and_exposure_are_said_in_one_line(tmp_path, capsys):

@@ -107,6 +107,15 @@ def test_space_file_and_folder_errors_name_the_key(tmp_path):
     bad.write_text("optim.name: {type: categorical, choices: []}\n")
     with pytest.raises(SweepError, match="non-empty list of choices"):
         read_space(bad)
+    for text, says in [("optim.lr: {type: float, low: 0.001, high: 0.01, color: red}", "color is not a field of type float"),
+                       ("optim.warmup_steps: {type: int, low: 0, high: 1.5}", "needs whole numbers low < high"),
+                       ("optim.lr: {type: float, low: 0.001, high: 0.01, step: 0.003, log: true}",
+                        "step and log: true do not go together"),
+                       ("optim.lr: {type: float, low: [1", r"line \d+, column \d+: not YAML")]:
+        bad.write_text(text + "\n")
+        with pytest.raises(SweepError, match=f"--space {bad}.*{says}") as e:
+            read_space(bad)
+        assert "\n" not in str(e.value)
     from vitflow.training.sweep import run_sweep
 
     bad.write_text(yaml.safe_dump(SPACE))
@@ -115,3 +124,20 @@ def test_space_file_and_folder_errors_name_the_key(tmp_path):
     with pytest.raises(SweepError, match="is not empty and holds no sweep"):
         run_sweep(bad, 1, tmp_path / "mine")
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+
+
+def test_a_lone_worker_draws_as_it_would_without_a_stop():
+    """The sampler's seed of a trial counts the draws before it, not the trials: a stopped trial's
+    values running again (``retry_of``) and surplus trials do not shift the later proposals."""
+    optuna = pytest.importorskip("optuna")
+    from vitflow.training.sweep.storage import draws_before
+
+    study = optuna.create_study()
+    first = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})  # trial 0: drawn, then stopped
+    study.tell(first, state=optuna.trial.TrialState.FAIL)
+    study.enqueue_trial(first.params, user_attrs={"retry_of": 0})
+    study.tell(study.ask(), 1.0)  # trial 1 runs trial 0's values again
+    surplus = study.ask()  # trial 2, dropped at the end of another worker's sweep
+    surplus.set_user_attr("surplus", True)
+    study.tell(surplus, state=optuna.trial.TrialState.FAIL)
+    assert [draws_before(study, n) for n in (0, 1, 2, 3)] == [0, 1, 1, 1]  # trial 3 draws as trial 1 would have

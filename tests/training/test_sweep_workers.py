@@ -8,6 +8,7 @@ import csv
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -156,6 +157,13 @@ def test_bad_storage_and_another_search_are_one_line_and_change_nothing(tmp_path
                                                                         postgres_server):  # noqa: F811
     space = _space(tmp_path)
     closed = f"postgresql://vitflow:secret@127.0.0.1:{postgres_server.port + 1}/nothing"
+    theirs = tmp_path / "theirs.db"  # a SQLite database of the user's: Optuna's tables must not go into it
+    with sqlite3.connect(theirs) as db:
+        db.execute("CREATE TABLE foo (x INTEGER)")
+    before = theirs.read_bytes()
+    with pytest.raises(SweepError, match=r"holds tables that are not an Optuna storage's \(foo\)"):
+        run_sweep(space, 1, tmp_path / "d", overrides=SHORT, storage=f"sqlite:///{theirs}")
+    assert theirs.read_bytes() == before and not (tmp_path / "d").exists()
     text = tmp_path / "notes.db"
     text.write_text("not a database\n" * 100)
     for url, says in [(closed, "cannot open it"), ("not a url", "not a database URL"),

@@ -156,16 +156,23 @@ class RequireKey:
         wait = self.limit.retry_after(address) if self.limit else 0.0
         if wait > 0:
             self.count("limited")
+            scope.setdefault("state", {})["error_kind"] = "rate_limited"
             return await _refuse(send, 429, "rate_limited", f"too many failed API key attempts from {address}: "
                                  f"try again in {wait:.0f} s", {"retry-after": str(max(1, round(wait)))})
-        key = presented_key(dict(scope["headers"]))
+        headers = dict(scope["headers"])
+        key = presented_key(headers)
         if key is not None and self.keys.accepts(key):
             return await self.app(scope, receive, send)
         if self.limit:
             self.limit.record(address)
         self.count("missing" if key is None else "wrong")
-        why = ("no API key: send Authorization: Bearer KEY or X-API-Key: KEY" if key is None
-               else "the API key is not accepted")
+        if key is not None:
+            why = "the API key is not accepted"
+        elif headers.get(b"authorization"):
+            why = "Authorization without the Bearer scheme: send Authorization: Bearer KEY (or X-API-Key: KEY)"
+        else:
+            why = "no API key: send Authorization: Bearer KEY or X-API-Key: KEY"
+        scope.setdefault("state", {})["error_kind"] = "unauthorized"  # the access log's kind
         return await _refuse(send, 401, "unauthorized", why, {"www-authenticate": "Bearer"})
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import ssl
 import sys
 import tempfile
 from pathlib import Path
@@ -84,6 +85,19 @@ def access(settings: ServeSettings) -> int:
     return keys
 
 
+def check_tls(settings: ServeSettings) -> None:
+    """Load the certificate and key once here, so that a pair that does not fit stops the start
+    with one line (in the workers it would kill each one at start-up, and the supervisor would
+    start them again forever). Raises ValueError naming the files."""
+    if not settings.tls_cert:
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(settings.tls_cert, settings.tls_key)
+    except (ssl.SSLError, OSError) as e:
+        files = f"--tls-cert {settings.tls_cert}" + (f" --tls-key {settings.tls_key}" if settings.tls_key else "")
+        raise ValueError(f"{files}: not a PEM certificate and its own private key ({e.reason or e})") from None
+
+
 def run_server(settings: ServeSettings, say: Callable[[str], None] = print) -> int:
     """Serve until SIGTERM / SIGINT; returns the exit status (0 after a drain, 1 when the workers
     could not start). Raises FileNotFoundError / ValueError for a bad source or option, before
@@ -92,6 +106,7 @@ def run_server(settings: ServeSettings, say: Callable[[str], None] = print) -> i
     from uvicorn.config import STARTUP_FAILURE
 
     keys = access(settings)
+    check_tls(settings)
     with tempfile.TemporaryDirectory(prefix="vitflow-serve-") as tmp:
         prepared = prepare(settings, tmp, say)
         gc.collect()  # the parent's copies of the models go; the workers load their own

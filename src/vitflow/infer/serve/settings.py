@@ -39,8 +39,8 @@ class ServeSettings:
     api_key_file: str | None = None  # keys, one per line (with $VITFLOW_SERVE_API_KEYS): the API needs one
     metrics_open: bool = False  # /metrics answers without a key
     auth_failures: int = 10  # failed key attempts per client address per minute before 429; 0: no limit
-    tls_cert: str | None = None  # PEM certificate (chain) and its private key: HTTPS
-    tls_key: str | None = None
+    tls_cert: str | None = None  # PEM certificate (chain): HTTPS
+    tls_key: str | None = None  # its private key (default: in the certificate's file)
     # filled by prepare(): the file each worker loads, the model it comes from (a checkpoint, hub folder or
     # ONNX file) and that model's content hash
     load_path: str | None = None
@@ -62,8 +62,8 @@ class ServeSettings:
         if self.max_images > self.max_queue:
             raise ValueError(f"--max-images {self.max_images} is over --max-queue {self.max_queue}: such a request "
                              "could never be admitted")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("--tls-cert and --tls-key go together (the certificate and its private key)")
+        if self.tls_key and not self.tls_cert:
+            raise ValueError("--tls-key without --tls-cert: give the certificate too (one PEM file may hold both)")
         for key in ("tls_cert", "tls_key", "api_key_file"):
             if getattr(self, key) and not os.path.isfile(getattr(self, key)):
                 raise ValueError(f"--{key.replace('_', '-')} {getattr(self, key)}: no such file")

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from vitflow.config import DEFAULT_PRESET
 from vitflow.training.sweep.records import summary
 from vitflow.training.sweep.space import SweepError, default_direction, read_space
-from vitflow.training.sweep.storage import HEARTBEAT_S, open_storage, open_study, shown, surplus, tally
+from vitflow.training.sweep.storage import HEARTBEAT_S, draws_before, open_storage, open_study, shown, surplus, tally
 from vitflow.training.sweep.trial import run_trial
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,9 @@ def work(study, trials: int, seed: int, run: Callable[[Any], None], echo: Callab
                 trial.set_user_attr("surplus", True)
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
             else:
-                # seeded by the trial's number: a lone worker proposes what it always would; workers differ
-                study.sampler = optuna.samplers.TPESampler(seed=seed + trial.number, constant_liar=True)
+                # seeded by the draws before it: a lone worker proposes what it always would, a stop and a
+                # continuation included; workers asking at once see each other's trial and differ
+                study.sampler = optuna.samplers.TPESampler(seed=seed + draws_before(study, trial.number),
+                                                           constant_liar=True)
                 run(trial)
         now = tally(study)

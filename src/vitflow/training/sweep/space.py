@@ -12,6 +12,8 @@ from vitflow.config import all_keys, model_key_defaults
 from vitflow.metrics import split_metric
 
 TYPES = ("float", "int", "categorical")
+FIELDS = {"float": {"type", "low", "high", "log", "step"}, "int": {"type", "low", "high", "log", "step"},
+          "categorical": {"type", "choices"}}
 
 
 class SweepError(ValueError):
@@ -35,8 +37,12 @@ def read_space(path: str | Path) -> dict[str, dict[str, Any]]:
     path = Path(path)
     try:
         tree = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise SweepError(f"--space {path}: {e}") from None
+    except OSError as e:
+        raise SweepError(f"--space {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SweepError(f"--space {path}{at}: not YAML ({getattr(e, 'problem', None) or e})") from None
     if not isinstance(tree, dict) or not tree:
         raise SweepError(f"--space {path}: expected a mapping of config keys to distributions")
     keys = set(all_keys()) | {f"model.{k}" for k in model_key_defaults()}  # (every family's model keys)
@@ -46,12 +52,21 @@ def read_space(path: str | Path) -> dict[str, dict[str, Any]]:
             raise SweepError(f"{where}: not a config key (see `vitflow train --print-config`)")
         if not isinstance(spec, dict) or spec.get("type") not in TYPES:
             raise SweepError(f"{where}: needs type: float, int or categorical")
+        if unknown := sorted(set(spec) - FIELDS[spec["type"]]):
+            raise SweepError(f"{where}: {', '.join(unknown)} is not a field of type {spec['type']} (its fields: "
+                             f"{', '.join(sorted(FIELDS[spec['type']] - {'type'}))})")
         if spec["type"] == "categorical":
             if not isinstance(spec.get("choices"), list) or not spec["choices"]:
                 raise SweepError(f"{where}: a categorical needs a non-empty list of choices")
-        elif not (isinstance(spec.get("low"), (int, float)) and isinstance(spec.get("high"), (int, float))
-                  and spec["low"] < spec["high"]) or (spec.get("log") and spec["low"] <= 0):
-            raise SweepError(f"{where}: needs numbers low < high (and low > 0 with log: true)")
+            continue
+        number = int if spec["type"] == "int" else (int, float)
+        if not (all(isinstance(spec.get(k), number) and not isinstance(spec.get(k), bool) for k in ("low", "high"))
+                and spec["low"] < spec["high"]) or (spec.get("log") and spec["low"] <= 0):
+            raise SweepError(f"{where}: needs {'whole ' if spec['type'] == 'int' else ''}numbers low < high (and "
+                             "low > 0 with log: true)")
+        if spec.get("log") and spec.get("step") is not None:
+            raise SweepError(f"{where}: step and log: true do not go together (Optuna samples either on a grid or "
+                             "on a log scale)")
     return tree
 
 

@@ -61,8 +61,9 @@ def open_storage(url: str, heartbeat: int = HEARTBEAT_S, retry: int = 1):
     :data:`GRACE` of them, and :class:`Retry` (``retry`` times) for trials whose worker died.
 
     Raises:
-        SweepError: not a database URL, no driver for it, the server unreachable or refusing, or a
-            database that is not an Optuna storage of this version (one line, password hidden).
+        SweepError: not a database URL, no driver for it, the server unreachable or refusing, a
+            database holding other tables, or one that is not an Optuna storage of this version (one
+            line, password hidden; nothing written).
     """
     import optuna
     import sqlalchemy
@@ -75,6 +76,7 @@ def open_storage(url: str, heartbeat: int = HEARTBEAT_S, retry: int = 1):
     timeout = {"sqlite": {"timeout": 60}, "postgresql": {"connect_timeout": 10}, "mysql": {"connect_timeout": 10}}
     where = f"--storage {shown(url)}"
     try:
+        _refuse_foreign_tables(url, {"connect_args": timeout.get(kind, {})}, where)
         for attempt in range(3):
             try:
                 with warnings.catch_warnings():
@@ -96,6 +98,21 @@ def open_storage(url: str, heartbeat: int = HEARTBEAT_S, retry: int = 1):
         raise SweepError(f"{where}: cannot open it: {_first_line(e.orig or e)}") from None
     except (sqlalchemy.exc.SQLAlchemyError, RuntimeError) as e:  # another schema, or another Optuna version's
         raise SweepError(f"{where}: not an Optuna storage this version can use: {_first_line(e)}") from None
+
+
+def _refuse_foreign_tables(url: str, engine_kwargs: dict, where: str) -> None:
+    """A database that holds tables, none of them Optuna's, is someone else's: Optuna would add
+    its own beside them. Raises SweepError naming a few of them (nothing written)."""
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(url, **engine_kwargs)
+    try:
+        tables = sorted(sqlalchemy.inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+    if tables and "studies" not in tables:
+        raise SweepError(f"{where}: holds tables that are not an Optuna storage's ({', '.join(tables[:3])}"
+                         f"{', ...' if len(tables) > 3 else ''}): name an empty database or a sweep's")
 
 
 def _first_line(e: BaseException) -> str:
@@ -138,7 +155,7 @@ def _requeue_legacy(study) -> None:
                         t.number)
             storage.set_trial_user_attr(t._trial_id, "interrupted", True)
             storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-            study.enqueue_trial(t.params, skip_if_exists=False)
+            study.enqueue_trial(t.params, user_attrs={"retry_of": t.number}, skip_if_exists=False)
 
 
 class Heartbeat:
@@ -211,3 +228,11 @@ def surplus(study, number: int, trials: int) -> bool:
 
     before = [t for t in study.get_trials(deepcopy=False) if t.number < number]
     return sum(counted(t) or t.state == TrialState.RUNNING for t in before) >= trials
+
+
+def draws_before(study, number: int) -> int:
+    """The trials before trial ``number`` whose values the sampler drew: not the ones that run an
+    earlier trial's values again (``retry_of``), nor surplus ones. Seeding trial ``number`` by it,
+    a lone worker stopped and continued proposes what it would have without the stop."""
+    return sum(t.number < number and "retry_of" not in t.user_attrs and not t.user_attrs.get("surplus")
+               for t in study.get_trials(deepcopy=False))
