@@ -183,4 +183,4 @@ def test_bad_storage_and_another_search_are_one_line_and_change_nothing(tmp_path
     with pytest.raises(SweepError, match=r"holds another sweep \(different metric"):
         run_sweep(space, 1, tmp_path / "a", overrides=SHORT, storage=postgres_url, metric="val_loss", study="other")
     r = run_sweep(space, 1, tmp_path / "c", overrides=SHORT, storage=postgres_url, echo=echo.append)
-    assert r["trials"] == 1 and echo[-1].startswith("the sweep has its 1 finished trials: nothing to run")
+    assert r["trials"] == 1 and echo[-1].startswith("the sweep has 1 finished trials (--trials 1): nothing to run")

@@ -140,7 +140,8 @@ def work(study, trials: int, seed: int, run: Callable[[Any], None], echo: Callab
 
     now = tally(study)
     if now.finished >= trials:
-        echo(f"the sweep has its {trials} finished trials: nothing to run (a larger --trials runs more)")
+        echo(f"the sweep has {now.finished} finished trials (--trials {trials}): nothing to run (a larger --trials "
+             "runs more)")
         return
     said = False
     while now.finished < trials:
