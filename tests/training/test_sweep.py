@@ -72,8 +72,11 @@ def test_sweep_prunes_writes_the_table_and_best_config_and_continues_after_sigin
     assert (rerun["optim.lr"], rerun["optim.weight_decay"]) == (interrupted[0]["optim.lr"],
                                                                 interrupted[0]["optim.weight_decay"])
     assert rerun["run_dir"] == interrupted[0]["run_dir"]  # in its run folder, from the checkpoint of the signal
+    note = interrupted[0]["note"]  # "SIGINT at step N"; a signal before the first step leaves no checkpoint
+    stopped_at = int(note.rsplit(" ", 1)[1]) if note.startswith("SIGINT at step") else 0
     starts = [e for e in read_metrics(rerun["run_dir"]) if e["kind"] == "start"]
-    assert len(starts) == 2 and starts[1]["step"] > 0 and starts[1]["resumed_from"]
+    assert starts[-1]["step"] == stopped_at and bool(starts[-1]["resumed_from"]) == (stopped_at > 0)
+    assert len(starts) == (2 if stopped_at else 1)  # (a run that never wrote a checkpoint starts over, emptied)
     assert {row["state"] for row in counted} == {"complete", "pruned"}
 
     for row in counted:  # each trial is a normal run directory; its value is its own record's
