@@ -57,6 +57,10 @@ class Served:
                     out.append(int(pid))
         return sorted(out)
 
+    def rss_kib(self) -> int:
+        """The worker processes' resident memory, summed (KiB, ``VmRSS``)."""
+        return sum(int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0]) for pid in self.workers())
+
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:
             self.proc.terminate()

@@ -23,15 +23,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from serve_load import cpu_flags  # noqa: E402
 
 from serve_helpers import Served  # noqa: E402
-
-
-def rss_kib(pids: list[int]) -> int:
-    return sum(int(Path(f"/proc/{p}/status").read_text().split("VmRSS:")[1].split()[0]) for p in pids)
 
 
 def main() -> None:
@@ -46,7 +44,7 @@ def main() -> None:
         keys.write_text(key + "\n")
         s = Served(a.run, "--api-key-file", str(keys), "--auth-failures", "0", log=Path(tmp) / "serve.log")
         try:
-            before = rss_kib(s.workers())
+            before = s.rss_kib()
             cmd = [str(Path(sys.executable).with_name("schemathesis")), "run", s.url + "/openapi.json", "--checks",
                    "all", "--exclude-checks", "positive_data_acceptance", "-H", f"Authorization: Bearer {key}",
                    "--max-examples", str(a.max_examples), "--seed", str(a.seed), "--request-timeout", "60",
@@ -60,13 +58,12 @@ def main() -> None:
                     for smp in f.samples:
                         if smp.name.endswith("_total"):
                             by_status[smp.labels["status"]] = by_status.get(smp.labels["status"], 0) + int(smp.value)
-            after = rss_kib(s.workers())
+            after = s.rss_kib()
             up = s.proc.poll() is None
         finally:
             code = s.stop()
             log = s.log.read_text()
     found = re.search(r"(\d+) generated", text)
-    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     print(json.dumps({"schemathesis_exit": out.returncode, "generated": int(found.group(1)) if found else None,
                       "failures_line": next((ln.strip() for ln in text.splitlines() if "generated" in ln), ""),
                       "answers_by_status": dict(sorted(by_status.items())),
@@ -74,7 +71,7 @@ def main() -> None:
                       "server_up_after": up, "server_exit": code, "tracebacks_in_log": log.count("Traceback"),
                       "rss_kib_before": before, "rss_kib_after": after,
                       "rss_growth": round(after / before - 1, 4) if before else None,
-                      "cpu_flags": " ".join(sorted({f for f in ("amx_tile", "avx512_bf16", "avx2") if f in cpu}))}))
+                      "cpu": cpu_flags()}))
     if out.returncode:
         print(text[-6000:], file=sys.stderr)
 

@@ -185,9 +185,7 @@ def test_schemathesis_finds_no_server_error_from_the_services_own_schema(tiny_ru
     s = Served(run, "--backend", "eager_fp32", "--threads", "1", "--api-key-file", str(keys), "--max-images", "4",
                "--auth-failures", "0", log=tmp_path / "log")  # the fuzzer's invalid keys: 401 every time
     try:
-        rss = lambda: sum(int(open(f"/proc/{pid}/status").read().split("VmRSS:")[1].split()[0])  # noqa: E731
-                          for pid in s.workers())
-        start_rss = rss()
+        start_rss = s.rss_kib()
         report = tmp_path / "junit.xml"
         # every check but "schema-valid data is accepted": no schema can say "a decodable image", and a fuzzed
         # base64 string or body that is not one is rightly answered 400
@@ -205,7 +203,7 @@ def test_schemathesis_finds_no_server_error_from_the_services_own_schema(tiny_ru
         statuses = {smp.labels["status"] for f in text_string_to_metric_families(served)
                     if f.name == "vitflow_serve_requests" for smp in f.samples if smp.name.endswith("_total")}
         assert statuses and not any(code.startswith("5") for code in statuses), statuses
-        assert s.proc.poll() is None and rss() < start_rss * 1.10 + 20_000, (start_rss, rss())  # KiB
+        assert s.proc.poll() is None and s.rss_kib() < start_rss * 1.10 + 20_000, (start_rss, s.rss_kib())  # KiB
         assert "Traceback" not in s.log.read_text()
     finally:
         assert s.stop() == 0, s.log.read_text()

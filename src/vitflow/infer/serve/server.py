@@ -78,7 +78,7 @@ def access(settings: ServeSettings) -> int:
     Raises:
         KeyFileError: an unreadable key file, or a bad key (:func:`~vitflow.infer.serve.auth.read_keys`).
     """
-    keys = len(read_keys(settings.api_key_file, keys_from_env())) if settings.api_key_file or keys_from_env() else 0
+    keys = len(read_keys(settings.api_key_file, keys_from_env()))  # (none configured: 0)
     if not keys and not loopback(settings.host):
         print(f"warning: --host {settings.host} without --api-key-file: anyone who reaches this port can use the model "
               f"(set --api-key-file FILE or {KEYS_ENV}, or put a proxy with authentication in front)", file=sys.stderr)

@@ -5,8 +5,8 @@ Each trial is a normal vitflow run directory ``SWEEP_DIR/trial-NNNN`` (train it,
 it, evaluate it as any run), trained in a worker with the preset, config file and overrides of
 the command plus the trial's sampled values; its budget is the run's own (``train.total_steps``
 or ``train.time_budget`` among the overrides). The sampler is TPE (Bergstra et al. 2011), seeded
-per trial (``seed + trial number``) and with the constant liar for trials still running; the
-pruner is Optuna's median rule: at each evaluation during training (``train.eval_every``) a
+per trial (``seed`` + the values drawn before it) and with the constant liar for trials still
+running; the pruner is Optuna's median rule: at each evaluation during training (``train.eval_every``) a
 trial whose metric is worse than the median of the earlier trials at the same step stops there.
 
 Workers: ``--workers N`` runs N trials at a time on this machine (N processes, the cores split
