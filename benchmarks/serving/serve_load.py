@@ -5,8 +5,9 @@
     python benchmarks/serving/serve_load.py run http://127.0.0.1:8000 --images cifar10-jpg.tar --clients 16 --duration 30
     python benchmarks/serving/serve_load.py run http://127.0.0.1:8000 --images cifar10-jpg.tar --rate 200 --duration 60
 
-    # dynamic batching vs --max-batch 1: both servers started here, measured in alternating rounds; then
-    # the model's own batch-16 / batch-1 ratio on the same backend (its ceiling) and the server's share of it
+    # dynamic batching vs --max-batch 1: both servers started here, measured in alternating rounds, each
+    # round followed by the model's own batch-16 / batch-1 ratio on the same backend (its ceiling), timed
+    # here; the server's share of it, and the dynamic server's mean batch
     python benchmarks/serving/serve_load.py compare RUN_DIR --images cifar10-jpg.tar --clients 16 --duration 20 --rounds 3
 
     # capacity, 5 minutes at 80% of it (RSS sampled), 3x overload for 60 s, then SIGKILL of a worker and
@@ -225,6 +226,7 @@ def compare(args) -> dict:
         servers[name] = (start_server(args.source, *common, *extra, port=port, log=Path(args.log_dir) / f"{name}.log"),
                          f"http://127.0.0.1:{port}")
     rounds = {name: [] for name in servers}
+    clock = ModelClock(args)
     try:
         for name, (_, base) in servers.items():  # warm-up: every batch size the run will see
             measure(base, images, clients=args.clients, duration=3)
@@ -234,6 +236,9 @@ def compare(args) -> dict:
                 rounds[name].append(m)
                 print(f"round {r + 1} {name:8s} {m['ok_per_s']:8.1f} img/s  p50 {m['p50_ms']} p95 {m['p95_ms']} "
                       f"p99 {m['p99_ms']} ms  {m['statuses']}  batches {m['batches']}", flush=True)
+            own = clock.round()  # the servers idle meanwhile
+            print(f"round {r + 1} model    batch 1 {own['model_b1_ms']} ms, batch {args.max_batch} "
+                  f"{own['model_batch_ips']} img/s: ratio {own['model_ratio']}", flush=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
@@ -241,47 +246,67 @@ def compare(args) -> dict:
     med = {n: {k: sorted(m[k] for m in ms)[len(ms) // 2] for k in ("ok_per_s", "p50_ms", "p95_ms", "p99_ms")}
            for n, ms in rounds.items()}
     gain = med["dynamic"]["ok_per_s"] / med["batch1"]["ok_per_s"]
-    own = model_ratio(args)
+    own = clock.summary()
+    images_run = sum(m["server_images"] for m in rounds["dynamic"])
+    calls = sum(sum(m["batches"].values()) for m in rounds["dynamic"])
     out = {"model": args.source, "clients": args.clients, "max_batch": args.max_batch, "medians": med,
+           "mean_batch": round(images_run / max(calls, 1), 2),
            "throughput_ratio": round(gain, 2), "p99_ratio": round(med["dynamic"]["p99_ms"] / med["batch1"]["p99_ms"], 2),
            **own, "server_share_of_model_ratio": round(gain / own["model_ratio"], 2), "cpu": cpu_flags()}
     print(json.dumps(out))
     return out
 
 
-def model_ratio(args, seconds: float = 5.0) -> dict:
+class ModelClock:
     """The model's own batching ceiling on this machine, the yardstick of the server's gain: the
     same source, backend and threads as the servers (loaded as a serve worker loads it), called
-    directly: images/s at ``--max-batch`` times the seconds of one batch-1 call (medians of calls
-    over ``seconds`` each, after a warm-up). ``{"model_ratio", "model_b1_ms", "model_batch_ips"}``."""
-    import tempfile
+    directly in this process. :meth:`round` times it once (between the servers' runs in
+    ``compare``, so that it sees the machine they saw); :meth:`summary` gives the median round."""
 
-    import torch
+    def __init__(self, args):
+        import tempfile
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
-    from vitflow.infer.serve.backends import load_predictor, prepare
-    from vitflow.infer.serve.settings import ServeSettings
+        import torch
 
-    torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        settings = prepare(ServeSettings(args.source, backend=args.backend, threads=args.threads,
-                                         max_batch=args.max_batch), tmp, lambda _: None)
-        predictor = load_predictor(settings)
-        size = predictor.pp.image_size
-        timed = {}
-        for batch in (1, args.max_batch):
-            x = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8)
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+        from vitflow.infer.serve.backends import load_predictor, prepare
+        from vitflow.infer.serve.settings import ServeSettings
+
+        torch.set_num_threads(args.threads)
+        with tempfile.TemporaryDirectory() as tmp:
+            settings = prepare(ServeSettings(args.source, backend=args.backend, threads=args.threads,
+                                             max_batch=args.max_batch), tmp, lambda _: None)
+            self.predictor = load_predictor(settings)
+        size = self.predictor.pp.image_size
+        self.inputs = {b: torch.randint(0, 256, (b, 3, size, size), dtype=torch.uint8) for b in (1, args.max_batch)}
+        self.max_batch, self.rounds = args.max_batch, []
+        for x in self.inputs.values():
             for _ in range(3):
-                predictor.predict(x)
-            calls, end = [], time.perf_counter() + seconds
-            while time.perf_counter() < end:
-                t0 = time.perf_counter()
-                predictor.predict(x)
-                calls.append(time.perf_counter() - t0)
-            timed[batch] = sorted(calls)[len(calls) // 2]
-    batch_ips = args.max_batch / timed[args.max_batch]
-    return {"model_ratio": round(batch_ips * timed[1], 2), "model_b1_ms": round(timed[1] * 1e3, 2),
-            "model_batch_ips": round(batch_ips, 1)}
+                self.predictor.predict(x)
+
+    def round(self, seconds: float = 4.0, slices: int = 4) -> dict:
+        """Batch 1 and ``--max-batch`` in ``slices`` alternating slices of ``seconds / 2 / slices``
+        each (drift of the machine falls on both): the median call's seconds at each size.
+        ``{"model_ratio", "model_b1_ms", "model_batch_ips"}`` of this round."""
+        calls = {b: [] for b in self.inputs}
+        for _ in range(slices):
+            for b, x in self.inputs.items():
+                end = time.perf_counter() + seconds / 2 / slices
+                while time.perf_counter() < end:
+                    t0 = time.perf_counter()
+                    self.predictor.predict(x)
+                    calls[b].append(time.perf_counter() - t0)
+        median = {b: sorted(c)[len(c) // 2] for b, c in calls.items()}
+        batch_ips = self.max_batch / median[self.max_batch]
+        out = {"model_ratio": round(batch_ips * median[1], 2), "model_b1_ms": round(median[1] * 1e3, 2),
+               "model_batch_ips": round(batch_ips, 1)}
+        self.rounds.append(out)
+        return out
+
+    def summary(self) -> dict:
+        """The round (of those timed so far) whose ratio is the median: its three figures belong
+        together (ratio = batch images/s x batch-1 seconds)."""
+        return sorted(self.rounds, key=lambda r: r["model_ratio"])[len(self.rounds) // 2]
 
 
 def main(argv=None) -> int:

@@ -252,6 +252,9 @@ def test_onnx_answers_batches_and_deadlines(tiny_run, images, tmp_path):
     with ThreadPoolExecutor(6) as pool:
         batch = list(pool.map(lambda _: _classify(s.url, data), range(6)))
     assert [r.json()["batch_size"] for r in batch] == [6] * 6  # gathered into one model call
+    r = httpx.post(s.url + "/v1/attention", content=data, headers={"Content-Type": PNG})
+    assert (r.status_code, r.json()["kind"]) == (501, "not_supported")  # an ONNX file alone has no attention maps
+    assert httpx.get(s.url + "/v1/model").json()["attention"] is False
     assert s.stop() == 0
     lines = [json.loads(line) for line in s.log.read_text().splitlines() if line.startswith("{")]
     assert {(x["method"], x["path"], x["status"]) for x in lines} >= {("POST", "/v1/classify", 200),

@@ -5,6 +5,7 @@ the page driven in headless Chromium."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import ENV, HYMENOPTERA_TAR, encode
@@ -210,6 +212,39 @@ def test_schemathesis_finds_no_server_error_from_the_services_own_schema(tiny_ru
 
 
 @pytest.mark.slow
+def test_attention_route_matches_vitflow_attention_over_the_eval_crop(tiny_run, tmp_path, photo):
+    """/v1/attention answers the rollout ``vitflow attention`` draws (same numbers), the class
+    ``predict`` gives, and the box of the upload the maps lie over: the centered square the eval
+    crop keeps, computed here from the checkpoint's preprocessing."""
+    from vitflow.data.decode import decode_image
+    from vitflow.viz import attention_maps
+
+    run, _ = tiny_run
+    s = Served(run, "--backend", "eager_fp32", "--threads", "1", log=tmp_path / "log")
+    try:
+        data = photo.read_bytes()
+        r = httpx.post(s.url + "/v1/attention", content=data, headers={"Content-Type": "image/jpeg"}, timeout=60)
+        card = httpx.get(s.url + "/v1/model").json()
+        two = httpx.post(s.url + "/v1/attention", json={"images": [base64.b64encode(data).decode()] * 2}, timeout=60)
+    finally:
+        assert s.stop() == 0, s.log.read_text()
+    assert r.status_code == 200, r.text
+    body = r.json()
+    predictor = Predictor.from_checkpoint(run, device="cpu", precision="fp32")
+    image = decode_image(data, photo.name)
+    want = attention_maps(predictor, predictor.transform(image))
+    assert body["grid"] == want["grid"] and body["class"] == want["class"] and card["attention"] is True
+    assert abs(body["prob"] - want["prob"]) < 1e-5
+    assert torch.allclose(torch.tensor(body["rollout"]), want["rollout"], atol=1e-4)
+    assert torch.tensor(body["rollout"]).max().item() == 1.0
+    h, w = image.shape[-2:]
+    pp = predictor.pp
+    side = min(w, h) * pp.image_size / round(pp.image_size / pp.crop_pct)
+    assert body["view"] == pytest.approx([(w - side) / 2, (h - side) / 2, (w + side) / 2, (h + side) / 2], abs=0.01)
+    assert card["crop_pct"] == pp.crop_pct
+    assert (two.status_code, two.json()["kind"]) == (400, "one_image")
+
+
 def test_the_page_in_headless_chromium_reads_the_same_top1_as_predict(tiny_run, tmp_path, photo):
     webdriver = pytest.importorskip("selenium.webdriver")
     from selenium.webdriver.common.by import By
@@ -243,6 +278,15 @@ def test_the_page_in_headless_chromium_reads_the_same_top1_as_predict(tiny_run, 
         expected = next(Predictor.load(str(run)).predict_refs(collect_images([photo])))["top"][0]["class"]
         assert shown == first_row == expected
         assert "ms in the service" in result.text
+        # the attention map drawn over the photo: the rollout's grid, and a canvas that is not blank
+        result = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".result[data-attention]"))[0]
+        canvas = result.find_element(By.CSS_SELECTOR, "figure.attention canvas")
+        assert canvas.get_attribute("data-grid") == "4x4"  # 8 px digits, patch 2
+        spread = driver.execute_script("""const d = arguments[0].getContext('2d').getImageData(0, 0, 160, 160).data;
+            let lo = 255, hi = 0; for (let i = 0; i < d.length; i += 4) { lo = Math.min(lo, d[i]); hi = Math.max(hi, d[i]); }
+            return hi - lo;""", canvas)
+        assert spread > 40  # photo and heat drawn, not an empty canvas
+        assert result.get_attribute("data-attention") == expected
         driver.save_screenshot(str(tmp_path / "page.png"))
         assert (tmp_path / "page.png").stat().st_size > 10_000
     finally:

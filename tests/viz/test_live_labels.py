@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from vitflow.infer.features.attention import CLASS_TOKEN, PATCH_MEAN, attention_kind, token_grid
 from vitflow.models import create_model
-from vitflow.viz.attention import CLASS_TOKEN, PATCH_MEAN, attention_kind, token_grid
 from vitflow.viz.classmetrics import calibration_html, prf_table
 from vitflow.viz.report import _count_note
 

@@ -56,6 +56,15 @@ def eval_transform(pp: Preprocess) -> Transform:
     ])
 
 
+def eval_view(pp: Preprocess, width: int, height: int) -> tuple[float, float, float, float]:
+    """The part of a ``width x height`` image that :func:`eval_transform` keeps, in the image's
+    pixels: ``(x0, y0, x1, y1)`` (floats; the centered square of side ``min(width, height) *
+    crop_pct``, capped at the image). A map over the model's input lies over this box."""
+    side = min(width, height) * min(1.0, pp.image_size / round(pp.image_size / pp.crop_pct))
+    x0, y0 = (width - side) / 2, (height - side) / 2
+    return x0, y0, x0 + side, y0 + side
+
+
 def resolve_augment(augment: str, image_size: int) -> str:
     """``auto`` -> ``pad_crop`` up to 64 px, else ``random_resized_crop``; others unchanged."""
     if augment == "auto":

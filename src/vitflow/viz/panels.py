@@ -78,7 +78,7 @@ def attention_panel(run: Path, out: Path, checkpoint: str | Path | None = None) 
     """The attention maps (per head of the last block, and the rollout) of ``checkpoint`` (default:
     the run's newest) on the first image of ``RUN_DIR/samples``, as an HTML section whose heading says
     whether they are class-token attention or the mean attention over patch tokens
-    (:func:`vitflow.viz.attention.attention_kind`); empty when the run has no samples or
+    (:func:`vitflow.infer.features.attention.attention_kind`); empty when the run has no samples or
     checkpoint yet, or the maps cannot be drawn (logged)."""
     samples = sample_files(run)
     if not samples or not any((run / "checkpoints").glob("step-*.pt")):

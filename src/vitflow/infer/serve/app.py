@@ -6,8 +6,12 @@ Routes (answers are JSON; the fields are documented in the deployment guide and 
 - ``POST /v1/classify`` -> ``{"model", "predictions": [{"top": [{"class", "index", "prob"}],
   "labels"?}], "batch_size", "timing_ms"}``: one prediction per image, in order;
 - ``POST /v1/embed`` -> ``{"model", "embeddings": [[float, ...]], "dim", "batch_size", "timing_ms"}``;
+- ``POST /v1/attention`` (one image) -> ``{"model", "class", "index", "prob", "maps", "grid": [h, w],
+  "rollout": [[float]] (h x w, maximum 1), "view": [x0, y0, x1, y1], "timing_ms"}``: where the model
+  looks (attention rollout, :mod:`vitflow.infer.features.attention`) over the box ``view`` of the
+  uploaded image (its pixels: what the eval crop keeps); 501 without a PyTorch model;
 - ``GET /v1/model`` -> the model's card: name, version, backend, task, classes and their names,
-  input size;
+  input size, crop, whether ``/v1/attention`` answers;
 - ``GET /`` (a page to try the model in a browser: :mod:`.page`), ``GET /healthz`` (the process
   answers), ``GET /readyz`` (model loaded and warmed up: 200, else 503), ``GET /metrics``
   (Prometheus text), ``GET /docs`` and ``/openapi.json``.
@@ -99,6 +103,31 @@ async def answer(request: Request, route: str, settings: ServeSettings) -> Respo
     return JSONResponse(out)
 
 
+async def answer_attention(request: Request, settings: ServeSettings) -> Response:
+    """One ``/v1/attention`` request: read, check, decode, run the maps on the model thread, answer."""
+    service: Service = request.app.state.service
+    t0 = time.monotonic()
+    try:
+        deadline = t0 + request_timeout(request, settings.timeout)
+        service.check_capacity()
+        upload = await parse_upload(request, await read_body(request, settings.max_body_bytes, deadline),
+                                    settings.max_images)
+        top_k(request, upload.options, settings.topk)  # checked as on the other image routes (unused here)
+        if len(upload.images) != 1:
+            raise RequestError(400, "one_image", f"/v1/attention takes one image; the request holds "
+                               f"{len(upload.images)}")
+        maps, timing = await service.attention(*upload.images[0], deadline)
+    except RequestError as e:
+        request.state.error_kind = e.kind
+        return error_response(e)
+    prob, index = maps["probs"].max(0)
+    return JSONResponse({"model": service.info, "class": service.predictor.classes[int(index)], "index": int(index),
+                         "prob": round(float(prob), 6), "maps": maps["maps"], "grid": list(maps["grid"]),
+                         "rollout": maps["rollout"].round(decimals=4).tolist(),
+                         "view": [round(v, 2) for v in maps["view"]],
+                         "timing_ms": {**timing, "total_ms": round((time.monotonic() - t0) * 1e3, 2)}})
+
+
 def _drain_on_signals(service: Service) -> Callable[[], None]:
     """On SIGTERM / SIGINT, besides uvicorn's own handling (stop accepting, wait for the open
     requests), the batchers stop waiting for more images (:meth:`Service.drain`), so a batch
@@ -178,6 +207,11 @@ def create_app(settings: ServeSettings) -> FastAPI:
     async def embed(request: Request) -> Response:
         return await answer(request, "embed", settings)
 
+    @app.post("/v1/attention", openapi_extra={**IMAGE_BODY, **_answers(400, *guarded, 408, 413, 415, 501, 503, 504)},
+              summary="where the model looks in one image: attention rollout over the part of it the model sees")
+    async def attention(request: Request) -> Response:
+        return await answer_attention(request, settings)
+
     _describing_routes(app, settings, guarded)
     return app
 
@@ -191,7 +225,8 @@ def _describing_routes(app: FastAPI, settings: ServeSettings, guarded: tuple[int
         service = getattr(request.app.state, "service", None)
         if service is None or not service.ready:
             return error_response(RequestError(503, "not_ready", "the model is loading"))
-        return JSONResponse({**service.info, "class_names": service.predictor.classes})
+        return JSONResponse({**service.info, "class_names": service.predictor.classes,
+                             "crop_pct": service.predictor.pp.crop_pct, "attention": service.has_torch_model})
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def page() -> HTMLResponse:
@@ -243,7 +278,7 @@ class AccessLog:
     """ASGI middleware: one log line per request at info level (``METHOD PATH STATUS MS``, or a
     JSON object with ``--log-json``) and the request counters and latency histogram."""
 
-    ROUTES = {"/v1/classify": "classify", "/v1/embed": "embed", "/v1/model": "model", "/": "page",
+    ROUTES = {"/v1/classify": "classify", "/v1/embed": "embed", "/v1/attention": "attention", "/v1/model": "model", "/": "page",
               "/healthz": "healthz", "/readyz": "readyz", "/metrics": "metrics"}
 
     def __init__(self, app, service, log_json: bool = False):

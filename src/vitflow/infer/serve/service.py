@@ -20,6 +20,8 @@ import torch
 
 from vitflow.data import CorruptImageError, decode_image, model_input
 from vitflow.data.decode import image_size
+from vitflow.data.transforms import eval_view
+from vitflow.infer.features.attention import attention_maps
 from vitflow.infer.features.embed import pooled_features
 from vitflow.infer.predict import Predictor, is_exported
 from vitflow.infer.runtimes.onnx import RuntimeModel
@@ -75,15 +77,32 @@ class Service:
         log.info("model %s (%s, %s) loaded and warmed up in %.1f s", self.s.name, self.s.backend, self.s.version,
                  time.perf_counter() - t0)
 
-    def _features(self, images: torch.Tensor) -> torch.Tensor:
-        """Pooled features ``float32 (B, D)``; an ONNX backend serving a checkpoint embeds with the
-        checkpoint's PyTorch model, loaded on the first call."""
+    def _torch(self) -> tuple[torch.nn.Module, Predictor]:
+        """The PyTorch model (without TTA) and its predictor, for ``/v1/embed`` and ``/v1/attention``:
+        the served one, or for an ONNX / OpenVINO backend serving a checkpoint the checkpoint's own,
+        loaded on the first call (on the model thread)."""
         if self.embedder is None:
             self._embed_with = load_predictor(dataclasses.replace(self.s, backend="eager_fp32", load_path=self.s.origin,
                                                                   tta=None))
             self.embedder = _features_model(self._embed_with)
-        p = self._embed_with
-        return pooled_features(self.embedder, model_input(images, p.pp.mean, p.pp.std, p.device, p.dtype))
+        return self.embedder, self._embed_with
+
+    @property
+    def has_torch_model(self) -> bool:
+        """Whether ``/v1/embed`` and ``/v1/attention`` can answer (a PyTorch model is served or can be
+        loaded from the checkpoint the served file was exported from)."""
+        return self.embedder is not None or not is_exported(self.s.origin or self.s.source)
+
+    def _features(self, images: torch.Tensor) -> torch.Tensor:
+        """Pooled features ``float32 (B, D)`` (:meth:`_torch`'s model)."""
+        model, p = self._torch()
+        return pooled_features(model, model_input(images, p.pp.mean, p.pp.std, p.device, p.dtype))
+
+    def _attention(self, pixels: torch.Tensor) -> dict:
+        """:func:`~vitflow.infer.features.attention.attention_maps` of :meth:`_torch`'s model on one
+        ``uint8 (3, S, S)`` image (on the model thread, between batches)."""
+        model, p = self._torch()
+        return attention_maps(model, model_input(pixels[None], p.pp.mean, p.pp.std, p.device, p.dtype))
 
     def _on_batch(self, route: str, info: BatchInfo) -> None:
         self.metrics.batch_size.observe(info.size)
@@ -122,8 +141,9 @@ class Service:
         except Overloaded as e:
             raise _overloaded(e) from None
 
-    def decode(self, name: str, data: bytes) -> torch.Tensor:
-        """One image as the model takes it, ``uint8 (3, S, S)`` (in the decoding pool).
+    def decode(self, name: str, data: bytes, view: bool = False) -> torch.Tensor | tuple[torch.Tensor, tuple]:
+        """One image as the model takes it, ``uint8 (3, S, S)`` (in the decoding pool); with ``view``,
+        also the box of the image it shows (:func:`~vitflow.data.transforms.eval_view`).
 
         Raises:
             RequestError: 413 ``too_many_pixels`` (from the header, before decoding), 400 ``bad_image``.
@@ -133,11 +153,45 @@ class Service:
             if w * h > self.s.max_pixels:
                 raise RequestError(413, "too_many_pixels", f"{name} is {w}x{h} pixels, over the limit of "
                                    f"{self.s.max_pixels} pixels (--max-pixels)")
-            return self.predictor.transform(decode_image(data, name))
+            image = decode_image(data, name)
         except CorruptImageError as e:
             if e.reason.startswith("over the decompression-bomb limit"):  # Pillow's own limit, above ours
                 raise RequestError(413, "too_many_pixels", str(e)) from None
             raise RequestError(400, "bad_image", str(e)) from None
+        pixels = self.predictor.transform(image)
+        return (pixels, eval_view(self.predictor.pp, image.shape[-1], image.shape[-2])) if view else pixels
+
+    async def attention(self, name: str, data: bytes, deadline: float) -> tuple[dict, dict]:
+        """The attention rollout of one image (:meth:`_attention`) before ``deadline``.
+
+        Returns:
+            ``(maps, {"decode_ms", "queue_and_model_ms"})``; ``maps`` as
+            :func:`~vitflow.infer.features.attention.attention_maps` with ``"view"``, the box of the
+            uploaded image the maps lie over (its pixels, ``(x0, y0, x1, y1)``).
+        Raises:
+            RequestError: 501 ``not_supported`` (an exported model without its checkpoint, or a model
+                without attention maps), 503, 504 and the decoding errors as :meth:`run`.
+        """
+        if not self.has_torch_model:
+            raise RequestError(501, "not_supported", f"/v1/attention needs a PyTorch model; {self.s.name} is an "
+                               "exported model: serve its checkpoint")
+        loop = asyncio.get_running_loop()
+        try:
+            with self.admission.admit(1):
+                t0 = time.perf_counter()
+                pixels, view = await asyncio.wait_for(loop.run_in_executor(self._decode_pool, self.decode, name, data,
+                                                                           True), max(0.0, deadline - time.monotonic()))
+                t1 = time.perf_counter()
+                job = loop.run_in_executor(self._model_thread, self._attention, pixels)
+                maps = await asyncio.wait_for(job, max(0.0, deadline - time.monotonic()))
+        except Overloaded as e:
+            raise _overloaded(e) from None
+        except asyncio.TimeoutError:
+            raise _late(self.s.timeout) from None
+        except ValueError as e:  # a model without attention maps
+            raise RequestError(501, "not_supported", f"/v1/attention: {e}") from None
+        return {**maps, "view": view}, {"decode_ms": round((t1 - t0) * 1e3, 2),
+                                        "queue_and_model_ms": round((time.perf_counter() - t1) * 1e3, 2)}
 
     async def run(self, route: str, upload: Upload, deadline: float) -> tuple[torch.Tensor, BatchInfo, dict]:
         """Decode ``upload``'s images and run them through ``route``'s batcher before ``deadline``.
@@ -149,7 +203,7 @@ class Service:
             RequestError: 503 ``overloaded`` (with ``Retry-After``), 504 ``deadline``, the decoding
                 errors of :meth:`decode`, 501 ``not_supported`` (embed on an ONNX model).
         """
-        if route == "embed" and self.embedder is None and is_exported(self.s.origin or self.s.source):
+        if route == "embed" and not self.has_torch_model:
             raise RequestError(501, "not_supported", f"/v1/embed needs a PyTorch model; {self.s.name} is an exported "
                                "model (it holds only the classifier's logits): serve its checkpoint")
         loop = asyncio.get_running_loop()
@@ -163,8 +217,7 @@ class Service:
         except Overloaded as e:
             raise _overloaded(e) from None
         except asyncio.TimeoutError:
-            raise RequestError(504, "deadline", f"no answer within the deadline of {self.s.timeout:g} s (--timeout); "
-                               "the service is busy") from None
+            raise _late(self.s.timeout) from None
         return rows, info, {"decode_ms": round((t1 - t0) * 1e3, 2),
                             "queue_and_model_ms": round((time.perf_counter() - t1) * 1e3, 2)}
 
@@ -173,6 +226,11 @@ def _features_model(p: Predictor) -> torch.nn.Module | None:
     """The PyTorch model under ``p`` (without TTA) that has ``forward_features``, or None."""
     base = p.model.model if isinstance(p.model, TTAModel) else p.model
     return None if isinstance(base, RuntimeModel) or not hasattr(base, "forward_features") else base
+
+
+def _late(timeout: float) -> RequestError:
+    return RequestError(504, "deadline", f"no answer within the deadline of {timeout:g} s (--timeout); the service "
+                        "is busy")
 
 
 def _overloaded(e: Overloaded) -> RequestError:
