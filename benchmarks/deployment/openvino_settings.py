@@ -1,6 +1,6 @@
 """What each OpenVINO setting buys on this CPU: one checkpoint's INT8 IR (NNCF, calibrated on its
 training data) and fp32 IR compiled with each setting, timed side by side in interleaved rounds
-(``vitflow.infer.bench.infer.time_paths``), every figure a ratio to OpenVINO's defaults measured in the
+(``vitflow.infer.bench.timing.time_paths``), every figure a ratio to OpenVINO's defaults measured in the
 same rounds (medians of the per-round ratios), with the CPU flags.
 
     python benchmarks/deployment/openvino_settings.py RUN_OR_CHECKPOINT [--batch-size 16] [--repeats 3] [--json]
@@ -23,8 +23,8 @@ import tempfile
 import torch
 
 from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
-from vitflow.infer.bench.infer import cpu_flags, ratio, time_paths
 from vitflow.infer.bench.paths import Sources
+from vitflow.infer.bench.timing import cpu_flags, ratio, time_paths
 from vitflow.infer.calibration import calibration_images
 from vitflow.infer.runtimes.onnx import ModelInfo
 from vitflow.infer.runtimes.openvino import OpenVinoModel, tuned_settings

@@ -38,6 +38,9 @@ _spec.loader.exec_module(made)
 CASES = [(fixture_set, run) for fixture_set in SETS for run in ("vit", "swin")]
 
 
+ADDED_SINCE = ("token_merge",)  # model keys the sections gained after the fixture runs were written
+
+
 def same_platform(expected: dict) -> bool:
     """Whether this machine runs the kernels a fixture set was written with (torch, CPU ISA)."""
     cpuinfo = Path("/proc/cpuinfo")
@@ -56,8 +59,8 @@ def test_an_old_run_resumes_bit_identically(fixture_set, name, tmp_path, capsys,
     old_model = ckpt.load_checkpoint(run / MID)["config"]["model"]
     if fixture_set == "legacy":
         assert len(old_model) == 25 and "distilled" in old_model  # the old flat section, as written then
-    else:
-        assert list(old_model) == field_names(section)
+    else:  # as written then: the section's keys but those added since (absent, their defaults change nothing)
+        assert list(old_model) == [k for k in field_names(section) if k not in ADDED_SINCE]
     with caplog.at_level(logging.INFO, logger="vitflow"):
         assert main(["resume", str(run)]) == 0
     capsys.readouterr()

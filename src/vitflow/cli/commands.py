@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 
-from vitflow.cli.deploy import cmd_export, cmd_prune, cmd_quantize
+from vitflow.cli.deploy import cmd_export, cmd_merge_tokens, cmd_prune, cmd_quantize
 from vitflow.cli.outputs import chosen, escaped, live_report_hook, train_epilogue
 from vitflow.cli.outputs import print_json as _print_json
 from vitflow.cli.serve import cmd_serve
@@ -290,7 +290,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     r = bench_infer(args.checkpoint, select_paths(args.paths), args.batch_size, args.repeats, args.latency_calls,
                     args.min_time, args.attention, log=lambda m: print(m, file=sys.stderr), data=args.data,
                     split=args.split, calibrate=args.calibrate, calibration_count=args.calibration_images,
-                    reference=args.reference)
+                    reference=args.reference, token_merge=args.token_merge, max_drop=args.max_drop)
+    if c := r["token_merge"]:
+        print(f"token merging: r={c['r']} chosen (the largest within {c['max_drop']:g} {c['figure']} points of "
+              f"{c['before']:.2%} on {c['images']} images; tried " +
+              ", ".join(f"r={x['r']} {x['value']:.2%}" for x in c["curve"]) + ")")
     print(f"{args.checkpoint}: {torch.get_num_threads()} threads, batch-1 latency over "
           f"{args.repeats * args.latency_calls} calls, batch-{args.batch_size} throughput median of {args.repeats} "
           f"rounds; ratios are speed-ups over timm_eager_fp32")
@@ -386,7 +390,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 COMMANDS = {"train": cmd_train, "resume": cmd_resume, "eval": cmd_eval, "predict": cmd_predict, "attention": cmd_attention,
             "embed": cmd_embed, "inspect": cmd_inspect,
-            "export": cmd_export, "serve": cmd_serve, "quantize": cmd_quantize, "prune": cmd_prune, "prepare": cmd_prepare,
+            "export": cmd_export, "serve": cmd_serve, "quantize": cmd_quantize, "prune": cmd_prune,
+            "merge-tokens": cmd_merge_tokens, "prepare": cmd_prepare,
             "bench": cmd_bench, "lr-schedule": cmd_lr_schedule, "report": cmd_report, "presets": cmd_presets,
             "models": cmd_models,
             "sweep": cmd_sweep}

@@ -1,5 +1,6 @@
 """The deployment commands: ``vitflow export`` (ONNX / TensorRT / a hub-style folder),
-``vitflow quantize`` (INT8 with an accuracy guard) and ``vitflow prune`` (attention heads / MLP)."""
+``vitflow quantize`` (INT8 with an accuracy guard), ``vitflow prune`` (attention heads / MLP) and
+``vitflow merge-tokens`` (token merging with an accuracy guard)."""
 
 from __future__ import annotations
 
@@ -113,6 +114,22 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if "top1_before" in r:
         after = f", after fine-tune {r['top1_after']:.2%}" if "top1_after" in r else ""
         print(f"top-1 {r['top1_before']:.2%} unpruned, {r['top1_pruned']:.2%} pruned{after}")
+    return _speed_and_output(args, r)
+
+
+def cmd_merge_tokens(args: argparse.Namespace) -> int:
+    from vitflow.infer.token_merge import merge_checkpoint
+
+    r = merge_checkpoint(args.checkpoint, args.output, args.r, args.max_drop, args.data, args.split,
+                         log=lambda m: print(m, file=sys.stderr))
+    name = "top-1" if r["figure"] == "top1" else r["figure"]
+    print(f"r={r['r']} tokens merged per block: {name} {r['before']:.2%} -> {r['after']:.2%} "
+          f"(drop {r['drop_points']:.2f} points on {r['images']} images, allowed {args.max_drop:g})")
+    return _speed_and_output(args, r)
+
+
+def _speed_and_output(args: argparse.Namespace, r: dict) -> int:
+    """The side-by-side fp32 speed-ups of a rewritten checkpoint, where it was written, and the JSON line."""
     print(f"speed (fp32 eager, same process): batch-32 throughput x{r['speedup_throughput']:.2f}, "
           f"batch-1 latency x{r['speedup_latency']:.2f} faster")
     print(f"wrote {r['path']}")

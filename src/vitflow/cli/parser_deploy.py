@@ -57,6 +57,17 @@ def deployment_commands(sub) -> None:
     p.add_argument("--eval-split", help="split to measure top-1 on (default: the checkpoint's test split)")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
 
+    p = sub.add_parser("merge-tokens", help="token merging (ToMe): the checkpoint with r tokens merged per block, r "
+                       "chosen within --max-drop on its own data")
+    p.add_argument("checkpoint", help="checkpoint file or run directory")
+    p.add_argument("-o", "--output", required=True, help="merged checkpoint (.pt)")
+    p.add_argument("-r", default="auto", type=lambda v: v if v == "auto" else positive(v), metavar="R|auto",
+                   help="tokens merged per block (default auto: the largest within --max-drop)")
+    p.add_argument("--max-drop", type=float, default=1.0, help="max top-1 (mAP) drop in points (default 1.0)")
+    p.add_argument("--data", metavar="PATH", help="labelled data to measure on (default: the checkpoint's)")
+    p.add_argument("--split", help="split to measure on (default: the test split, else validation)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+
 
 def _add_quantize_command(sub) -> None:
     p = sub.add_parser("quantize", help="INT8 (ONNX Runtime, OpenVINO or PyTorch; static with --calibrate) or FP16/BF16 "

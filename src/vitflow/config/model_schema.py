@@ -74,9 +74,13 @@ class ViTLayoutConfig(ModelConfig):
     layer_scale_init: float | None = None  # LayerScale initial value (e.g. 1e-5); None = off
     patch_drop_rate: float = 0.0  # PatchDropout: fraction of patch tokens dropped per image in training
     weight_init: Literal["timm", "jax"] = "timm"  # jax: Xavier linears, zero head (big_vision / timm "jax")
+    # token merging (ToMe, Bolya et al. 2023): patch tokens merged per block (or one count per block); 0 = off
+    token_merge: int | tuple[int, ...] = 0
 
     def validate(self) -> None:
         super().validate()
+        merge = self.token_merge if isinstance(self.token_merge, tuple) else (self.token_merge,)
+        _check(all(v >= 0 for v in merge), "model.token_merge", self.token_merge, ">= 0 (each)")
         for key in ("depth", "num_heads"):
             _check(getattr(self, key) is None or getattr(self, key) > 0, f"model.{key}", getattr(self, key), "> 0")
         _check(0 <= self.patch_drop_rate < 1, "model.patch_drop_rate", self.patch_drop_rate, "in [0, 1)")

@@ -36,7 +36,7 @@ from vitflow.config import DataConfig, TrainConfig, build_config
 from vitflow.data import ImageSource, eval_loader, model_input, train_loader
 from vitflow.data.sources.splits import parse_split
 from vitflow.data.transforms import Preprocess
-from vitflow.infer.bench.infer import time_paths
+from vitflow.infer.bench.timing import speedups
 from vitflow.infer.calibration import accuracy, checkpoint_split
 from vitflow.infer.quantize.dynamic import inference_state
 from vitflow.models import config_class
@@ -253,7 +253,7 @@ def prune_checkpoint(checkpoint, out, heads: float = 0.25, mlp: float = 0.0, dat
         if test is not None:
             result["top1_after"] = accuracy(pruned, test, pp)["top1"]
             log(f"top-1 after {finetune_steps} distillation steps: {result['top1_after']:.2%}")
-    result.update(_speedups(model, pruned, pp.image_size))
+    result.update(speedups({"unpruned": model, "pruned": pruned}, pp.image_size))
     save_checkpoint({**inference_state(state), "model": pruned.state_dict(),
                      "model_args": {**state["model_args"], **sizes},
                      "metrics": {"top1": result.get("top1_after", result.get("top1_pruned"))},
@@ -286,15 +286,6 @@ def _finetune(finetune: Finetune, pruned: nn.Module, model: nn.Module, train: Im
                  label_smoothing=t.label_smoothing, precision=resolve_precision(t.precision, cpu))
     finally:
         loader.close()
-
-
-def _speedups(model: nn.Module, pruned: nn.Module, image_size: int) -> dict:
-    """fp32 batch throughput and batch-1 latency of both models, timed side by side."""
-    timing = time_paths({"unpruned": model.eval(), "pruned": pruned.eval()}, image_size, log=lambda s: None)
-    before, after = timing["unpruned"].summary(), timing["pruned"].summary()
-    return {"speedup_throughput": round(after["throughput_ips"] / before["throughput_ips"], 3),
-            "speedup_latency": round(before["latency_ms_p50"] / after["latency_ms_p50"], 3),
-            "timing": {"unpruned": before, "pruned": after}}
 
 
 def _float_checkpoint(path) -> dict:

@@ -77,11 +77,15 @@ class AttentionPoolLatent(nn.Module):
 
 
 def pool_tokens(x: torch.Tensor, global_pool: str, num_prefix_tokens: int,
-                attn_pool: AttentionPoolLatent | None = None) -> torch.Tensor:
+                attn_pool: AttentionPoolLatent | None = None, sizes: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens ``(B, N, D)`` -> ``(B, D)``: ``token`` (token 0, the class token), ``avg`` (mean of
     the patch tokens, the prefix tokens left out as in timm) or ``map`` (``attn_pool`` over the
-    patch tokens)."""
+    patch tokens). ``sizes`` ``(B, N, 1)``: the patches each token stands for after token merging
+    (:mod:`vitflow.models.token_merging`); ``avg`` then weighs each token by its size."""
     if global_pool == "token":
         return x[:, 0]
     patches = x[:, num_prefix_tokens:]
+    if global_pool == "avg" and sizes is not None:
+        w = sizes[:, num_prefix_tokens:].to(x.dtype)
+        return (patches * w).sum(dim=1) / w.sum(dim=1)
     return patches.mean(dim=1) if global_pool == "avg" else attn_pool(patches)

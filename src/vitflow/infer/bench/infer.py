@@ -4,24 +4,15 @@ every deployment path, side by side with the peers, in one process. The paths ar
 eager PyTorch, exported to ONNX Runtime (fp32, dynamic and static INT8) and to OpenVINO (f32,
 bf16, INT8 by NNCF); vitflow's model eager, compiled, in ONNX Runtime and in OpenVINO.
 
-Protocol: every path is warmed up (compilation happens there), then ``repeats`` rounds run
-all paths in turn, so slow drift of a shared machine hits all of them alike; a 0.2 s pause
-before each path lets the previous one's spinning worker threads (OpenMP, ONNX Runtime, OpenVINO)
-go idle. In each round a path makes ``latency_calls`` batch-1 calls (each timed) and
-batch-``batch_size`` calls for at least ``min_time`` seconds. Latency: median and 90th percentile
-over all batch-1 calls (ms). Throughput: median over rounds of images / second. Ratios between
-two paths are medians over the rounds of the per-round ratios. Inputs are random normal tensors
-(speed does not depend on pixel values); ``torch.inference_mode`` throughout. With real data each
-path's top-1 is measured on the same decoded images.
+The timing protocol is :mod:`vitflow.infer.bench.timing`'s. With real data each path's top-1
+is measured on the same decoded images.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -30,44 +21,15 @@ import torch
 from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.data import ImageSource, eval_loader, model_input
 from vitflow.infer.bench.paths import PATHS, Sources
+from vitflow.infer.bench.timing import cpu_flags, ratio, time_paths
 from vitflow.infer.calibration import CALIBRATION_IMAGES, calibration_images, checkpoint_split
 from vitflow.infer.runtimes.onnx import ModelInfo, UnavailableError
-from vitflow.timing import busy_warning, sync
+from vitflow.infer.token_merge import choose_token_merge
+from vitflow.models.token_merging import check_mergeable
+from vitflow.timing import busy_warning
 
 BASELINE = "timm_eager_fp32"
 PEER_INT8 = "timm_openvino_int8"  # the peer to beat (issue 44)
-IDLE_GAP_S = 0.2  # pause before each path: OpenMP / ONNX Runtime workers spin a while after a call
-Runner = Callable[[torch.Tensor], torch.Tensor]
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
-
-
-def cpu_flags() -> list[str]:
-    """The instruction-set flags of this CPU that decide the fast path (:data:`CPU_FLAGS` found in
-    ``/proc/cpuinfo``; empty where it cannot be read)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    have = set(line.split(":", 1)[-1].split())
-    return [f for f in CPU_FLAGS if f in have]
-
-
-@dataclass
-class Timing:
-    """Measurements of one path: every batch-1 call in ms, the median batch-1 call of each round
-    in ms, and images/s per round."""
-
-    latencies_ms: list[float] = field(default_factory=list)
-    throughputs: list[float] = field(default_factory=list)
-    round_latency_ms: list[float] = field(default_factory=list)
-
-    def summary(self) -> dict[str, float]:
-        """``{"latency_ms_p50", "latency_ms_p90", "throughput_ips"}`` (the JSON format)."""
-        lat = sorted(self.latencies_ms)
-        p90 = lat[min(len(lat) - 1, int(round(0.9 * (len(lat) - 1))))]
-        return {"latency_ms_p50": round(statistics.median(lat), 3), "latency_ms_p90": round(p90, 3),
-                "throughput_ips": round(statistics.median(self.throughputs), 1)}
 
 
 def select_paths(spec: str | None) -> tuple[str, ...]:
@@ -91,76 +53,48 @@ def select_paths(spec: str | None) -> tuple[str, ...]:
 
 def build_paths(model: torch.nn.Module, info: ModelInfo, workdir: str | Path, paths: tuple[str, ...] = tuple(PATHS),
                 calibration: Callable[[], torch.Tensor] | None = None, log: Callable[[str], None] = print,
-                peer: tuple[torch.nn.Module, ModelInfo] | None = None
+                peer: tuple[torch.nn.Module, ModelInfo] | None = None, token_merge: int | list[int] | None = None
                 ) -> tuple[dict[str, torch.nn.Module], dict[str, str]]:
     """The modules to time and a one-line description of each (see :mod:`vitflow.infer.bench.paths`).
 
     ``model`` is a float32 vitflow model in eval mode; ONNX files go to ``workdir``;
     ``calibration`` returns the real images of the static INT8 paths; ``peer``: the model (and
-    its info) the timm paths take their configuration and weights from (default ``model``).
+    its info) the timm paths take their configuration and weights from (default ``model``);
+    ``token_merge``: the ``tome_*`` paths' ``r`` (default
+    :func:`~vitflow.models.token_merging.default_merge`); a model that cannot merge leaves them
+    out (logged).
     """
     def no_images() -> torch.Tensor:
         raise ValueError("the static INT8 paths need calibration images: give the checkpoint's data or --calibrate")
 
-    sources = Sources(model.float().eval(), info, workdir, calibration or no_images, peer)
+    sources = Sources(model.float().eval(), info, workdir, calibration or no_images, peer, token_merge)
     runners, notes = {}, {}
+    mergeable = _mergeable(model)
     for name in paths:
         if missing := PATHS[name].missing():
             raise UnavailableError(f"benchmark path {name} needs {' and '.join(missing)} (pip install "
                                    "'vitflow[export,openvino]' timm); leave it out of --paths")
+        if name.startswith("tome_") and mergeable is not True:
+            log(f"{name} left out: {mergeable}")
+            continue
         t0 = time.perf_counter()
         runners[name] = PATHS[name].build(sources)
-        notes[name] = PATHS[name].what
+        notes[name] = PATHS[name].what + (f" (r={sources.merged().token_merge})" if name.startswith("tome_") else "")
         log(f"built {name} in {time.perf_counter() - t0:.1f} s")
     if "timm_eager_fp32" in runners:
         notes["timm_eager_fp32"] = f"timm {type(runners['timm_eager_fp32']).__name__}, fp32 eager (the baseline)"
     return runners, notes
 
 
-@torch.inference_mode()
-def time_paths(runners: dict[str, Runner], image_size: int | dict[str, int], batch_size: int = 32, repeats: int = 3,
-               latency_calls: int = 20, min_time: float = 1.0, log: Callable[[str], None] = print,
-               device: torch.device | str = "cpu") -> dict[str, Timing]:
-    """Time every runner (see the module docstring for the protocol).
-
-    Args:
-        image_size: the input side in pixels, one for all runners or ``{runner: pixels}``.
-        device: where the random inputs ``float32 (B, 3, S, S)`` live; on CUDA each timed call
-            ends with a synchronisation.
-    Returns:
-        ``{path: Timing}``.
-    """
-    sizes = image_size if isinstance(image_size, dict) else dict.fromkeys(runners, image_size)
-    inputs = {name: (torch.randn(1, 3, s, s, device=device), torch.randn(batch_size, 3, s, s, device=device))
-              for name, s in sizes.items()}
-    device = torch.device(device)
-    for name, run in runners.items():
-        t0 = time.perf_counter()
-        x1, xb = inputs[name]
-        for x in (x1, x1, xb, xb):
-            run(x)
-        sync(device)
-        log(f"warm-up {name}: {time.perf_counter() - t0:.1f} s")
-    timings = {name: Timing() for name in runners}
-    for r in range(repeats):
-        for name, run in runners.items():
-            time.sleep(IDLE_GAP_S)  # let the previous path's spinning worker threads go idle
-            t, this_round, (x1, xb) = timings[name], [], inputs[name]
-            for _ in range(latency_calls):
-                t0 = time.perf_counter()
-                run(x1)
-                sync(device)
-                this_round.append((time.perf_counter() - t0) * 1e3)
-            t.latencies_ms += this_round
-            t.round_latency_ms.append(statistics.median(this_round))
-            n, t0 = 0, time.perf_counter()
-            while n < 2 or time.perf_counter() - t0 < min_time:
-                run(xb)
-                n += 1
-            sync(device)
-            t.throughputs.append(n * batch_size / (time.perf_counter() - t0))
-        log(f"round {r + 1}/{repeats}: " + "  ".join(f"{k} {v.throughputs[-1]:.0f}" for k, v in timings.items()))
-    return timings
+def _mergeable(model: torch.nn.Module) -> bool | str:
+    """True, or why ``model`` cannot take token merging (one line)."""
+    if not hasattr(model, "set_token_merge"):
+        return f"token merging is for the ViT family, not {type(model).__name__}"
+    try:
+        check_mergeable(model)
+    except ValueError as e:
+        return str(e)
+    return True
 
 
 @torch.inference_mode()
@@ -189,18 +123,11 @@ def _float_state(path: str | Path) -> dict:
     return state
 
 
-def ratio(a: Timing, b: Timing) -> dict[str, float]:
-    """How much faster path ``a`` is than ``b``: medians over the rounds of the per-round
-    throughput ratio and batch-1 latency ratio (``> 1``: ``a`` is faster)."""
-    return {"throughput": round(statistics.median(x / y for x, y in zip(a.throughputs, b.throughputs)), 3),
-            "latency": round(statistics.median(y / x for x, y in zip(a.round_latency_ms, b.round_latency_ms)), 3)}
-
-
 def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = tuple(PATHS), batch_size: int = 32,
                 repeats: int = 3, latency_calls: int = 20, min_time: float = 1.0, attention: str | None = None,
                 log: Callable[[str], None] = print, data: str | None = None, split: str | None = None,
                 calibrate: str | None = None, calibration_count: int = CALIBRATION_IMAGES,
-                reference: str | None = None) -> dict:
+                reference: str | None = None, token_merge: int | str | None = None, max_drop: float = 1.0) -> dict:
     """Benchmark a checkpoint along ``paths``.
 
     Args:
@@ -214,11 +141,15 @@ def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = tuple(PATHS), b
         reference: a checkpoint the peers (timm paths) take their configuration and weights from,
             e.g. the unpruned model a pruned ``checkpoint`` came from; its fp32 top-1 is then the
             accuracy bound of the fastest paths (``timm_eager_fp32``'s).
+        token_merge: the ``tome_*`` paths' tokens merged per block: an int, ``"auto"`` (the
+            largest within ``max_drop`` points on ``data``, :func:`vitflow.infer.token_merge.choose_token_merge`)
+            or ``None`` (:func:`~vitflow.models.token_merging.default_merge`).
     Returns:
         ``{"results": {path: {"latency_ms_p50", "latency_ms_p90", "throughput_ips"[, "top1"]}},
         "notes": {path: description}, "timings": {path: Timing}, "cpu_flags": [...],
         "fp32_top1": the bound's top-1 (``eager_fp32``'s, or ``timm_eager_fp32``'s with a
-        ``reference``; measured even when that path is not among ``paths``), None without data}``.
+        ``reference``; measured even when that path is not among ``paths``), None without data,
+        "token_merge": the guard's choice and curve with ``token_merge="auto"``}``.
     Raises:
         FileNotFoundError / ValueError: unreadable checkpoint, unknown path, timm or OpenVINO
         missing, bad calibration data.
@@ -231,16 +162,12 @@ def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = tuple(PATHS), b
     if attention:
         model.set_attention_backend(attention)
     info = ModelInfo.from_checkpoint(state)
-    peer = None
-    if reference is not None:
-        ref = _float_state(reference)
-        if list(ref["classes"]) != info.classes:
-            raise ValueError(f"--reference {reference} has other classes than {checkpoint}")
-        peer = model_from_checkpoint(ref).float().eval(), ModelInfo.from_checkpoint(ref)
+    peer = _peer(reference, info.classes, checkpoint)
     source = checkpoint_split(state, data or None, split) if data is not None else None  # bad data: before any work
     calibration = lambda: calibration_images(calibrate, info.preprocess, info.classes, state, calibration_count)  # noqa: E731
+    token_merge, paths, choice = _merge_choice(token_merge, paths, model, info, source, max_drop, log)
     with tempfile.TemporaryDirectory() as tmp:
-        runners, notes = build_paths(model, info, tmp, paths, calibration, log, peer)
+        runners, notes = build_paths(model, info, tmp, paths, calibration, log, peer, token_merge)
         bound = BASELINE if peer is not None else "eager_fp32"  # whose fp32 top-1 bounds the drop
         measured = runners if bound in runners else {**runners, bound: peer[0] if peer is not None else model}
         accuracy = top1_of(measured, source, info, batch_size) if source is not None else {}
@@ -252,7 +179,38 @@ def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = tuple(PATHS), b
     results = {k: {**timings[k].summary(), **({"top1": accuracy[k]} if k in accuracy else {})}
                for k in PATHS if k in timings}
     return {"results": results, "notes": notes, "timings": timings, "cpu_flags": cpu_flags(),
-            "fp32_top1": accuracy.get(bound)}
+            "fp32_top1": accuracy.get(bound), "token_merge": choice}
+
+
+def _peer(reference: str | None, classes: list[str], checkpoint) -> tuple[torch.nn.Module, ModelInfo] | None:
+    """The ``--reference`` model and its info (None without one). Raises ValueError: other classes."""
+    if reference is None:
+        return None
+    ref = _float_state(reference)
+    if list(ref["classes"]) != classes:
+        raise ValueError(f"--reference {reference} has other classes than {checkpoint}")
+    return model_from_checkpoint(ref).float().eval(), ModelInfo.from_checkpoint(ref)
+
+
+def _merge_choice(token_merge: int | str | None, paths: tuple[str, ...], model: torch.nn.Module, info: ModelInfo,
+                  source, max_drop: float, log: Callable[[str], None]) -> tuple[int | None, tuple[str, ...], dict | None]:
+    """``(r for the tome_* paths, the paths, the guard's choice)``: with ``"auto"`` the guard
+    chooses on ``source`` (:func:`~vitflow.infer.token_merge.choose_token_merge`); when no ``r``
+    keeps within ``max_drop`` the ``tome_*`` paths are left out.
+
+    Raises:
+        ValueError: ``"auto"`` without data."""
+    if token_merge != "auto":
+        return token_merge, paths, None
+    if not any(p.startswith("tome_") for p in paths):
+        return None, paths, None
+    if source is None:
+        raise ValueError("--token-merge auto chooses r on real images: give --data")
+    choice = choose_token_merge(model, source, info, max_drop, log=log)
+    if not choice["r"]:
+        log(f"no token merging within {max_drop:g} points: the tome_* paths are left out")
+        paths = tuple(p for p in paths if not p.startswith("tome_"))
+    return choice["r"] or None, paths, choice
 
 
 def _fastest(results: dict, timings: dict, group: str, figure: str, reference: float | None,
@@ -288,7 +246,9 @@ def format_table(bench: dict, batch_size: int = 32, max_drop: float = 1.0) -> st
     for figure, what, unit in (("throughput_ips", f"batch-{batch_size} throughput", "img/s"),
                                ("latency_ms_p50", "batch-1 latency", "ms")):
         ours = _fastest(results, timings, "vitflow", figure, fp32, max_drop)
-        for theirs in dict.fromkeys((_fastest(results, timings, "peer", figure, fp32, max_drop), PEER_INT8)):
+        yardsticks = (_fastest(results, timings, "peer", figure, fp32, max_drop), PEER_INT8,
+                      _fastest(results, timings, "openvino", figure, fp32, max_drop))
+        for theirs in dict.fromkeys(y for y in yardsticks if y):
             if ours and theirs in timings:
                 x = ratio(timings[ours], timings[theirs])["throughput" if figure == "throughput_ips" else "latency"]
                 lines.append(f"{what}: vitflow's fastest {ours} {results[ours][figure]:.1f} {unit} = {x:.2f}x "

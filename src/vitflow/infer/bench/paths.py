@@ -8,7 +8,7 @@ The peers are built the way their own tools document: timm's model exported as i
 (``torch.onnx.export``, dynamo), ONNX Runtime's CPU fusions and quantizers, OpenVINO's
 ``convert_model`` and NNCF's ``quantize`` with OpenVINO's default CPU configuration (no precision
 hint: bf16 float layers on CPUs with AMX / AVX512-BF16; the latency hint). vitflow's paths start from its
-:func:`~vitflow.infer.export.formats.deployable` export; its tuned OpenVINO path runs the same kind of
+:func:`~vitflow.infer.export.deployable.deployable` export; its tuned OpenVINO path runs the same kind of
 INT8 IR with the settings vitflow chooses for the machine
 (:func:`~vitflow.infer.runtimes.openvino.tuned_settings`).
 Calibration images (static INT8, NNCF) are the same real images for both.
@@ -32,6 +32,7 @@ from vitflow.infer.runtimes.onnx import ModelInfo, OnnxModel
 from vitflow.infer.runtimes.onnx_fusion import fusion_sizes, optimize_onnx
 from vitflow.infer.runtimes.openvino import OpenVinoModel, convert_onnx, nncf_quantize, tuned_settings
 from vitflow.models import family_of, model_kwargs
+from vitflow.models.token_merging import default_merge
 from vitflow.runtime import cpu_bf16_supported
 
 
@@ -97,10 +98,12 @@ class Sources:
     """
 
     def __init__(self, model: torch.nn.Module, info: ModelInfo, workdir: str | Path,
-                 calibration: Callable[[], torch.Tensor], peer: tuple[torch.nn.Module, ModelInfo] | None = None):
+                 calibration: Callable[[], torch.Tensor], peer: tuple[torch.nn.Module, ModelInfo] | None = None,
+                 token_merge: int | list[int] | None = None):
         self.model, self.info, self.workdir = model, info, Path(workdir)
         self.peer_model, self.peer_info = peer or (model, info)
         self._calibration, self._cache = calibration, {}
+        self.token_merge = token_merge
 
     def once(self, key: str, make: Callable[[], object]):
         if key not in self._cache:
@@ -130,13 +133,28 @@ class Sources:
             return timm
         return self.once("timm", make)
 
+    def merged(self) -> torch.nn.Module:
+        """A copy of the vitflow model with token merging (``token_merge``; default
+        :func:`~vitflow.models.token_merging.default_merge` of its geometry).
+
+        Raises:
+            ValueError: a model that cannot merge (:func:`~vitflow.models.token_merging.check_mergeable`)."""
+        def make():
+            model = copy.deepcopy(self.model)
+            if not hasattr(model, "set_token_merge"):
+                raise ValueError(f"token merging is for the ViT family; {self.info.model_args['name']} has none")
+            r = self.token_merge or default_merge(model.grid_size**2, len(model.blocks))
+            model.set_token_merge(r)
+            return model.eval()
+        return self.once("merged", make)
+
     def onnx(self, who: str) -> Path:
-        """The fp32 ONNX file of ``who`` (``vitflow``: its deployable export; ``timm``: timm's
-        model as it is) with ONNX Runtime's CPU fusions."""
+        """The fp32 ONNX file of ``who`` (``vitflow``: its deployable export; ``tome``: the same
+        with token merging; ``timm``: timm's model as it is) with ONNX Runtime's CPU fusions."""
         def make():
             raw, opt = self.workdir / f"{who}.onnx", self.workdir / f"{who}.opt.onnx"
-            model = self.model if who == "vitflow" else self.timm()
-            export_onnx(model, raw, self.info if who == "vitflow" else self.peer_info, as_is=who == "timm")
+            model = {"vitflow": lambda: self.model, "tome": self.merged, "timm": self.timm}[who]()
+            export_onnx(model, raw, self.peer_info if who == "timm" else self.info, as_is=who == "timm")
             optimize_onnx(raw, opt, "cpu", *fusion_sizes(model))
             return raw, opt
         return self.once(f"onnx-{who}", make)[1]
@@ -196,6 +214,9 @@ def _ov(who: str, int8: bool, **settings) -> Callable[[Sources], torch.nn.Module
 
 
 TIMM, ORT, OV = ("timm",), ("onnxruntime",), ("openvino", "nncf")  # what the paths need installed
+# OpenVINO's documented best for the CPU: bf16 float layers where native, a static shape per batch size (its
+# model.reshape; the hint is each path's own)
+OV_BEST = {"precision": "bf16" if cpu_bf16_supported() else "auto", "static_shapes": True}
 PATHS: dict[str, PathSpec] = {
     "timm_eager_fp32": PathSpec("peer", "timm, fp32 eager (the baseline of the ratios)", lambda s: s.timm(), TIMM),
     "timm_eager_bf16": PathSpec("peer", "timm, bf16 weights", lambda s: _bf16(s.timm()), TIMM),
@@ -228,4 +249,15 @@ PATHS: dict[str, PathSpec] = {
     "openvino_int8_tuned": PathSpec("vitflow", "the same INT8 IR, vitflow's settings for this CPU",
                                     lambda s: OpenVinoModel(s.openvino("vitflow", True), name="vitflow openvino",
                                                             **tuned_settings()), OV),
+    "tome_eager_fp32": PathSpec("vitflow", "token merging (ToMe), fp32 eager", lambda s: s.merged()),
+    "tome_onnxruntime_fp32": PathSpec("vitflow", "token merging, its ONNX export, ONNX Runtime",
+                                      lambda s: OnnxModel(s.onnx("tome")), ORT),
+    "tome_openvino_int8_tuned": PathSpec("vitflow", "token merging, INT8 by NNCF, vitflow's OpenVINO settings",
+                                         lambda s: OpenVinoModel(s.openvino("tome", True), name="tome openvino",
+                                                                 **tuned_settings()), OV),
+    # OpenVINO used well on vitflow's own export: what any OpenVINO user of that export gets (the yardstick)
+    "ov_best_throughput": PathSpec("openvino", "vitflow's export, INT8 by NNCF, bf16 where native, static shapes, "
+                                   "throughput hint",
+                                   _ov("vitflow", True, **OV_BEST, hint="throughput"), OV),
+    "ov_best_latency": PathSpec("openvino", "the same, latency hint", _ov("vitflow", True, **OV_BEST, hint="latency"), OV),
 }

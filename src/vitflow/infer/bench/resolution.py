@@ -13,7 +13,7 @@ at ``S``: the row is what the weights give there. The model is then
   ``S / crop_pct``, center crop ``S``, its mean and std): top-1, top-5, loss. At the
   checkpoint's own size this is ``vitflow eval`` (tested);
 - timed on random ``float32 (B, 3, S, S)`` inputs under the run's precision
-  (:func:`vitflow.infer.bench.infer.time_paths`: all sizes in turn in each of ``repeats`` rounds, medians;
+  (:func:`vitflow.infer.bench.timing.time_paths`: all sizes in turn in each of ``repeats`` rounds, medians;
   images/s at batch ``B``, batch-1 latency);
 - measured for peak memory: the bytes of tensors held during one batch-``B`` forward (weights and
   buffers, the input, and the largest set of intermediate tensors alive at once: on CUDA from
@@ -41,7 +41,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from vitflow.infer.bench.infer import time_paths
+from vitflow.infer.bench.timing import time_paths
 from vitflow.infer.evaluate import EvalSetup, eval_setup, score
 from vitflow.models import model_kwargs
 from vitflow.models.kernels import onednn

@@ -14,7 +14,7 @@
                 the throughput hint's streams) but dynamic shapes, logged at start-up
 ``auto``        an ONNX source: ``onnxruntime``; an IR: ``openvino``; a checkpoint or run folder: the faster of
                 ``eager_fp32``, ``onnxruntime`` and (on CPUs with native bf16) ``eager_bf16``,
-                timed with ``bench infer``'s protocol (:func:`vitflow.infer.bench.infer.time_paths`)
+                timed with ``bench infer``'s protocol (:func:`vitflow.infer.bench.timing.time_paths`)
                 at ``--max-batch`` images a call; a hub folder: ``eager_fp32``
 ==============  ================================================================================
 
@@ -161,7 +161,7 @@ def prepare(s: ServeSettings, workdir: str | Path, say: Callable[[str], None] = 
 def _time_backends(predictors: dict[str, Predictor], batch: int, say: Callable[[str], None]) -> dict[str, float]:
     """Images/s of each predictor's model at ``batch`` images a call (``bench infer``'s protocol,
     2 interleaved rounds of 0.3 s)."""
-    from vitflow.infer.bench.infer import time_paths
+    from vitflow.infer.bench.timing import time_paths
 
     runners = {k: (lambda x, p=p: p.model(x.to(p.device, p.dtype))) for k, p in predictors.items()}
     size = next(iter(predictors.values())).pp.image_size

@@ -18,7 +18,7 @@ import torch
 from vitflow.rundir import run_checkpoint
 
 # model_args keys that choose kernels or training behaviour, not the function the weights compute
-RUNTIME_ARGS = ("drop_rate", "drop_path_rate", "patch_drop_rate", "weight_init", "grad_checkpointing",
+RUNTIME_ARGS = ("drop_rate", "drop_path_rate", "patch_drop_rate", "token_merge", "weight_init", "grad_checkpointing",
                 "grad_checkpointing_budget", "cpu_bf16_matmul", "attention", "attn_block_size", "attn_window",
                 "linformer_k", "performer_features", "pretrained", "lora")
 

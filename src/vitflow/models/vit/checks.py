@@ -50,7 +50,7 @@ def check_options(img_size: int, patch_size: int, global_pool: str, pos_embed: s
 
 
 def check_vit_config(m: ViTLayoutConfig) -> None:
-    """PatchDropout and DeiT's distillation token need an attention kernel over any token set
+    """PatchDropout, token merging and DeiT's distillation token need an attention kernel over any token set
     (an exact one: sparse and linear kernels assume the full grid) and an absolute position
     embedding.
 
@@ -59,7 +59,9 @@ def check_vit_config(m: ViTLayoutConfig) -> None:
     """
     exact = (*EXACT_BACKENDS, "auto")  # attend over any token set, no grid structure
     distilled = getattr(m, "distilled", False)  # (the vit family's key)
-    for key, on in (("model.patch_drop_rate", m.patch_drop_rate > 0), ("model.distilled", distilled)):
+    merge = any(v > 0 for v in (m.token_merge if isinstance(m.token_merge, tuple) else (m.token_merge,)))
+    for key, on in (("model.patch_drop_rate", m.patch_drop_rate > 0), ("model.distilled", distilled),
+                    ("model.token_merge", merge)):
         if on and m.attention not in exact:
             raise ConfigError(f"model.attention={m.attention!r} is invalid: must be one of {', '.join(exact)} with "
                               f"{key} (sparse and linear kernels assume the full token grid)", "model.attention")

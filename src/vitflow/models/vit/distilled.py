@@ -56,10 +56,10 @@ class VisionTransformerDistilled(VisionTransformer):
         x = torch.cat([self.dist_token.expand(x.shape[0], -1, -1), x], dim=1)
         return super()._pos_embed(x, grid_hw)  # prepends the class token, adds pos_embed
 
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False):
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False, sizes: torch.Tensor | None = None):
         """Tokens ``(B, N, D)`` -> averaged logits ``(B, num_classes)``, or the pair of head
         logits in distilled training (see the class docstring). ``pre_logits``: the class token
-        ``(B, D)``."""
+        ``(B, D)``. ``sizes`` (token merging) is unused: both heads read prefix tokens, never merged."""
         cls, dist = self.head_drop(x[:, 0]), self.head_drop(x[:, 1])
         if pre_logits:
             return cls

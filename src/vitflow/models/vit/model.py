@@ -31,6 +31,7 @@ from vitflow.models.kernels.matmul import Linear
 from vitflow.models.layers import LN_EPS, PatchDropout, PatchEmbed
 from vitflow.models.pool import AttentionPoolLatent, pool_tokens
 from vitflow.models.position import resample_pos_embed, sincos_2d
+from vitflow.models.token_merging import check_mergeable, merge_schedule, merge_through
 from vitflow.models.vit.checks import check_options
 
 __all__ = ["Attention", "Block", "VisionTransformer", "resample_pos_embed"]
@@ -95,6 +96,9 @@ class VisionTransformer(EncoderControls, nn.Module):
             hidden width ``int(embed_dim * mlp_ratio)`` is fc1's).
         truncate_patches: an image side that is not a multiple of the patch drops its last pixels
             (timm's patch embedding; SigLIP so400m/14 at 384) instead of being refused.
+        token_merge: token merging (ToMe, Bolya et al. 2023; :mod:`vitflow.models.token_merging`):
+            patch tokens merged in every block (an int, 0 = off) or one count per block; see
+            :meth:`set_token_merge`.
 
     Tokens: ``[cls?, reg * R, patches...]``; ``num_prefix_tokens = cls + R``.
 
@@ -113,7 +117,7 @@ class VisionTransformer(EncoderControls, nn.Module):
                  cpu_bf16_matmul: Literal["auto", "bf16", "fp32"] = "auto", class_token: bool | None = None,
                  reg_tokens: int = 0, no_embed_class: bool = False, pre_norm: bool = False,
                  fc_norm: bool | None = None, act_layer: str = "gelu", norm_eps: float = LN_EPS,
-                 mlp_layer: str = "mlp", truncate_patches: bool = False):
+                 mlp_layer: str = "mlp", truncate_patches: bool = False, token_merge: int | list[int] = 0):
         super().__init__()
         class_token = global_pool == "token" if class_token is None else class_token
         check_options(img_size, patch_size, global_pool, pos_embed, class_token, reg_tokens, no_embed_class,
@@ -142,6 +146,8 @@ class VisionTransformer(EncoderControls, nn.Module):
         self._build_head(num_heads, mlp_ratio, global_pool == "avg" if fc_norm is None else fc_norm, norm_eps,
                          act_layer, drop_rate)
         self.set_cpu_bf16_matmul(cpu_bf16_matmul)
+        self.token_merge: int | list[int] = 0
+        self.set_token_merge(token_merge)
         self.init_weights(weight_init)
         self.blocks.register_forward_pre_hook(per_shape_choices)
 
@@ -243,24 +249,48 @@ class VisionTransformer(EncoderControls, nn.Module):
         grid = (x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size)
         return self._pos_embed(self.patch_embed(x), grid), grid
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, C, H, W)`` -> tokens ``(B, N, D)`` after the final norm: the class token first when
-        there is one, then the register tokens, then the patches row by row."""
+    def set_token_merge(self, r: int | Sequence[int]) -> None:
+        """Token merging (ToMe, :mod:`vitflow.models.token_merging`): ``r`` patch tokens merged in
+        every block (an int; 0 = off) or one count per block, capped at what each block can merge.
+        Weights are unchanged. Raises ValueError: a model that cannot merge (relative position
+        bias, approximate or sparse attention, ``map`` pooling) or a schedule of the wrong length."""
+        r = int(r) if isinstance(r, int) else [int(v) for v in r]
+        if not (r if isinstance(r, int) else any(r)):
+            self.token_merge = 0
+            return
+        check_mergeable(self)
+        merge_schedule(r, len(self.blocks), self.grid_size**2)
+        self.token_merge = r
+
+    def _tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Images -> (tokens after the final norm, their sizes ``(B, N, 1)`` when tokens were merged)."""
         x, grid = self._embed(x)
         x = self.patch_drop(x, self.num_prefix_tokens)
         x = self.norm_pre(x)
-        x = self.blocks(x, grid)
-        return self.norm(x)
+        if not self.token_merge:
+            return self.norm(self.blocks(x, grid)), None
+        schedule = merge_schedule(self.token_merge, len(self.blocks), x.shape[1] - self.num_prefix_tokens)
+        x, sizes = merge_through(self.blocks, x, schedule, self.num_prefix_tokens)
+        return self.norm(x), sizes
 
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, C, H, W)`` -> tokens ``(B, N, D)`` after the final norm: the class token first when
+        there is one, then the register tokens, then the patches row by row (with token merging,
+        fewer: :mod:`vitflow.models.token_merging` gives their order)."""
+        return self._tokens(x)[0]
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False, sizes: torch.Tensor | None = None
+                     ) -> torch.Tensor:
         """Tokens ``(B, N, D)`` -> logits ``(B, num_classes)`` (or pooled ``(B, D)`` if ``pre_logits``):
-        pool (:func:`~vitflow.models.pool.pool_tokens`) -> ``fc_norm`` -> dropout -> ``head``."""
-        x = pool_tokens(x, self.global_pool, self.num_prefix_tokens, self.attn_pool)
+        pool (:func:`~vitflow.models.pool.pool_tokens`, ``sizes`` from token merging) -> ``fc_norm``
+        -> dropout -> ``head``."""
+        x = pool_tokens(x, self.global_pool, self.num_prefix_tokens, self.attn_pool, sizes)
         x = self.head_drop(self.fc_norm(x))
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
+        x, sizes = self._tokens(x)
+        return self.forward_head(x, sizes=sizes)
 
     def attention_maps(self, x: torch.Tensor, layers: int | Sequence[int] | None = None) -> list[torch.Tensor]:
         """Per-layer attention probabilities, computed explicitly whatever the backend.
