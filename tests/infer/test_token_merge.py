@@ -37,6 +37,13 @@ def test_merged_checkpoint_runs_merged_everywhere(tiny_run, tmp_path, capsys):
     assert main(["export", str(out), "-o", str(onnx), "--json"]) == 0  # verified against the merged PyTorch model
     exported = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert exported["ok"] is True and exported["images"] > 0
+    # INT8 of the merged graph (ONNX Runtime's symbolic shape inference cannot follow the merge: its fallback)
+    assert main(["quantize", str(out), "-o", str(tmp_path / "merged.int8.onnx")]) == 0
+    capsys.readouterr()
+    # merging a merged checkpoint again measures from the unmerged model, not from the merged one
+    assert main(["merge-tokens", str(out), "-o", str(tmp_path / "again.pt"), "-r", "3", "--json"]) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["before"] == r["before"] and load_checkpoint(tmp_path / "again.pt")["model_args"]["token_merge"] == 3
 
 
 def test_no_r_within_the_drop_writes_nothing(tiny_run, tmp_path, capsys):

@@ -123,15 +123,16 @@ def cmd_merge_tokens(args: argparse.Namespace) -> int:
     r = merge_checkpoint(args.checkpoint, args.output, args.r, args.max_drop, args.data, args.split,
                          log=lambda m: print(m, file=sys.stderr))
     name = "top-1" if r["figure"] == "top1" else r["figure"]
-    print(f"r={r['r']} tokens merged per block: {name} {r['before']:.2%} -> {r['after']:.2%} "
-          f"(drop {r['drop_points']:.2f} points on {r['images']} images, allowed {args.max_drop:g})")
+    allowed = f", allowed {args.max_drop:g}" if args.r == "auto" else ", -r given: not checked against --max-drop"
+    print(f"r={r['r']} tokens merged per block ({r['schedule']}): {name} {r['before']:.2%} -> {r['after']:.2%} "
+          f"(drop {r['drop_points']:.2f} points on {r['images']} images{allowed})")
     return _speed_and_output(args, r)
 
 
 def _speed_and_output(args: argparse.Namespace, r: dict) -> int:
     """The side-by-side fp32 speed-ups of a rewritten checkpoint, where it was written, and the JSON line."""
-    print(f"speed (fp32 eager, same process): batch-32 throughput x{r['speedup_throughput']:.2f}, "
-          f"batch-1 latency x{r['speedup_latency']:.2f} faster")
+    print(f"speed against the original (fp32 eager, timed side by side in this process; above 1 is faster): "
+          f"batch-32 throughput x{r['speedup_throughput']:.2f}, batch-1 latency x{r['speedup_latency']:.2f}")
     print(f"wrote {r['path']}")
     if args.json:
         _print_json(args, r)

@@ -23,7 +23,7 @@ from vitflow.infer.calibration import accuracy, checkpoint_split
 from vitflow.infer.quantize.dynamic import inference_state
 from vitflow.infer.runtimes.onnx import ModelInfo
 from vitflow.metrics import primary_metric
-from vitflow.models.token_merging import check_mergeable, default_merge
+from vitflow.models.token_merging import check_mergeable, default_merge, merge_schedule
 
 
 def merge_candidates(num_patches: int, depth: int) -> list[int]:
@@ -80,7 +80,7 @@ def merge_checkpoint(checkpoint, out, r: int | str = "auto", max_drop: float = 1
     measure elsewhere; :func:`choose_token_merge`).
 
     Returns:
-        ``{"path", "r", "figure", "before", "after", "drop_points", "images", "curve",
+        ``{"path", "r", "schedule" (per block, as capped), "figure", "before", "after", "drop_points", "images", "curve",
         "speedup_throughput", "speedup_latency", "timing"}`` (fp32 eager speed-ups, timed side by side).
     Raises:
         FileNotFoundError / ValueError / DataError: unreadable checkpoint or data, an output not
@@ -93,6 +93,9 @@ def merge_checkpoint(checkpoint, out, r: int | str = "auto", max_drop: float = 1
     if state.get("quantization"):
         raise ValueError(f"{state['path']} is quantized; merge tokens in the float checkpoint, then quantize")
     model, info = model_from_checkpoint(state).float().eval(), ModelInfo.from_checkpoint(state)
+    if getattr(model, "token_merge", 0):
+        log(f"{state['path']} already merges tokens (r={model.token_merge}); measuring from the unmerged model")
+        model.set_token_merge(0)
     source = checkpoint_split(state, data, split)
     if r == "auto":
         choice = choose_token_merge(model, source, info, max_drop, log=log)
@@ -103,13 +106,16 @@ def merge_checkpoint(checkpoint, out, r: int | str = "auto", max_drop: float = 1
     else:
         choice = choose_token_merge(model, source, info, float("inf"), [int(r)], log=log)
     merged = copy.deepcopy(model)
-    merged.set_token_merge(choice["r"])
+    schedule = merge_schedule(choice["r"], len(model.blocks), model.grid_size**2)
+    if any(v != choice["r"] for v in schedule):
+        log(f"r={choice['r']} is capped where a block has fewer tokens to merge: {schedule} per block")
+    merged.set_token_merge(schedule if len(set(schedule)) > 1 else choice["r"])
     after = next(c for c in choice["curve"] if c["r"] == choice["r"])
-    result = {"path": str(out), "r": choice["r"], "figure": choice["figure"], "before": choice["before"],
+    result = {"path": str(out), "r": choice["r"], "schedule": schedule, "figure": choice["figure"], "before": choice["before"],
               "after": after["value"], "drop_points": after["drop_points"], "images": choice["images"],
               "curve": choice["curve"], **speedups({"unmerged": model, "merged": merged}, info.preprocess.image_size)}
     save_checkpoint({**inference_state(state), "model": merged.state_dict(),
-                     "model_args": {**state["model_args"], "token_merge": choice["r"]},
+                     "model_args": {**state["model_args"], "token_merge": merged.token_merge},
                      "metrics": {choice["figure"]: after["value"]},
                      "token_merging": {k: v for k, v in result.items() if k != "path"}}, out)
     return result

@@ -165,6 +165,8 @@ def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = tuple(PATHS), b
     peer = _peer(reference, info.classes, checkpoint)
     source = checkpoint_split(state, data or None, split) if data is not None else None  # bad data: before any work
     calibration = lambda: calibration_images(calibrate, info.preprocess, info.classes, state, calibration_count)  # noqa: E731
+    if getattr(model, "token_merge", 0):
+        log(f"{checkpoint} merges tokens (r={model.token_merge}, vitflow merge-tokens): every vitflow path runs merged")
     token_merge, paths, choice = _merge_choice(token_merge, paths, model, info, source, max_drop, log)
     with tempfile.TemporaryDirectory() as tmp:
         runners, notes = build_paths(model, info, tmp, paths, calibration, log, peer, token_merge)

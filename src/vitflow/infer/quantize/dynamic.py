@@ -26,7 +26,7 @@ import torch
 from vitflow.checkpoint import apply_quantization, load_checkpoint, model_from_checkpoint, save_checkpoint
 from vitflow.infer.calibration import CALIBRATION_IMAGES
 from vitflow.infer.quantize.guard import Guard, guard_source, measured_split
-from vitflow.infer.quantize.static import METHODS, float_onnx, model_info, quantize_calibrated
+from vitflow.infer.quantize.static import METHODS, float_onnx, model_info, pre_process, quantize_calibrated
 from vitflow.infer.runtimes.onnx import ModelInfo, OnnxModel, copy_metadata, is_onnx, quiet_toolchain, require
 from vitflow.infer.runtimes.openvino import is_openvino
 
@@ -48,11 +48,10 @@ def quantize_onnx(src: str | Path, dst: str | Path, per_channel: bool = True) ->
     onnx = require("onnx")
     require("onnxruntime")
     from onnxruntime.quantization import QuantType, quantize_dynamic
-    from onnxruntime.quantization.shape_inference import quant_pre_process
 
     with tempfile.TemporaryDirectory() as tmp, quiet_toolchain():
         pre = Path(tmp) / "pre.onnx"
-        quant_pre_process(str(src), str(pre), skip_optimization=False, skip_symbolic_shape=False)
+        pre_process(src, pre)
         quantize_dynamic(pre, Path(dst), weight_type=QuantType.QInt8, per_channel=per_channel,
                          op_types_to_quantize=["MatMul", "Gemm", "Attention"],
                          extra_options={"MatMulConstBOnly": True})

@@ -18,6 +18,7 @@ calibration methods).
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -44,6 +45,7 @@ from vitflow.infer.runtimes.openvino import OpenVinoModel, convert_onnx, is_open
 METHODS = ("minmax", "percentile", "entropy")
 QUANTIZED_OPS = ("MatMul", "Gemm", "Conv")  # the linear layers and the patch embedding
 CALIBRATION_BATCH = 8
+log = logging.getLogger(__name__)
 
 
 def calibration_reader(images: torch.Tensor, input_name: str = INPUT_NAME, batch: int = CALIBRATION_BATCH):
@@ -74,6 +76,21 @@ def calibration_reader(images: torch.Tensor, input_name: str = INPUT_NAME, batch
     return Reader()
 
 
+def pre_process(src: str | Path, dst: str | Path) -> None:
+    """ONNX Runtime's ``quant_pre_process`` (graph optimisation and shape inference before
+    quantising). Its symbolic shape inference cannot follow every graph (token merging's top-k
+    and scatter-add sizes: a ``TypeError`` inside it); such a graph is then pre-processed with
+    ONNX's own shape inference instead (``skip_symbolic_shape``)."""
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    try:
+        quant_pre_process(str(src), str(dst), skip_optimization=False, skip_symbolic_shape=False)
+    except Exception as e:  # noqa: BLE001 - the symbolic inference's own failures (TypeError, AssertionError...)
+        log.info("ONNX Runtime's symbolic shape inference failed on %s (%s: %s); using ONNX's shape inference",
+                 src, type(e).__name__, e)
+        quant_pre_process(str(src), str(dst), skip_optimization=False, skip_symbolic_shape=True)
+
+
 def quantize_onnx_static(src: str | Path, dst: str | Path, images: torch.Tensor, method: str = "minmax",
                          per_channel: bool = True) -> dict[str, int]:
     """Static INT8 (QDQ) of a float32 ONNX model, activation ranges calibrated on ``images``.
@@ -94,7 +111,6 @@ def quantize_onnx_static(src: str | Path, dst: str | Path, images: torch.Tensor,
     onnx = require("onnx")
     require("onnxruntime")
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
-    from onnxruntime.quantization.shape_inference import quant_pre_process
 
     calib = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
              "entropy": CalibrationMethod.Entropy}
@@ -102,7 +118,7 @@ def quantize_onnx_static(src: str | Path, dst: str | Path, images: torch.Tensor,
         raise ValueError(f"unknown calibration method {method!r}; choose one of {list(METHODS)}")
     with tempfile.TemporaryDirectory() as tmp, quiet_toolchain():
         pre = Path(tmp) / "pre.onnx"
-        quant_pre_process(str(src), str(pre), skip_optimization=False, skip_symbolic_shape=False)
+        pre_process(src, pre)
         graph = onnx.load(str(pre), load_external_data=False).graph
         weights = {i.name for i in graph.initializer}
         products = [n.name for n in graph.node if n.op_type == "MatMul" and n.input[1] not in weights]
