@@ -24,6 +24,11 @@ def checkpoint_choice(p: argparse.ArgumentParser) -> None:
                    "checkpoints/best.pt) or a file")
 
 
+def merge_count(text: str) -> int | str:
+    """argparse type: ``auto`` or a whole number of tokens >= 1 (token merging's ``r``)."""
+    return text if text == "auto" else positive(text)
+
+
 def positive(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:

@@ -6,7 +6,16 @@ from __future__ import annotations
 import argparse
 import logging
 
-from vitflow.cli.arguments import checkpoint_choice, config_args, positive, retime_arg, tta_arg, verbosity, weights_arg
+from vitflow.cli.arguments import (
+    checkpoint_choice,
+    config_args,
+    merge_count,
+    positive,
+    retime_arg,
+    tta_arg,
+    verbosity,
+    weights_arg,
+)
 from vitflow.cli.parser_deploy import deployment_commands, serve_command
 
 
@@ -203,18 +212,13 @@ def _bench_commands(sub):
     b.add_argument("--latency-calls", type=int, default=20, help="batch-1 calls per path per round (20)")
     b.add_argument("--min-time", type=float, default=1.0, help="seconds of batch calls per path per round (1)")
     b.add_argument("--attention", help="attention backend of the vitflow eager/compiled paths (default: the checkpoint's)")
-    b.add_argument("--token-merge", type=_merge_count, metavar="R|auto", help="tokens merged per block on the tome_* "
+    b.add_argument("--token-merge", type=merge_count, metavar="R|auto", help="tokens merged per block on the tome_* "
                    "paths (ToMe); auto: the largest within --max-drop on --data (default: about half the tokens by "
                    "the last block)")
     b.add_argument("--threads", type=int, help="torch and ONNX Runtime threads (default: torch's default)")
     b.add_argument("--json", action="store_true", help="end with one JSON line {path: {latency_ms_p50, ...}}")
     _bench_resolution(bench)
     return bench
-
-
-def _merge_count(text: str) -> int | str:
-    """argparse type: ``auto`` or a whole number of tokens >= 1."""
-    return text if text == "auto" else positive(text)
 
 
 def _sizes(text: str) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from vitflow.cli.arguments import checkpoint_choice, positive, tta_arg, weights_arg
+from vitflow.cli.arguments import checkpoint_choice, merge_count, positive, tta_arg, weights_arg
 
 
 def deployment_commands(sub) -> None:
@@ -61,7 +61,7 @@ def deployment_commands(sub) -> None:
                        "chosen within --max-drop on its own data")
     p.add_argument("checkpoint", help="checkpoint file or run directory")
     p.add_argument("-o", "--output", required=True, help="merged checkpoint (.pt)")
-    p.add_argument("-r", default="auto", type=lambda v: v if v == "auto" else positive(v), metavar="R|auto",
+    p.add_argument("-r", default="auto", type=merge_count, metavar="R|auto",
                    help="tokens merged per block (default auto: the largest within --max-drop)")
     p.add_argument("--max-drop", type=float, default=1.0, help="max top-1 (mAP) drop in points (default 1.0)")
     p.add_argument("--data", metavar="PATH", help="labelled data to measure on (default: the checkpoint's)")

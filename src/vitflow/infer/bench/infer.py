@@ -166,7 +166,8 @@ def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = tuple(PATHS), b
     source = checkpoint_split(state, data or None, split) if data is not None else None  # bad data: before any work
     calibration = lambda: calibration_images(calibrate, info.preprocess, info.classes, state, calibration_count)  # noqa: E731
     if getattr(model, "token_merge", 0):
-        log(f"{checkpoint} merges tokens (r={model.token_merge}, vitflow merge-tokens): every vitflow path runs merged")
+        log(f"{checkpoint} merges tokens (r={model.token_merge}, vitflow merge-tokens): every vitflow path runs "
+            "merged")
     token_merge, paths, choice = _merge_choice(token_merge, paths, model, info, source, max_drop, log)
     with tempfile.TemporaryDirectory() as tmp:
         runners, notes = build_paths(model, info, tmp, paths, calibration, log, peer, token_merge)
@@ -195,7 +196,8 @@ def _peer(reference: str | None, classes: list[str], checkpoint) -> tuple[torch.
 
 
 def _merge_choice(token_merge: int | str | None, paths: tuple[str, ...], model: torch.nn.Module, info: ModelInfo,
-                  source, max_drop: float, log: Callable[[str], None]) -> tuple[int | None, tuple[str, ...], dict | None]:
+                  source, max_drop: float, log: Callable[[str], None]
+                  ) -> tuple[int | None, tuple[str, ...], dict | None]:
     """``(r for the tome_* paths, the paths, the guard's choice)``: with ``"auto"`` the guard
     chooses on ``source`` (:func:`~vitflow.infer.token_merge.choose_token_merge`); when no ``r``
     keeps within ``max_drop`` the ``tome_*`` paths are left out.
@@ -204,8 +206,8 @@ def _merge_choice(token_merge: int | str | None, paths: tuple[str, ...], model: 
         ValueError: ``"auto"`` without data."""
     if token_merge != "auto":
         return token_merge, paths, None
-    if not any(p.startswith("tome_") for p in paths):
-        return None, paths, None
+    if not any(p.startswith("tome_") for p in paths) or _mergeable(model) is not True:
+        return None, paths, None  # (build_paths says why a model that cannot merge has no tome_* paths)
     if source is None:
         raise ValueError("--token-merge auto chooses r on real images: give --data")
     choice = choose_token_merge(model, source, info, max_drop, log=log)

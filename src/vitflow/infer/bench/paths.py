@@ -259,5 +259,6 @@ PATHS: dict[str, PathSpec] = {
     "ov_best_throughput": PathSpec("openvino", "vitflow's export, INT8 by NNCF, bf16 where native, static shapes, "
                                    "throughput hint",
                                    _ov("vitflow", True, **OV_BEST, hint="throughput"), OV),
-    "ov_best_latency": PathSpec("openvino", "the same, latency hint", _ov("vitflow", True, **OV_BEST, hint="latency"), OV),
+    "ov_best_latency": PathSpec("openvino", "the same, latency hint", _ov("vitflow", True, **OV_BEST, hint="latency"),
+                                OV),
 }

@@ -39,7 +39,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from vitflow.infer.serve.auth import OPEN_PATHS, ApiKeys, RequireKey, keys_from_env
-from vitflow.infer.serve.inputs import MIN_TIMEOUT_S, RequestError, parse_upload, read_body, request_timeout, top_k
+from vitflow.infer.serve.inputs import (
+    MIN_TIMEOUT_S,
+    RequestError,
+    Upload,
+    parse_upload,
+    read_body,
+    request_timeout,
+    top_k,
+)
 from vitflow.infer.serve.service import Service
 from vitflow.infer.serve.settings import ENV_VAR, ServeSettings
 
@@ -79,16 +87,25 @@ def error_response(e: RequestError) -> JSONResponse:
     return JSONResponse({"error": e.message, "kind": e.kind, "status": e.status}, e.status, headers=e.headers)
 
 
+async def read_images(request: Request, settings: ServeSettings, service: Service, t0: float
+                      ) -> tuple[float, Upload, int]:
+    """The reading every image route shares: the deadline, room for one more image, the body,
+    its images and ``top_k`` (checked on every route, used by ``/v1/classify``).
+
+    Returns: ``(deadline, upload, k)``. Raises: RequestError (the statuses of :data:`STATUSES`)."""
+    deadline = t0 + request_timeout(request, settings.timeout)
+    service.check_capacity()
+    body = await read_body(request, settings.max_body_bytes, deadline)
+    upload = await parse_upload(request, body, settings.max_images)
+    return deadline, upload, top_k(request, upload.options, settings.topk)
+
+
 async def answer(request: Request, route: str, settings: ServeSettings) -> Response:
     """One ``/v1/classify`` or ``/v1/embed`` request: read, check, decode, batch, answer."""
     service: Service = request.app.state.service
     t0 = time.monotonic()
     try:
-        deadline = t0 + request_timeout(request, settings.timeout)
-        service.check_capacity()
-        body = await read_body(request, settings.max_body_bytes, deadline)
-        upload = await parse_upload(request, body, settings.max_images)
-        k = top_k(request, upload.options, settings.topk)  # (checked on /v1/embed too, where it is unused)
+        deadline, upload, k = await read_images(request, settings, service, t0)
         rows, info, timing = await service.run(route, upload, deadline)
     except RequestError as e:
         request.state.error_kind = e.kind
@@ -108,11 +125,7 @@ async def answer_attention(request: Request, settings: ServeSettings) -> Respons
     service: Service = request.app.state.service
     t0 = time.monotonic()
     try:
-        deadline = t0 + request_timeout(request, settings.timeout)
-        service.check_capacity()
-        upload = await parse_upload(request, await read_body(request, settings.max_body_bytes, deadline),
-                                    settings.max_images)
-        top_k(request, upload.options, settings.topk)  # checked as on the other image routes (unused here)
+        deadline, upload, _ = await read_images(request, settings, service, t0)
         if len(upload.images) != 1:
             raise RequestError(400, "one_image", f"/v1/attention takes one image; the request holds "
                                f"{len(upload.images)}")
@@ -278,8 +291,8 @@ class AccessLog:
     """ASGI middleware: one log line per request at info level (``METHOD PATH STATUS MS``, or a
     JSON object with ``--log-json``) and the request counters and latency histogram."""
 
-    ROUTES = {"/v1/classify": "classify", "/v1/embed": "embed", "/v1/attention": "attention", "/v1/model": "model", "/": "page",
-              "/healthz": "healthz", "/readyz": "readyz", "/metrics": "metrics"}
+    ROUTES = {"/v1/classify": "classify", "/v1/embed": "embed", "/v1/attention": "attention", "/v1/model": "model",
+              "/": "page", "/healthz": "healthz", "/readyz": "readyz", "/metrics": "metrics"}
 
     def __init__(self, app, service, log_json: bool = False):
         self.app, self.service, self.log_json = app, service, log_json

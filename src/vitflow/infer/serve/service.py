@@ -141,9 +141,8 @@ class Service:
         except Overloaded as e:
             raise _overloaded(e) from None
 
-    def decode(self, name: str, data: bytes, view: bool = False) -> torch.Tensor | tuple[torch.Tensor, tuple]:
-        """One image as the model takes it, ``uint8 (3, S, S)`` (in the decoding pool); with ``view``,
-        also the box of the image it shows (:func:`~vitflow.data.transforms.eval_view`).
+    def _read(self, name: str, data: bytes) -> torch.Tensor:
+        """One upload decoded, ``uint8 (3, H, W)`` (EXIF orientation applied).
 
         Raises:
             RequestError: 413 ``too_many_pixels`` (from the header, before decoding), 400 ``bad_image``.
@@ -153,13 +152,20 @@ class Service:
             if w * h > self.s.max_pixels:
                 raise RequestError(413, "too_many_pixels", f"{name} is {w}x{h} pixels, over the limit of "
                                    f"{self.s.max_pixels} pixels (--max-pixels)")
-            image = decode_image(data, name)
+            return decode_image(data, name)
         except CorruptImageError as e:
             if e.reason.startswith("over the decompression-bomb limit"):  # Pillow's own limit, above ours
                 raise RequestError(413, "too_many_pixels", str(e)) from None
             raise RequestError(400, "bad_image", str(e)) from None
-        pixels = self.predictor.transform(image)
-        return (pixels, eval_view(self.predictor.pp, image.shape[-1], image.shape[-2])) if view else pixels
+
+    def decode(self, name: str, data: bytes) -> torch.Tensor:
+        """One image as the model takes it, ``uint8 (3, S, S)`` (in the decoding pool). Raises as :meth:`_read`."""
+        return self.predictor.transform(self._read(name, data))
+
+    def decode_viewed(self, name: str, data: bytes) -> tuple[torch.Tensor, tuple[float, float, float, float]]:
+        """:meth:`decode` and the box of the upload the model sees (:func:`~vitflow.data.transforms.eval_view`)."""
+        image = self._read(name, data)
+        return self.predictor.transform(image), eval_view(self.predictor.pp, image.shape[-1], image.shape[-2])
 
     async def attention(self, name: str, data: bytes, deadline: float) -> tuple[dict, dict]:
         """The attention rollout of one image (:meth:`_attention`) before ``deadline``.
@@ -179,8 +185,8 @@ class Service:
         try:
             with self.admission.admit(1):
                 t0 = time.perf_counter()
-                pixels, view = await asyncio.wait_for(loop.run_in_executor(self._decode_pool, self.decode, name, data,
-                                                                           True), max(0.0, deadline - time.monotonic()))
+                pixels, view = await asyncio.wait_for(loop.run_in_executor(self._decode_pool, self.decode_viewed, name,
+                                                                           data), max(0.0, deadline - time.monotonic()))
                 t1 = time.perf_counter()
                 job = loop.run_in_executor(self._model_thread, self._attention, pixels)
                 maps = await asyncio.wait_for(job, max(0.0, deadline - time.monotonic()))
