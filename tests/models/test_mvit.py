@@ -160,9 +160,12 @@ def test_checkpointed_gradients_identical_and_plans():
 
 @pytest.mark.skipif(not cpp.available(), reason="no C++ toolchain")
 @pytest.mark.parametrize("prefix,grid,heads,d,strides,dtype", [
-    (0, (8, 8), 2, 16, (1, 4), torch.float32),   # d a multiple of 16: the register path
-    (1, (7, 9), 3, 20, (2, 2), torch.float32),   # class token, odd grid, d not a multiple of 16
+    (0, (8, 8), 2, 16, (1, 4), torch.float32),   # d a multiple of the vector width: the register path
+    (1, (7, 9), 3, 20, (2, 2), torch.float32),   # class token, odd grid, d not a multiple of 8
     (1, (6, 6), 1, 32, (1, 1), torch.bfloat16),
+    (1, (7, 9), 2, 24, (2, 2), torch.float32),   # class token, odd grid, 8-lane vectors across heads
+    (0, (16, 16), 4, 64, (2, 1), torch.float32),  # whole 4-vector groups, pooled queries
+    (1, (9, 7), 2, 48, (2, 2), torch.bfloat16),
 ])
 def test_pool_kernel_matches_pytorch_convolution(prefix, grid, heads, d, strides, dtype):
     """vitflow's C++ pooling of q, k, v against PyTorch's depthwise convolution in float64: outputs,

@@ -5,9 +5,10 @@ PyTorch's depthwise convolution on the head-major layout (timm's: each of q, k, 
 non-GEMM time in layout copies, the convolution's backward and the zero-filled gradient of each
 third of the qkv projection. :func:`pool_qkv` reads the packed projection in its token layout,
 pools each third with its depthwise kernel (shared by the heads, padding ``k // 2``) and writes
-head-major ``(B, heads, P + h*w, d)``; its backward writes the whole qkv gradient in one pass per
-third and the kernels' gradients in the same loop. Measured on MViTv2-T (``benchmarks/models/models.py
---models mvit``; see the models guide). Where the kernels are unavailable, or the call does not
+head-major ``(B, heads, P + h*w, d)``; its backward writes the whole qkv gradient once (each input
+pixel gathers from the outputs that read it) and sums the kernels' gradients along output rows in
+registers. Measured on MViTv2-T (``benchmarks/models/models.py --models mvit``) and on the plan's
+MViTv2 against its ViT (``benchmarks/models/train_flops.py``; see the benchmarks guide). Where the kernels are unavailable, or the call does not
 fit them (tracing for export or compile, CUDA, other dtypes, non-square kernels), the caller
 runs PyTorch's convolution (:func:`vitflow.models.mvit.pooling.pool_tokens`).
 """

@@ -35,24 +35,24 @@ void kernel(const T* grad, const T* x, const float* mean, const float* rstd, con
         const float mu = mean[r], rs = rstd[r];
         copy_row(x + r * cols, xhat, cols, 1.0f);
         copy_row(grad + r * cols, gr, cols, 1.0f);
-        vf s1 = {}, s2 = {};
-        for (int64_t c = 0; c < cp; c += kLanes) {  // padding lanes stay 0 in all three rows
-          const vf h = (load(xhat + c) - mu) * rs, g = load(gr + c);
-          const vf w = weight ? load(weight + c) : splat(1.0f);
-          const vf av = g * w;
-          store(xhat + c, h);
-          store(a + c, av);
+        vn s1 = {}, s2 = {};  // native vectors: kept in registers across the loop (see vec.h)
+        for (int64_t c = 0; c < cp; c += kNative) {  // padding lanes stay 0 in all three rows
+          const vn h = (loadn(xhat + c) - mu) * rs, g = loadn(gr + c);
+          const vn w = weight ? loadn(weight + c) : vn{} + 1.0f;
+          const vn av = g * w;
+          storen(xhat + c, h);
+          storen(a + c, av);
           s1 += av;
           s2 += av * h;
         }
         for (int64_t c = cols; c < cp; ++c) xhat[c] = a[c] = 0.0f;
         const float m1 = reduce_add(s1) / cols, m2 = reduce_add(s2) / cols;
         int64_t c = 0;
-        for (; c + kLanes <= cols; c += kLanes) {
-          const vf h = load(xhat + c), g = load(gr + c);
-          store16(dx + r * cols + c, (load(a + c) - m1 - h * m2) * rs);
-          store(dw + c, load(dw + c) + g * h);
-          store(db + c, load(db + c) + g);
+        for (; c + kNative <= cols; c += kNative) {
+          const vn h = loadn(xhat + c), g = loadn(gr + c);
+          storen(dx + r * cols + c, (loadn(a + c) - m1 - h * m2) * rs);
+          storen(dw + c, loadn(dw + c) + g * h);
+          storen(db + c, loadn(db + c) + g);
         }
         for (; c < cols; ++c) {
           dx[r * cols + c] = static_cast<T>((a[c] - m1 - xhat[c] * m2) * rs);

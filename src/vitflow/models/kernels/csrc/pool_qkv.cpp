@@ -2,7 +2,8 @@
 // (d, k*k) kernel shared by the heads) of each third of the packed qkv projection, read in its token
 // layout and written head-major, the layout attention's batched GEMMs read; class tokens copied. The
 // backward writes the whole qkv gradient in one pass per third (each input pixel gathers the outputs
-// that read it: no zero fill, no scatter) and sums the kernels' gradients in the same loop, per thread.
+// that read it: no zero fill, no scatter) and sums the kernels' gradients per thread, along output rows
+// in registers. Accumulators are native vectors (vec.h: kNative), four at a time where they fit.
 //
 // Shapes: qkv (B, P + H*W, 3*C) float32 or bfloat16, contiguous, C = heads * d; weights (d, k*k)
 // float32; outputs (B, heads, P + h*w, d) in qkv's dtype with h = (H + 2*(k/2) - k) / s + 1. The
@@ -68,10 +69,27 @@ inline int window_taps(const Grid& g, int64_t y0, int64_t x0, int64_t* taps, int
   return n;
 }
 
+// NV native vectors of one output's channels [c, c + NV * kNative), summed over its n taps and stored
+// head-major (dst(v): where vector v goes). NV independent accumulators keep both FMA pipes busy.
+template <int NV, typename T, typename Dst>
+inline void pool_point(const T* xb, const float* wt, const int64_t* taps, const int64_t* tokens, int n,
+                       const Grid& g, int64_t c, Dst dst) {
+  vn a[NV] = {};
+  for (int i = 0; i < n; ++i) {
+    const T* xp = xb + tokens[i] * g.ld + c;
+    const float* wp = wt + taps[i] * g.c + c;
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) a[v] += loadn(xp + v * kNative) * loadn(wp + v * kNative);
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) storen(dst(c + v * kNative), a[v]);
+}
+
 template <typename T>
 void pool_forward(const T* x, const float* wt, const Grid& g, T* out) {
   const int64_t pad = g.k / 2, nin = g.tokens_in(), nout = g.tokens_out();
-  const bool fast = g.d % kLanes == 0;  // 16-channel vectors never straddle two heads
+  const bool fast = g.d % kNative == 0;  // native vectors never straddle two heads
+  constexpr int64_t kGroup = 4 * kNative;
   at::parallel_for(0, g.b * (g.ho + g.p), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(g.c);
     std::vector<int64_t> taps(g.k * g.k), tokens(g.k * g.k);
@@ -87,12 +105,12 @@ void pool_forward(const T* x, const float* wt, const Grid& g, T* out) {
       for (int64_t ox = 0; ox < g.wo; ++ox) {
         const int n = window_taps(g, r * g.s - pad, ox * g.s - pad, taps.data(), tokens.data());
         const int64_t o = g.p + r * g.wo + ox;
-        if (fast) {  // one 16-channel accumulator in a register over all taps
-          for (int64_t c = 0; c < g.c; c += kLanes) {
-            vf a = {};
-            for (int i = 0; i < n; ++i) a += load16(xb + tokens[i] * g.ld + c) * load(wt + taps[i] * g.c + c);
-            store16(out + ((b * g.heads + c / g.d) * nout + o) * g.d + c % g.d, a);
-          }
+        if (fast) {
+          T* ob = out + (b * g.heads * nout + o) * g.d;
+          auto dst = [&](int64_t c) { return ob + (c / g.d) * nout * g.d + c % g.d; };
+          int64_t c = 0;
+          for (; c + kGroup <= g.c; c += kGroup) pool_point<4>(xb, wt, taps.data(), tokens.data(), n, g, c, dst);
+          for (; c < g.c; c += kNative) pool_point<1>(xb, wt, taps.data(), tokens.data(), n, g, c, dst);
           continue;
         }
         std::fill(acc.begin(), acc.end(), 0.0f);
@@ -121,11 +139,98 @@ inline int reading_outputs(const Grid& g, int64_t r, int64_t ix, int64_t* taps, 
   return n;
 }
 
+// Where each native vector of an image's channels [c, c + NV * kNative) starts in the head-major gradient
+// (B, heads, P + h*w, d) at output token 0 of the grid.
+template <int NV, typename T>
+inline void head_rows(const T* grad, const Grid& g, int64_t b, int64_t c, const T** rows) {
+  const int64_t nout = g.tokens_out();
+  for (int v = 0; v < NV; ++v) {
+    const int64_t cv = c + v * kNative;
+    rows[v] = grad + ((b * g.heads + cv / g.d) * nout + g.p) * g.d + cv % g.d;
+  }
+}
+
+// One input pixel's gradient, channels [c, c + NV * kNative): the outputs that read it (outs, taps), gathered.
+template <int NV, typename T>
+inline void dx_point(const T* grad, const float* wt, const int64_t* taps, const int64_t* outs, int n, const Grid& g,
+                     int64_t b, int64_t c, T* dst) {
+  const T* rows[NV];
+  head_rows<NV>(grad, g, b, c, rows);
+  vn a[NV] = {};
+  for (int i = 0; i < n; ++i) {
+    const float* wp = wt + taps[i] * g.c + c;
+    const int64_t o = outs[i] * g.d;
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) a[v] += loadn(rows[v] + o) * loadn(wp + v * kNative);
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) storen(dst + c + v * kNative, a[v]);
+}
+
+// Tap (ky, kx)'s kernel gradient from output row oy of image b, channels [c, c + NV * kNative): the sum over the
+// row's outputs of their gradient times the input pixel the tap read, added into dw (k*k, C).
+template <int NV, typename T>
+inline void dw_row(const T* grad, const T* xb, const Grid& g, int64_t b, int64_t oy, int64_t iy, int64_t kx,
+                   int64_t lo, int64_t hi, int64_t c, float* dw) {
+  const T* rows[NV];
+  head_rows<NV>(grad, g, b, c, rows);
+  vn a[NV] = {};
+  for (int64_t ox = lo; ox < hi; ++ox) {
+    const T* xp = xb + (iy * g.w + ox * g.s - g.k / 2 + kx) * g.ld + c;
+    const int64_t o = (oy * g.wo + ox) * g.d;
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) a[v] += loadn(rows[v] + o) * loadn(xp + v * kNative);
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) storen(dw + c + v * kNative, loadn(dw + c + v * kNative) + a[v]);
+}
+
+// The backward where native vectors never straddle two heads, one image per job in two passes over its data
+// (in cache between them): every input pixel gathers its gradient from the outputs that read it, then every
+// tap's kernel gradient is summed along each output row, in registers.
+template <typename T>
+void pool_backward_vec(const T* grad, const T* x, const float* wt, const Grid& g, T* dx, float* parts) {
+  const int64_t nin = g.tokens_in(), nout = g.tokens_out(), kk = g.k * g.k, pad = g.k / 2;
+  constexpr int64_t kGroup = 4 * kNative;
+  at::parallel_for(0, g.b, 1, [&](int64_t begin, int64_t end) {
+    float* dw = parts + at::get_thread_num() * kk * g.c;
+    std::vector<int64_t> taps(kk), outs(kk);
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t t = 0; t < g.p; ++t)  // class tokens' gradients: copied back
+        for (int64_t hd = 0; hd < g.heads; ++hd)
+          copy_row(grad + ((b * g.heads + hd) * nout + t) * g.d, dx + (b * nin + t) * g.ld + hd * g.d, g.d, 1.0f);
+      for (int64_t r = 0; r < g.h; ++r)
+        for (int64_t ix = 0; ix < g.w; ++ix) {
+          const int n = reading_outputs(g, r, ix, taps.data(), outs.data());
+          T* dst = dx + (b * nin + g.p + r * g.w + ix) * g.ld;
+          int64_t c = 0;
+          for (; c + kGroup <= g.c; c += kGroup) dx_point<4>(grad, wt, taps.data(), outs.data(), n, g, b, c, dst);
+          for (; c < g.c; c += kNative) dx_point<1>(grad, wt, taps.data(), outs.data(), n, g, b, c, dst);
+        }
+      const T* xb = x + (b * nin + g.p) * g.ld;
+      for (int64_t oy = 0; oy < g.ho; ++oy)
+        for (int64_t ky = 0; ky < g.k; ++ky) {
+          const int64_t iy = oy * g.s - pad + ky;
+          if (iy < 0 || iy >= g.h) continue;
+          for (int64_t kx = 0; kx < g.k; ++kx) {
+            int64_t lo = 0, hi = g.wo;  // the outputs of the row whose tap kx lies inside the grid
+            while (lo < hi && lo * g.s - pad + kx < 0) ++lo;
+            while (hi > lo && (hi - 1) * g.s - pad + kx >= g.w) --hi;
+            float* dwt = dw + (ky * g.k + kx) * g.c;
+            int64_t c = 0;
+            for (; c + kGroup <= g.c; c += kGroup) dw_row<4>(grad, xb, g, b, oy, iy, kx, lo, hi, c, dwt);
+            for (; c < g.c; c += kNative) dw_row<1>(grad, xb, g, b, oy, iy, kx, lo, hi, c, dwt);
+          }
+        }
+    }
+  });
+}
+
 // dx (into the qkv gradient, row length g.ld) and the per-thread kernel gradients parts (threads, k*k, C)
 template <typename T>
 void pool_backward(const T* grad, const T* x, const float* wt, const Grid& g, T* dx, float* parts) {
+  if (g.d % kNative == 0) return pool_backward_vec(grad, x, wt, g, dx, parts);
   const int64_t nin = g.tokens_in(), nout = g.tokens_out(), kk = g.k * g.k;
-  const bool fast = g.d % kLanes == 0;
   at::parallel_for(0, g.b * (g.h + g.p), 1, [&](int64_t begin, int64_t end) {
     float* dw = parts + at::get_thread_num() * kk * g.c;
     std::vector<float> acc(g.c);
@@ -142,21 +247,6 @@ void pool_backward(const T* grad, const T* x, const float* wt, const Grid& g, T*
         const int n = reading_outputs(g, r, ix, taps.data(), outs.data());
         const int64_t token = b * nin + g.p + r * g.w + ix;
         const T* xp = x + token * g.ld;
-        if (fast) {  // per 16 channels: the input's gradient in a register, x loaded once
-          for (int64_t c = 0; c < g.c; c += kLanes) {
-            const T* gb = grad + ((b * g.heads + c / g.d) * nout + g.p) * g.d + c % g.d;
-            const vf xv = load16(xp + c);
-            vf a = {};
-            for (int i = 0; i < n; ++i) {
-              const vf gv = load16(gb + outs[i] * g.d);
-              a += gv * load(wt + taps[i] * g.c + c);
-              float* dwp = dw + taps[i] * g.c + c;
-              store(dwp, load(dwp) + gv * xv);
-            }
-            store16(dx + token * g.ld + c, a);
-          }
-          continue;
-        }
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int i = 0; i < n; ++i) {
           for (int64_t hd = 0; hd < g.heads; ++hd) {
