@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from test_plan import CLOCK, HYMENOPTERA, plan
 
 from helpers import HYMENOPTERA_TAR, cifar_subset, need
@@ -127,6 +128,10 @@ def test_a_race_on_real_photos_halves_the_families_and_continues_the_winner_with
         assert [r["rung"] for r in done] == list(range(1, len(done) + 1))
         assert all(0 <= r["top1_ci95"][0] <= r["top1"] <= r["top1_ci95"][1] <= 1 for r in done)
         assert (run / "race" / name).is_dir() == (name != winner)  # the winner's folder became the run
+    for name in record["candidates"]:  # the plan's model keeps its rule (math); the others time their backends
+        folder = run if name == winner else run / "race" / name
+        attention = yaml.safe_load((folder / "config.yaml").read_text())["model"]["attention"]
+        assert attention == ("math" if name == cfg.model.name else "auto")
     # the winner continued from its weights: the run's records begin at its first steps, and go on past the race
     saved = build_config(config_file=run / "config.yaml", checks=CONFIG_CHECKS)
     assert saved.model.name == winner and summary["run_dir"] == str(run)
