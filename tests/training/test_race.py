@@ -20,6 +20,8 @@ from test_plan import CLOCK, HYMENOPTERA, plan
 from helpers import HYMENOPTERA_TAR, cifar_subset, need
 from vitflow.cli.commands import CONFIG_CHECKS
 from vitflow.config import ConfigError, build_config
+from vitflow.data import DataError
+from vitflow.data.sources.splits import parse_split
 from vitflow.training import train
 from vitflow.training.plan.recipe import planned_config
 from vitflow.training.plan.rivals import RACE_SHARE, halving, rung_seconds
@@ -110,6 +112,27 @@ def test_data_without_a_validation_split_gets_one_held_out_of_train(tmp_path: Pa
     user = planned_config([f"data.path={folder}", "train.default_budget=5m", "data.val_split=test"], CONFIG_CHECKS)
     assert (user.data.train_split, user.data.val_split) == ("train", "test")
 
+
+
+def test_a_folder_of_class_folders_gets_validation_and_test_held_out(tmp_path: Path, monkeypatch, caplog):
+    """Class folders and nothing else (no train / val / test): the plan holds out a validation
+    slice to choose on and a test slice to score the finished model on, disjoint from each other and
+    from training; with too few images to hold any out, the data's message comes before any timing."""
+    monkeypatch.setattr("vitflow.training.plan.recipe.measure_clock", lambda *a: CLOCK)
+    folder = cifar_subset(tmp_path / "cifar", n_train=400, n_test=1) / "train"  # <class>/<image>.jpg
+    with caplog.at_level(logging.INFO, logger="vitflow"):
+        cfg = planned_config([f"data.path={folder}", "train.default_budget=5m"], CONFIG_CHECKS)
+    d = cfg.data
+    assert (d.train_split, d.val_split, d.test_split) == ("train[:-80]", "train[-80:-40]", "train[-40:]")
+    assert "40 of the 400 images held out to choose on" in caplog.text
+    parts = [parse_split(s).select(400) for s in (d.train_split, d.val_split, d.test_split)]
+    assert [len(p) for p in parts] == [320, 40, 40] and len(set(np.concatenate(parts))) == 400
+    user = planned_config([f"data.path={folder}", "train.default_budget=5m", "data.test_split=none"], CONFIG_CHECKS)
+    assert (user.data.train_split, user.data.val_split, user.data.test_split) == ("train[:-40]", "train[-40:]", "none")
+    small = cifar_subset(tmp_path / "small", n_train=200, n_test=1) / "train"
+    monkeypatch.setattr("vitflow.training.plan.recipe.measure_clock", lambda *a: pytest.fail("timed"))
+    with pytest.raises(DataError, match="has no validation or test split"):
+        planned_config([f"data.path={small}", "train.default_budget=5m"], CONFIG_CHECKS)
 
 def test_a_race_on_real_photos_halves_the_families_and_continues_the_winner_within_the_budget(tmp_path: Path,
                                                                                                 caplog):

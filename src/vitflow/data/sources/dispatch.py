@@ -163,15 +163,10 @@ def open_training(cfg: DataConfig, label: str = "data.path") -> ImageSource:
     return open_split(cfg.path, cfg.train_split, cfg.source, label=label, cfg=cfg)
 
 
-def resolve_eval_splits(cfg: DataConfig) -> tuple[str | None, str | None]:
+def find_eval_splits(cfg: DataConfig) -> tuple[str | None, str | None]:
     """``(val_split, test_split)`` expressions for ``cfg``: ``auto`` becomes the data's
     ``val`` / ``valid`` / ``validation`` (resp. ``test``) split when it has one, else ``None``;
-    ``none`` becomes ``None``.
-
-    Raises:
-        DataError: neither a validation nor a test split (the message lists the splits found and
-            how to hold some images out).
-    """
+    ``none`` becomes ``None``. Both may be ``None`` (a folder of class folders alone)."""
     found: list[str] | None = None
 
     def resolve(value: str, names: tuple[str, ...]) -> str | None:
@@ -183,9 +178,20 @@ def resolve_eval_splits(cfg: DataConfig) -> tuple[str | None, str | None]:
         found = found if found is not None else split_names(cfg.path, cfg.source, cfg)
         return next((n for n in names if n in found), None)
 
-    val, test = resolve(cfg.val_split, VAL_NAMES), resolve(cfg.test_split, TEST_NAMES)
+    return resolve(cfg.val_split, VAL_NAMES), resolve(cfg.test_split, TEST_NAMES)
+
+
+def resolve_eval_splits(cfg: DataConfig) -> tuple[str | None, str | None]:
+    """:func:`find_eval_splits`, at least one of them.
+
+    Raises:
+        DataError: neither a validation nor a test split (the message lists the splits found and
+            how to hold some images out).
+    """
+    val, test = find_eval_splits(cfg)
     if val is None and test is None:
-        raise DataError(MESSAGES["no_eval_split"].format(path=cfg.path, splits=", ".join(found or []),
+        found = [] if cfg.val_split == cfg.test_split == "none" else split_names(cfg.path, cfg.source, cfg)
+        raise DataError(MESSAGES["no_eval_split"].format(path=cfg.path, splits=", ".join(found),
                                                          train=cfg.train_split))
     return val, test
 

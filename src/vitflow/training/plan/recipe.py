@@ -29,7 +29,7 @@ from vitflow.config.build import flatten
 from vitflow.config.messages import MESSAGES
 from vitflow.data import DataError
 from vitflow.data.remote.fs import configure_from as configure_remote
-from vitflow.data.sources.dispatch import open_split, open_training, resolve_eval_splits
+from vitflow.data.sources.dispatch import find_eval_splits, open_split, open_training, resolve_eval_splits
 from vitflow.data.sources.splits import parse_split
 from vitflow.data.sources.table import reads_path
 from vitflow.models import config_class, family_of, model_kwargs
@@ -86,7 +86,7 @@ def profile_data(d: DataConfig) -> DataProfile:
     configure_remote(d)  # the run's retries, backoff and cache apply to the plan's reads too
     src = open_training(d)  # shards: streamed, the index's counts, the first shard's sizes
     profile = _profile(d.path, len(src), len(src.classes), src.sample_sizes(SAMPLE))
-    val, test = resolve_eval_splits(d)
+    val, test = find_eval_splits(d)  # neither: the plan holds both out of train (held_out_keys)
     counts = [len(open_split(d.path, s, d.source, classes=src.classes, cfg=d)) if s else 0 for s in (val, test)]
     return dataclasses.replace(profile, val_images=counts[0], test_images=counts[1])
 
@@ -197,8 +197,12 @@ def planned_config(overrides: list[str], checks, preset: str | None = None, like
              profile.images, profile.classes, profile.long_side, profile.short_side, profile.val_images,
              profile.test_images)
     held = held_out_count(profile, base.data, user)
-    held_out = held_out_keys(base.data.train_split, held, profile.images) if held else []
-    profile = dataclasses.replace(profile, images=profile.images - held, val_images=profile.val_images + held)
+    test = bool(held) and not profile.test_images and "data.test_split" not in user  # no test split either
+    if not (held or profile.val_images or profile.test_images):
+        resolve_eval_splits(base.data)  # the data's splits and how to hold some out, before any timing
+    held_out = held_out_keys(base.data.train_split, held, profile.images, test) if held else []
+    profile = dataclasses.replace(profile, images=profile.images - held * (1 + test),
+                                  val_images=profile.val_images + held, test_images=profile.test_images + held * test)
     facts = make_facts(base.model, base.train.device, profile, user, continues=architecture is not None)
     values = flatten(base.to_dict())
     values.update({k: v for k, v, _ in held_out})
@@ -246,7 +250,8 @@ def plan_candidate(overrides: list[str], checks, preset: str | None, like: Clock
 
 
 def held_out_count(profile: DataProfile, d: DataConfig, user: set[str]) -> int:
-    """Training images to hold out as the validation split: :data:`HELD_OUT` of them (at most
+    """Training images to hold out as the validation split (and as many again as the test split
+    where the data has none either, :func:`held_out_keys`): :data:`HELD_OUT` of them (at most
     :data:`MAX_HELD_OUT`) when the data has no validation split and :data:`MIN_HOLDING` training
     images or more, so that checkpoints, early stopping and the race are chosen on them, never on
     the test split; 0 when the user set ``data.train_split`` or ``data.val_split``, or the training
@@ -257,14 +262,22 @@ def held_out_count(profile: DataProfile, d: DataConfig, user: set[str]) -> int:
     return min(MAX_HELD_OUT, round(profile.images * HELD_OUT))
 
 
-def held_out_keys(train_split: str, k: int, images: int) -> list[tuple[str, str, str]]:
+def held_out_keys(train_split: str, k: int, images: int, test: bool = False) -> list[tuple[str, str, str]]:
     """``(key, value, why)`` of the slices holding the last ``k`` of the ``images`` of
-    ``train_split`` out (a slice is a fixed pseudo-random draw: each class in about its share)."""
+    ``train_split`` out as the validation split (a slice is a fixed pseudo-random draw: each class
+    in about its share); with ``test`` (data with neither split: a folder of class folders) the
+    ``k`` before them too, as the test split the finished model is scored on."""
     name = train_split.strip()
-    why = (f"the data has no validation split: {k} of the {images} training images held out to choose on "
-           "(checkpoints, the race), so the test split chooses nothing")
-    return [("data.train_split", f"{name}[:-{k}]", f"the training images but the {k} held out"),
-            ("data.val_split", f"{name}[-{k}:]", why)]
+    if not test:
+        why = (f"the data has no validation split: {k} of the {images} training images held out to choose on "
+               "(checkpoints, the race), so the test split chooses nothing")
+        return [("data.train_split", f"{name}[:-{k}]", f"the training images but the {k} held out"),
+                ("data.val_split", f"{name}[-{k}:]", why)]
+    why = (f"the data has no validation or test split: {k} of the {images} images held out to choose on "
+           "(checkpoints, the race)")
+    return [("data.train_split", f"{name}[:-{2 * k}]", f"the images but the {2 * k} held out"),
+            ("data.val_split", f"{name}[-{2 * k}:-{k}]", why),
+            ("data.test_split", f"{name}[-{k}:]", f"{k} more held out, never chosen on: the finished model's score")]
 
 
 def named_geometry(name: str, m: ModelConfig) -> str:
