@@ -26,53 +26,64 @@ namespace {
 
 using namespace vitflow_vec;
 
-// C[r, 16v:16v+16] = sum_k A[r, k] B[k, 16v:16v+16] for r < R, v < NV: the accumulators stay in registers.
+// C[r, v*kNative : (v+1)*kNative] = sum_k A[r, k] B[k, same columns] for r < R, v < NV native vectors: the
+// accumulators stay in registers (native vectors: vec.h).
 template <int R, int NV>
 inline void micro_kernel(const float* a, int64_t sr, int64_t sk, const float* b, int64_t ldb, int64_t depth, float* c,
                          int64_t ldc) {
-  vf acc[R][NV];
+  vn acc[R][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) acc[r][v] = vn{};
   for (int64_t k = 0; k < depth; ++k) {
-    vf bv[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) bv[v] = load(b + k * ldb + v * kLanes);
+    vn bv[NV];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) bv[v] = loadn(b + k * ldb + v * kNative);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float x = a[r * sr + k * sk];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int v = 0; v < NV; ++v) acc[r][v] += x * bv[v];
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) store(c + r * ldc + v * kLanes, acc[r][v]);
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) storen(c + r * ldc + v * kNative, acc[r][v]);
 }
 
 // C (m x n, n a multiple of 16) = A (m x depth; A[r, k] at a[r * sr + k * sk]: sr = row stride, sk = 1 for
-// row-major A, the other way round for a transposed one) @ B (depth x n, row stride ldb). Row blocks of 4 (8 where
-// the width is at most 32) keep up to 16 accumulators in registers.
+// row-major A, the other way round for a transposed one) @ B (depth x n, row stride ldb). With AVX-512, row
+// blocks of 4 (8 where the width is at most 32) over up to 64 columns keep up to 16 accumulators in its 32
+// registers; with AVX2 (16 registers), blocks of 6 rows over 16 columns keep 12.
 void small_gemm(const float* a, int64_t sr, int64_t sk, const float* b, int64_t ldb, int64_t m, int64_t n,
                 int64_t depth, float* c, int64_t ldc) {
+#define VITFLOW_BLOCK(R, NV) \
+  for (; i + R <= m; i += R) micro_kernel<R, NV>(a + i * sr, sr, sk, bb, ldb, depth, cc + i * ldc, ldc); \
+  for (; i < m; ++i) micro_kernel<1, NV>(a + i * sr, sr, sk, bb, ldb, depth, cc + i * ldc, ldc);
+#ifdef __AVX512F__
   for (int64_t c0 = 0; c0 < n; c0 += 4 * kLanes) {
     const int64_t nv = std::min<int64_t>(4, (n - c0) / kLanes);
     const float* bb = b + c0;
     float* cc = c + c0;
     int64_t i = 0;
-#define VITFLOW_BLOCK(R, NV) \
-  for (; i + R <= m; i += R) micro_kernel<R, NV>(a + i * sr, sr, sk, bb, ldb, depth, cc + i * ldc, ldc); \
-  for (; i < m; ++i) micro_kernel<1, NV>(a + i * sr, sr, sk, bb, ldb, depth, cc + i * ldc, ldc);
     switch (nv) {
       case 1: VITFLOW_BLOCK(8, 1) break;
       case 2: VITFLOW_BLOCK(8, 2) break;
       case 3: VITFLOW_BLOCK(4, 3) break;
       default: VITFLOW_BLOCK(4, 4) break;
     }
-#undef VITFLOW_BLOCK
   }
+#else
+  for (int64_t c0 = 0; c0 < n; c0 += kLanes) {
+    const float* bb = b + c0;
+    float* cc = c + c0;
+    int64_t i = 0;
+    VITFLOW_BLOCK(6, kLanes / kNative)
+  }
+#endif
+#undef VITFLOW_BLOCK
 }
 
 struct Geometry {
@@ -248,8 +259,8 @@ void backward_kernel(const T* qkv, const T* probs, const T* grad, const Geometry
         for (int64_t i = 0; i < g.n; ++i) {
           float *pi = x.s + i * g.np, *dsi = x.ds + i * g.np;
           copy_row(probs_wh + i * g.n, pi, g.n, 1.0f);  // P as the forward saved it (the padding stays 0)
-          vf dot = {};
-          for (int64_t j = 0; j < g.np; j += kLanes) dot += load(pi + j) * load(dsi + j);
+          vn dot = {};
+          for (int64_t j = 0; j < g.np; j += kNative) dot += loadn(pi + j) * loadn(dsi + j);
           const float dsum = reduce_add(dot);
           for (int64_t j = 0; j < g.np; j += kLanes) store(dsi + j, load(pi + j) * (load(dsi + j) - dsum));
           if (dbias) add_bias_row(dbias + slot * nn + i * g.n, dsi, g.n);  // (the same row-wise add)
