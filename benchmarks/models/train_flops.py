@@ -6,8 +6,8 @@
 For each input size, the plan's compact ViT and the two families raced against it at the same token
 grid (``vitflow.training.plan.rivals.RIVALS``: at 32 px ``vit_cifar_patch4_32``, ``mvitv2_cifar_32``,
 ``swin_cifar_patch2_window4_32``; at 64 px ``vit_compact_patch8_64``, ``mvitv2_compact_64``,
-``swin_compact_patch4_window4_64``), built as the plan trains them on a CPU: ``attention=math`` and,
-for the ViT, PatchDropout 0.5. It times training steps (forward, cross-entropy, backward, vitflow's
+``swin_compact_patch4_window4_64``), built as the plan trains them on a CPU: the ViT with
+``attention=math`` and PatchDropout 0.5, the others with ``attention=auto`` (their backends timed). It times training steps (forward, cross-entropy, backward, vitflow's
 AdamW, ``zero_grad``; synthetic inputs, 10 classes) for ``--seconds`` per model per round, the models
 in an order rotating between rounds, and prints per model the median images/s (min-max), the FLOPs
 of one training image and their product, the achieved GFLOP/s, with its ratio to the ViT's.
@@ -46,7 +46,7 @@ from vitflow.models.registry import family_of  # noqa: E402
 from vitflow.runtime import configure_allocator  # noqa: E402
 from vitflow.training.plan.rivals import RIVALS  # noqa: E402
 
-PLAN_ARGS = {"vit": dict(attention="math", patch_drop_rate=0.5)}  # per family; every family: attention=math
+PLAN_ARGS = {"vit": dict(attention="math", patch_drop_rate=0.5)}  # per family; the race's others: attention=auto
 
 
 def _pool_forward_flops(qkv_shape, wq, wk, wv, prefix, h, w, heads, kernel, *args, out_shape=None, **kwargs) -> int:
@@ -72,11 +72,12 @@ def counter():
 
 def build(name: str) -> torch.nn.Module:
     family = family_of(name).name
-    return vitflow.create_model(name, num_classes=10, **PLAN_ARGS.get(family, dict(attention="math")))
+    return vitflow.create_model(name, num_classes=10, **PLAN_ARGS.get(family, dict(attention="auto")))
 
 
 def train_gflop(name: str, size: int, dtype: torch.dtype | None) -> float:
-    """GFLOP of one training image (forward + backward), counted on a batch of 8 after a warm-up step."""
+    """GFLOP of one training image (forward + backward), counted on a batch of 8 after a warm-up step
+    (``attention=auto`` times its backends there, uncounted)."""
     model = build(name).train()
     onednn.fp32_gemm()  # decided before counting: its one-off timing's GEMMs are not the model's
     x, y = torch.randn(8, 3, size, size), torch.randint(0, 10, (8,))

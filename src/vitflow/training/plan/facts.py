@@ -1,5 +1,5 @@
-"""What the plan's rules know of a run besides its values (:class:`Facts`), and the model input
-size as the run stands (:func:`input_size`)."""
+"""What the plan's rules know of a run besides its values (:class:`Facts`), the data's profile
+they start from (:class:`DataProfile`), and the model input size as the run stands (:func:`input_size`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,22 @@ from vitflow.models import model_kwargs
 from vitflow.training.plan.clock import Clock
 
 Values = dict[str, Any]  # dotted key -> the run's value as it stands
+
+
+@dataclass(frozen=True)
+class DataProfile:
+    """What the plan needs to know of the data: the training split's ``images``, ``classes``, the
+    median ``short_side`` / ``long_side`` in pixels of a sample of images (``recipe.SAMPLE``) and
+    whether they all have one size (``uniform``), and the images of the validation and test
+    splits the run evaluates (``val_images``, ``test_images``)."""
+
+    images: int
+    classes: int
+    short_side: int
+    long_side: int
+    uniform: bool = False
+    val_images: int = 0
+    test_images: int = 0
 
 
 @dataclass(frozen=True)

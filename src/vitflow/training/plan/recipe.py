@@ -4,7 +4,8 @@ data.path=PHOTOS`` with no preset (or ``--preset photos-auto``), and a fine-tune
 a config) the same way.
 
 :func:`profile_data` looks at the data (image count, classes, the typical size from the headers of
-a sample, the held-out images); the rules of :mod:`vitflow.training.plan.rules` choose the model and
+a sample, the held-out images; slices of train where the data has no validation split:
+:mod:`vitflow.training.plan.holdout`); the rules of :mod:`vitflow.training.plan.rules` choose the model and
 the batch; :func:`vitflow.training.plan.clock.measure_clock` times a few real steps of that model on this
 machine; the rules then choose the length (on a CPU, fitted to ``train.time_budget`` or
 ``train.default_budget``), the warmup, the evaluations (spaced in time) and the augmentation
@@ -29,8 +30,7 @@ from vitflow.config.build import flatten
 from vitflow.config.messages import MESSAGES
 from vitflow.data import DataError
 from vitflow.data.remote.fs import configure_from as configure_remote
-from vitflow.data.sources.dispatch import find_eval_splits, open_split, open_training, resolve_eval_splits
-from vitflow.data.sources.splits import parse_split
+from vitflow.data.sources.dispatch import find_eval_splits, open_split, open_training
 from vitflow.data.sources.table import reads_path
 from vitflow.models import config_class, family_of, model_kwargs
 from vitflow.models.pretrained.backbones import BACKBONES, choose_backbone
@@ -39,7 +39,8 @@ from vitflow.models.pretrained.hub import resolve_pretrained
 from vitflow.runtime import resolve_device
 from vitflow.training.plan.clock import Clock, measure_clock
 from vitflow.training.plan.continuation import continued_run
-from vitflow.training.plan.facts import Facts
+from vitflow.training.plan.facts import DataProfile, Facts
+from vitflow.training.plan.holdout import hold_out
 from vitflow.training.plan.rules import (
     augment_tier,
     budget_steps,
@@ -55,23 +56,6 @@ log = logging.getLogger(__name__)
 PHOTO_PRESET = "photos-auto"
 FINETUNE_PRESET = "finetune"
 SAMPLE = 64  # images whose headers give the typical size
-HELD_OUT, MAX_HELD_OUT, MIN_HOLDING = 0.1, 2000, 300  # data without a validation split: the share held out of train
-
-
-@dataclasses.dataclass(frozen=True)
-class DataProfile:
-    """What the plan needs to know of the data: the training split's ``images``, ``classes``, the
-    median ``short_side`` / ``long_side`` in pixels of a sample of :data:`SAMPLE` images and
-    whether they all have one size (``uniform``), and the images of the validation and test
-    splits the run evaluates (``val_images``, ``test_images``)."""
-
-    images: int
-    classes: int
-    short_side: int
-    long_side: int
-    uniform: bool = False
-    val_images: int = 0
-    test_images: int = 0
 
 
 def profile_data(d: DataConfig) -> DataProfile:
@@ -86,7 +70,7 @@ def profile_data(d: DataConfig) -> DataProfile:
     configure_remote(d)  # the run's retries, backoff and cache apply to the plan's reads too
     src = open_training(d)  # shards: streamed, the index's counts, the first shard's sizes
     profile = _profile(d.path, len(src), len(src.classes), src.sample_sizes(SAMPLE))
-    val, test = find_eval_splits(d)  # neither: the plan holds both out of train (held_out_keys)
+    val, test = find_eval_splits(d)  # neither: the plan holds both out of train (plan.holdout)
     counts = [len(open_split(d.path, s, d.source, classes=src.classes, cfg=d)) if s else 0 for s in (val, test)]
     return dataclasses.replace(profile, val_images=counts[0], test_images=counts[1])
 
@@ -196,13 +180,7 @@ def planned_config(overrides: list[str], checks, preset: str | None = None, like
     log.info("plan: %d training images of %d classes, median %dx%d px; %d validation and %d test images",
              profile.images, profile.classes, profile.long_side, profile.short_side, profile.val_images,
              profile.test_images)
-    held = held_out_count(profile, base.data, user)
-    test = bool(held) and not profile.test_images and "data.test_split" not in user  # no test split either
-    if not (held or profile.val_images or profile.test_images):
-        resolve_eval_splits(base.data)  # the data's splits and how to hold some out, before any timing
-    held_out = held_out_keys(base.data.train_split, held, profile.images, test) if held else []
-    profile = dataclasses.replace(profile, images=profile.images - held * (1 + test),
-                                  val_images=profile.val_images + held, test_images=profile.test_images + held * test)
+    held_out, profile = hold_out(profile, base.data, user)
     facts = make_facts(base.model, base.train.device, profile, user, continues=architecture is not None)
     values = flatten(base.to_dict())
     values.update({k: v for k, v, _ in held_out})
@@ -247,37 +225,6 @@ def plan_candidate(overrides: list[str], checks, preset: str | None, like: Clock
         return planned_config([*overrides, f"model.name={name}", "train.race=none"], checks, preset, like)
     finally:
         quiet.setLevel(level)
-
-
-def held_out_count(profile: DataProfile, d: DataConfig, user: set[str]) -> int:
-    """Training images to hold out as the validation split (and as many again as the test split
-    where the data has none either, :func:`held_out_keys`): :data:`HELD_OUT` of them (at most
-    :data:`MAX_HELD_OUT`) when the data has no validation split and :data:`MIN_HOLDING` training
-    images or more, so that checkpoints, early stopping and the race are chosen on them, never on
-    the test split; 0 when the user set ``data.train_split`` or ``data.val_split``, or the training
-    split is already a slice."""
-    if (profile.val_images or profile.images < MIN_HOLDING or {"data.train_split", "data.val_split"} & user
-            or parse_split(d.train_split).sliced):
-        return 0
-    return min(MAX_HELD_OUT, round(profile.images * HELD_OUT))
-
-
-def held_out_keys(train_split: str, k: int, images: int, test: bool = False) -> list[tuple[str, str, str]]:
-    """``(key, value, why)`` of the slices holding the last ``k`` of the ``images`` of
-    ``train_split`` out as the validation split (a slice is a fixed pseudo-random draw: each class
-    in about its share); with ``test`` (data with neither split: a folder of class folders) the
-    ``k`` before them too, as the test split the finished model is scored on."""
-    name = train_split.strip()
-    if not test:
-        why = (f"the data has no validation split: {k} of the {images} training images held out to choose on "
-               "(checkpoints, the race), so the test split chooses nothing")
-        return [("data.train_split", f"{name}[:-{k}]", f"the training images but the {k} held out"),
-                ("data.val_split", f"{name}[-{k}:]", why)]
-    why = (f"the data has no validation or test split: {k} of the {images} images held out to choose on "
-           "(checkpoints, the race)")
-    return [("data.train_split", f"{name}[:-{2 * k}]", f"the images but the {2 * k} held out"),
-            ("data.val_split", f"{name}[-{2 * k}:-{k}]", why),
-            ("data.test_split", f"{name}[-{k}:]", f"{k} more held out, never chosen on: the finished model's score")]
 
 
 def named_geometry(name: str, m: ModelConfig) -> str:
