@@ -56,6 +56,23 @@ def test_a_held_out_split_without_a_class_warns_naming_the_split_and_the_class(t
     assert _warning(caplog) == []
 
 
+
+def test_a_training_slice_without_a_class_warns_that_the_model_never_sees_it(tmp_path, caplog):
+    """A slice of the split that defines the classes (the plan's held-out ``train[:-K]`` on class
+    folders alone) can leave a class of one or two images out of training: one warning naming it."""
+    root = _data(tmp_path / "d")
+    with caplog.at_level(logging.WARNING):
+        few = open_split(root, "train[:1]")  # one image: two of the three classes absent
+    assert len(few) == 1 and few.classes == CLASSES
+    (msg,) = _warning(caplog)
+    assert msg.startswith("split 'train[:1]' of ") and "has no images of 2 of the 3 classes" in msg
+    assert msg.endswith("a model trained on it never sees them (too few images of them to slice: give them more, "
+                        "or name the splits)")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        open_split(root, "train[:-2]")  # 16 of 18: every class kept
+    assert _warning(caplog) == []
+
 def test_an_empty_class_folder_of_the_training_split_stays_an_error(tmp_path):
     root = _data(tmp_path / "d")
     (root / "train" / "hornets").mkdir()

@@ -124,7 +124,7 @@ def test_a_folder_of_class_folders_gets_validation_and_test_held_out(tmp_path: P
         cfg = planned_config([f"data.path={folder}", "train.default_budget=5m"], CONFIG_CHECKS)
     d = cfg.data
     assert (d.train_split, d.val_split, d.test_split) == ("train[:-80]", "train[-80:-40]", "train[-40:]")
-    assert "40 of the 400 images held out to choose on" in caplog.text
+    assert "40 of the 400 images held out as the validation split" in caplog.text
     parts = [parse_split(s).select(400) for s in (d.train_split, d.val_split, d.test_split)]
     assert [len(p) for p in parts] == [320, 40, 40] and len(set(np.concatenate(parts))) == 400
     user = planned_config([f"data.path={folder}", "train.default_budget=5m", "data.test_split=none"], CONFIG_CHECKS)

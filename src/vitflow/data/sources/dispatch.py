@@ -112,7 +112,8 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
 
     A split opened with ``classes`` (a validation, test or evaluation split) that has no image of
     some of them is opened with a warning naming the split and those classes (its macro averages
-    and per-class tables then count only the classes present: :mod:`vitflow.metrics.classification`).
+    and per-class tables then count only the classes present: :mod:`vitflow.metrics.classification`);
+    so is a slice of the split that defines the classes (a training slice without some of them).
     """
     cfg = cfg or DataConfig()
     kind = kind_of(path, source, label)
@@ -129,11 +130,15 @@ def open_split(path: str | Path | None, split: str | Split, source: str = "auto"
     src = src.subset(sp.select(len(src)))
     if cfg.exclude or cfg.relabel:
         src = apply_fixes(src, read_fixes(cfg.exclude, cfg.relabel), split if isinstance(split, str) else sp.name)
-    if classes is not None and (absent := absent_classes(src)):  # a held-out split, labelled with the run's classes
+    # a held-out split (labelled with the run's classes), or a slice of the split that defines them
+    if (classes is not None or sp.sliced) and (absent := absent_classes(src)):
         shown = ", ".join(absent[:10]) + (f" and {len(absent) - 10} more" if len(absent) > 10 else "")
-        log.warning("split %r of %s has no images of %d of the %d classes (%s): its macro averages and per-class "
-                    "tables count only the classes present (%d of %d)", split if isinstance(split, str) else sp.name,
-                    path, len(absent), len(src.classes), shown, len(src.classes) - len(absent), len(src.classes))
+        what = (f"its macro averages and per-class tables count only the classes present "
+                f"({len(src.classes) - len(absent)} of {len(src.classes)})" if classes is not None else
+                "a model trained on it never sees them (too few images of them to slice: give them more, or name "
+                "the splits)")
+        log.warning("split %r of %s has no images of %d of the %d classes (%s): %s",
+                    split if isinstance(split, str) else sp.name, path, len(absent), len(src.classes), shown, what)
     return src
 
 

@@ -53,12 +53,13 @@ def held_out_keys(train_split: str, k: int, images: int, test: bool = False) -> 
     ``k`` before them too, as the test split the finished model is scored on."""
     name = train_split.strip()
     if not test:
-        why = (f"the data has no validation split: {k} of the {images} training images held out to choose on "
-               "(checkpoints, the race), so the test split chooses nothing")
+        why = (f"the data has no validation split: {k} of the {images} training images held out as one (its "
+               "evaluations; the best checkpoint and the race choose on them where the run has them), never a "
+               "test split")
         return [("data.train_split", f"{name}[:-{k}]", f"the training images but the {k} held out"),
                 ("data.val_split", f"{name}[-{k}:]", why)]
-    why = (f"the data has no validation or test split: {k} of the {images} images held out to choose on "
-           "(checkpoints, the race)")
+    why = (f"the data has no validation or test split: {k} of the {images} images held out as the validation "
+           "split (its evaluations; the best checkpoint and the race choose on them where the run has them)")
     return [("data.train_split", f"{name}[:-{2 * k}]", f"the images but the {2 * k} held out"),
             ("data.val_split", f"{name}[-{2 * k}:-{k}]", why),
             ("data.test_split", f"{name}[-{k}:]", f"{k} more held out, never chosen on: the finished model's score")]
