@@ -125,7 +125,7 @@ def main() -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else None
     plans = {32: "vit_cifar_patch4_32", 64: "vit_compact_patch8_64"}
     cpu = cpu_line()
-    print(f"{cpu}; {args.threads} threads, {args.dtype}, batch {args.batch}, {args.rounds} rounds of "
+    print(f"{cpu}; {args.threads} threads, {args.dtype}, batch {args.batch}, {args.rounds} round(s) of "
           f"{args.seconds:g} s, torch {torch.__version__}")
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
@@ -140,7 +140,7 @@ def main() -> None:
             rows.append(dict(size=size, model=n, ips=round(ips, 1), ips_rounds=[round(v, 1) for v in rates[n]],
                              train_gflop_per_image=round(flops[n], 4), gflops=round(gflops, 1),
                              ratio_to_vit=round(gflops / base, 3)))
-            spread = f"{ips:.1f} ({min(rates[n]):.0f}-{max(rates[n]):.0f})"
+            spread = f"{ips:.1f} ({min(rates[n]):.1f}-{max(rates[n]):.1f})"
             print(f"  {n:32} {spread:>22} {flops[n]:10.3f} {gflops:8.1f} {gflops / base:6.2f}")
     if args.json:
         print(json.dumps(dict(cpu=cpu, dtype=args.dtype, batch=args.batch, rows=rows)))
