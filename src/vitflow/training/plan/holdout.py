@@ -50,7 +50,8 @@ def held_out_keys(train_split: str, k: int, images: int, test: bool = False) -> 
     """``(key, value, why)`` of the slices holding the last ``k`` of the ``images`` of
     ``train_split`` out as the validation split (a slice is a fixed pseudo-random draw: each class
     in about its share); with ``test`` (data with neither split: a folder of class folders) the
-    ``k`` before them too, as the test split the finished model is scored on."""
+    last ``k`` are the test split the finished model is scored on and the ``k`` before them the
+    validation split."""
     name = train_split.strip()
     if not test:
         why = (f"the data has no validation split: {k} of the {images} training images held out as one (its "
