@@ -124,15 +124,22 @@ def _onednn_linear_flops(x_shape, *args, **kwargs) -> int:
     return 2 * x_shape.numel() * w_shape[0]
 
 
-def forward_gflops(name: str, num_classes: int, size: int) -> float:
-    """Forward GFLOP per image at ``size`` px, counted on vitflow's explicit (math) attention path."""
+def flop_counter(extra: dict | None = None):
+    """A ``FlopCounterMode`` that also counts vitflow's GEMMs the counter does not know: the blocks'
+    proj / fc2 accumulating onto the residual in place (``addmm_``,
+    ``vitflow.models.kernels.matmul.Linear``) and oneDNN's linear; ``extra``: more ops and their
+    FLOP functions."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    table = {torch.ops.aten.addmm_: _addmm_flops, torch.ops.mkldnn._linear_pointwise: _onednn_linear_flops}
+    return FlopCounterMode(display=False, custom_mapping={**table, **(extra or {})})
+
+
+def forward_gflops(name: str, num_classes: int, size: int) -> float:
+    """Forward GFLOP per image at ``size`` px, counted on vitflow's explicit (math) attention path."""
     model = vitflow.create_model(name, num_classes=num_classes, attention="math", img_size=size).eval()
     onednn.fp32_gemm()  # decided before counting: its one-off timing's GEMMs are not the model's
-    # the blocks' proj / fc2 accumulate onto the residual in place (vitflow.models.kernels.matmul.Linear)
-    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: _addmm_flops,
-                                                             torch.ops.mkldnn._linear_pointwise: _onednn_linear_flops})
+    counter = flop_counter()
     with counter, torch.no_grad():
         model(torch.randn(1, 3, size, size))
     return counter.get_total_flops() / 1e9
@@ -196,6 +203,16 @@ def make_step(impl: str, model: torch.nn.Module, mode: str, dtype: torch.dtype |
     return train
 
 
+def images_per_s(step, batch: int, seconds: float, min_steps: int = 1) -> float:
+    """Images a second of ``step`` (one batch of ``batch`` images a call), called for at least
+    ``seconds`` and ``min_steps`` times."""
+    n, t0 = 0, time.perf_counter()
+    while n < min_steps or time.perf_counter() - t0 < seconds:
+        step()
+        n += 1
+    return n * batch / (time.perf_counter() - t0)
+
+
 def run_cell(key: str, mode: str, dt: str, repeats: int, seconds: float) -> dict:
     name, batch, classes, size = MODEL_SPECS[key]
     size = size or MODELS[name]["img_size"]
@@ -210,11 +227,7 @@ def run_cell(key: str, mode: str, dt: str, repeats: int, seconds: float) -> dict
             for _ in range(2 if r == 0 else 1):
                 step()
         for impl in impls[r % len(impls):] + impls[:r % len(impls)]:  # rotate the order between rounds
-            n, t0 = 0, time.perf_counter()
-            while n < 1 or time.perf_counter() - t0 < seconds:
-                steps[impl]()
-                n += 1
-            rates[impl].append(n * batch / (time.perf_counter() - t0))
+            rates[impl].append(images_per_s(steps[impl], batch, seconds))
         del steps
         gc.collect()
     return rates

@@ -31,7 +31,6 @@ import gc
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -40,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vitflow  # noqa: E402
-from models import _addmm_flops, _onednn_linear_flops, cpu_line, make_step  # noqa: E402
+from models import cpu_line, flop_counter, images_per_s, make_step  # noqa: E402
 from vitflow.models.kernels import cpp, onednn  # noqa: E402
 from vitflow.models.registry import family_of  # noqa: E402
 from vitflow.runtime import configure_allocator  # noqa: E402
@@ -60,14 +59,11 @@ def _pool_backward_flops(gq, gk, gv, qkv, wq, wk, wv, prefix, h, w, heads, kerne
 
 
 def counter():
-    """A ``FlopCounterMode`` that also knows vitflow's in-place GEMMs and its pooling kernel."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    table = {torch.ops.aten.addmm_: _addmm_flops, torch.ops.mkldnn._linear_pointwise: _onednn_linear_flops}
-    if cpp.available():
-        table[torch.ops.vitflow.pool_qkv_forward] = _pool_forward_flops
-        table[torch.ops.vitflow.pool_qkv_backward] = _pool_backward_flops
-    return FlopCounterMode(display=False, custom_mapping=table)
+    """:func:`models.flop_counter` with vitflow's MViTv2 pooling kernel (where it is built)."""
+    if not cpp.available():
+        return flop_counter()
+    return flop_counter({torch.ops.vitflow.pool_qkv_forward: _pool_forward_flops,
+                         torch.ops.vitflow.pool_qkv_backward: _pool_backward_flops})
 
 
 def build(name: str) -> torch.nn.Module:
@@ -99,11 +95,7 @@ def measure(names: list[str], size: int, batch: int, dtype: torch.dtype | None, 
             step = make_step("vitflow", build(name), "train", dtype, x, y)
             step()
             step()
-            n, t0 = 0, time.perf_counter()
-            while n < 2 or time.perf_counter() - t0 < seconds:
-                step()
-                n += 1
-            rates[name].append(n * batch / (time.perf_counter() - t0))
+            rates[name].append(images_per_s(step, batch, seconds, min_steps=2))
             del step
             gc.collect()
     return rates
