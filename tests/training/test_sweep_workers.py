@@ -53,8 +53,23 @@ def _table(sweep_dir: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def _trials(storage: str):
-    return optuna.load_study(study_name="sweep", storage=storage).get_trials()
+def _trials(url: str):
+    """The study's trials, read as the workers write (SQLite: waiting out their locks as they do)."""
+    kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    return optuna.load_study(study_name="sweep", storage=optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+                             ).get_trials()
+
+
+def _study_created(db: Path) -> bool:
+    """The workers have created the study in ``db`` (read only: polling it while they create its
+    tables must not write a schema of its own beside theirs)."""
+    if not db.exists():
+        return False
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10) as con:
+            return con.execute("SELECT COUNT(*) FROM studies").fetchone()[0] > 0
+    except sqlite3.OperationalError:  # no tables yet, or locked while they are made
+        return False
 
 
 def _whole(run_dir: str) -> dict:
@@ -105,13 +120,10 @@ def test_a_killed_worker_is_found_by_heartbeat_and_its_trial_resumed_from_its_ch
     deadline, ckpt = time.monotonic() + 300, None
     while ckpt is None and time.monotonic() < deadline:  # the victim's trial has written a checkpoint
         time.sleep(0.2)
-        if not (sweep_dir / "sweep.db").exists():
+        if not _study_created(sweep_dir / "sweep.db"):
             continue
-        try:
-            mine = [t for t in _trials(storage) if t.state.name == "RUNNING"
-                    and t.user_attrs.get("worker", "").endswith(f":{victim.pid}")]
-        except KeyError:  # the study is not created yet
-            continue
+        mine = [t for t in _trials(storage) if t.state.name == "RUNNING"
+                and t.user_attrs.get("worker", "").endswith(f":{victim.pid}")]
         if mine:
             found = [p for t in mine for p in Path(t.user_attrs["run_dir"]).glob("checkpoints/*.pt")]
             ckpt = found[0] if found else None
