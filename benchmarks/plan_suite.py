@@ -3,11 +3,14 @@ and the seed) on each folder of ``benchmarks/folders/manifest.json``, for one or
 side by side, and one table.
 
     python benchmarks/plan_suite.py [--folders DIR] [--only NAME ...] [--budget 5m] [--seeds 0 1]
-                                    [--tree LABEL=DIR ...] [--results FILE] [--table-only]
+                                    [--tree LABEL=DIR ...] [--set LABEL:KEY=VALUE ...]
+                                    [--results FILE] [--table-only]
 
 ``--folders``: where ``benchmarks/folders/fetch.py`` wrote the folders (CIFAR-10 and hymenoptera
 are read from ``../shared/data``). ``--tree LABEL=DIR`` runs another checkout's code (e.g.
 ``before=/tmp/parent`` for the plan of this commit's parent; default: this checkout as ``now``).
+``--set LABEL:KEY=VALUE`` adds an override to that tree's runs (e.g. ``--tree now=. norace=.
+--set norace:train.race=none``: the same code without its race).
 Each run is ``train.default_budget=BUDGET train.seed=SEED`` (the plan fits itself to the budget as
 it does to its 15-minute default), through ``benchmarks/training/photos_budget.py``: figures from
 ``vitflow eval`` of the newest checkpoint. Every run appends one JSON line to ``--results``
@@ -102,11 +105,18 @@ def main() -> None:
     ap.add_argument("--budget", default="5m")
     ap.add_argument("--seeds", nargs="*", type=int, default=[0])
     ap.add_argument("--tree", nargs="*", default=[f"now={ROOT}"], help="LABEL=DIR: a checkout whose code runs")
+    ap.add_argument("--set", nargs="*", default=[], help="LABEL:KEY=VALUE: an override of that tree's runs")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / ".data" / "plan_suite.jsonl"))
     ap.add_argument("--table-only", action="store_true")
     args = ap.parse_args()
     entries = [e for e in load_manifest() if not args.only or e["name"] in args.only]
     trees = dict(t.split("=", 1) for t in args.tree)
+    extra: dict[str, list[str]] = {label: [] for label in trees}
+    for item in args.set:
+        label, _, override = item.partition(":")
+        if label not in trees or "=" not in override:
+            ap.error(f"--set {item}: not LABEL:KEY=VALUE with a LABEL of --tree ({', '.join(trees)})")
+        extra[label].append(override)
     results = Path(args.results)
     results.parent.mkdir(parents=True, exist_ok=True)
     if not args.table_only:
@@ -122,8 +132,8 @@ def main() -> None:
                     subprocess.run(["rm", "-rf", str(run)], check=True)
                 run.mkdir(parents=True)
                 r = measure(Path(tree).resolve(), str(_data(entry, Path(args.folders))), run / "run",
-                            [f"train.default_budget={args.budget}", f"train.seed={seed}"])
-                r.update(label=label, folder=entry["name"], seed=seed, budget=args.budget, cpu=cpu_flags())
+                            [f"train.default_budget={args.budget}", f"train.seed={seed}", *extra[label]])
+                r.update(label=label, overrides=extra[label], folder=entry["name"], seed=seed, budget=args.budget, cpu=cpu_flags())
                 with results.open("a") as f:
                     f.write(json.dumps(r) + "\n")
                 print(f"{label} {entry['name']} seed {seed}: top-1 {_top1(r):.2%}, {r['steps']} steps, "

@@ -68,7 +68,7 @@ def test_val_and_test_split_names_are_recognised(cifar_folder: Path, tmp_path: P
     assert resolve_eval_splits(cfg) == ("validation", "test")
     assert len(open_split(path, "val")) == sum(r["split"] == "validation" for r in rows)  # val finds validation
     only_train = write_csv(cifar_folder / "only_train.csv", [r for r in rows if r["split"] == "train"])
-    with pytest.raises(DataError, match=r"has no validation or test split \(splits: train\).*val_split='train\[90%:\]'"):
+    with pytest.raises(DataError, match=r"has no validation or test split \(splits: train\).*val_split='train\[80%:90%\]'"):
         resolve_eval_splits(DataConfig(path=str(only_train)))
 
 

@@ -44,12 +44,13 @@ MESSAGES: dict[str, Message] = {m.key: m for m in (
     Message(
         "no_eval_split", "Data", "No validation or test split",
         "{path} has no validation or test split (splits: {splits}): hold out part of the training images with "
-        "data.train_split='{train}[:90%]' data.val_split='{train}[90%:]'",
+        "data.train_split='{train}[:80%]' data.val_split='{train}[80%:90%]' data.test_split='{train}[90%:]', "
+        "or move them into val/ and test/ folders (slices are re-drawn when images are added)",
         {"path": "pets", "splits": "train", "train": "train"},
         "The data has only a train split (class folders without `train/`, `val/`, `test/`; a label file without "
         "a split column).",
         "Hold out part of the train split with slices, as the message shows (the slices are disjoint and "
-        "stratified); `val`, `valid` and `validation` folders or split values are found by `data.val_split=auto`, "
+        "stratified; one image added re-draws them all, so data that grows is better split into folders); `val`, `valid` and `validation` folders or split values are found by `data.val_split=auto`, "
         "`test` by `data.test_split=auto`."),
     Message(
         "quantize_no_split", "Deployment", "quantize --data without a test or validation split",

@@ -18,7 +18,7 @@ import logging
 import os
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,7 @@ from vitflow.data.remote.fs import RemoteError
 from vitflow.data.remote.fs import configure_from as configure_remote
 from vitflow.data.sources.base import DataError, FileSource, ImageSource
 from vitflow.data.sources.dispatch import open_split, open_training, resolve_eval_splits
+from vitflow.data.sources.splits import selection_record
 from vitflow.data.stream import StreamBatches
 from vitflow.data.transforms import Preprocess, eval_transform, resolve_augment, train_transform
 from vitflow.data.wds.stream import ShardStream, shard_loader
@@ -56,6 +57,9 @@ class Datasets:
     val_split: str | None = None
     test_split: str | None = None
     task: str = "multiclass"
+    # what each split expression selected, by role (train, val, test): the
+    # :func:`~vitflow.data.sources.splits.selection_record` a run keeps (none for streamed shards)
+    selection: dict[str, dict] = field(default_factory=dict)
 
     @property
     def monitored(self) -> str:
@@ -91,6 +95,10 @@ def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
                 raise e if isinstance(e, RemoteError) else DataError(f"data.{key}={split!r}: {e}") from None
             if len(held_out[key]) == 0:
                 raise DataError(f"data.{key}={split!r} selects no images")
+    selection = {role: selection_record(src, expr) for role, src, expr in
+                 (("train", train, cfg.train_split), ("val", held_out.get("val_split"), val_split),
+                  ("test", held_out.get("test_split", held_out.get("val_split")), test_split))
+                 if src is not None and expr is not None and not (role == "train" and streamed)}
     if cfg.max_in_memory > 0:
         crops_resized = resolve_augment(cfg.train_augment, image_size) == "random_resized_crop"
         if cfg.access == "random" and not streamed:
@@ -99,7 +107,7 @@ def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
     pp = Preprocess(image_size, cfg.crop_pct, cfg.interpolation, tuple(cfg.mean), tuple(cfg.std))
     val = held_out.get("val_split")
     test = val if test_split is not None and test_split == val_split else held_out.get("test_split")
-    return Datasets(train, val, test, train.classes, pp, val_split, test_split, cfg.task)
+    return Datasets(train, val, test, train.classes, pp, val_split, test_split, cfg.task, selection)
 
 
 def _cache(source: ImageSource, cfg: DataConfig, image_size: int, desc: str, resizable: bool,

@@ -4,6 +4,7 @@ test split, or another, by overrides)."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 
@@ -14,6 +15,7 @@ from vitflow.config import Config, build_config
 from vitflow.data import ImageSource, eval_loader, open_split
 from vitflow.data import check_config as check_data_config
 from vitflow.data.sources.dispatch import scored_split
+from vitflow.data.sources.splits import changed_selections, selection_record
 from vitflow.data.transforms import Preprocess
 from vitflow.evaluation import evaluate, evaluate_multilabel, scalar_metrics
 from vitflow.infer.predict import Predictor, is_exported
@@ -68,7 +70,9 @@ class EvalSetup:
 
 def eval_setup(path, overrides=(), device: str | None = None) -> EvalSetup:
     """Read a checkpoint, build its config with ``key=value`` overrides and open the split it is
-    scored on (:func:`~vitflow.data.sources.dispatch.scored_split`), labelled with its classes.
+    scored on (:func:`~vitflow.data.sources.dispatch.scored_split`), labelled with its classes. On the
+    run's own data, a split expression that now selects other images than when the run was trained
+    is said in a warning (:func:`~vitflow.data.sources.splits.changed_selections`).
 
     Raises:
         FileNotFoundError / ValueError: unreadable checkpoint; ConfigError; DataError.
@@ -84,6 +88,12 @@ def eval_setup(path, overrides=(), device: str | None = None) -> EvalSetup:
     precision = resolve_precision("fp32" if quantized else cfg.train.precision, dev)
     role, split = scored_split(cfg.data)
     source = open_split(cfg.data.path, split, cfg.data.source, classes=list(state["classes"]), cfg=cfg.data)
+    trained_on = state["config"]["data"].get("path")
+    if trained_on is not None and os.path.realpath(str(cfg.data.path)) == os.path.realpath(str(trained_on)):
+        # the run's own data: does each split select what it did?
+        for line in changed_selections(state.get("splits") or {}, {role: selection_record(source, split)},
+                                       cfg.data.path):
+            log.warning("%s: %s", path, line)
     return EvalSetup(state, cfg, dev, precision, Preprocess.from_dict(state["preprocess"]), role, split, source)
 
 

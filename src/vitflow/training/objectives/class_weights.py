@@ -136,13 +136,16 @@ def setup_imbalance(spec: str, sampler: str, data, criterion, device: torch.devi
 
 def write_distribution(run_dir: str | Path, data) -> Path:
     """Write ``RUN_DIR/class_counts.json``: ``{"classes": [...], "splits": {"train": {"split": expr,
-    "counts": [...]}, "val": ..., "test": ...}}`` (images per class; positives for multi-label), which
-    the report shows (:mod:`vitflow.viz.distribution`). Returns the path."""
+    "counts": [...], "images": N, "digest": D}, "val": ..., "test": ...}}`` (images per class;
+    positives for multi-label; what the expression selected:
+    :func:`~vitflow.data.sources.splits.selection_record`), which the report shows
+    (:mod:`vitflow.viz.distribution`). Returns the path."""
     splits = {}
     for role, source, expr in (("train", data.train, None), ("val", data.val, data.val_split),
                                ("test", data.test, data.test_split)):
         if source is not None and labels_known(source.labels):  # streamed shards: known only once read
-            splits[role] = {"split": expr, "counts": class_counts(source.labels, len(data.classes))}
+            splits[role] = {"split": expr, "counts": class_counts(source.labels, len(data.classes)),
+                            **data.selection.get(role, {})}
     path = Path(run_dir) / DISTRIBUTION_FILE
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({"classes": list(data.classes), "splits": splits}))

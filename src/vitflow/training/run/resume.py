@@ -25,6 +25,7 @@ from vitflow.config import (
     parse_override,
     to_yaml,
 )
+from vitflow.data.sources.splits import changed_selections
 from vitflow.evaluation import scalar_metrics
 from vitflow.models import config_class
 from vitflow.models.kernels import onednn
@@ -255,7 +256,8 @@ def training_state(trainer, records: dict[str, int] | None = None) -> dict[str, 
     """What a checkpoint of ``trainer`` (a :class:`~vitflow.training.loop.Trainer`) holds: weights,
     optimizer, schedule, loss scale, RNG states (every rank's), the loader position and skipped
     images, the records files' sizes a resume cuts them back to (``records``, default: now), the
-    config, model arguments, classes, preprocessing, the last evaluation's figures, the multi-label
+    config, model arguments, classes, preprocessing, what each split selected
+    (:func:`~vitflow.data.sources.splits.selection_record`), the last evaluation's figures, the multi-label
     threshold, the EMA, the guard, the callbacks' states, the fp32 GEMM the run chose and every choice
     made by timing (:func:`vitflow.timing.recorded`, all ranks'; :func:`reuse_choices`). Every
     rank must call it (FSDP state and the RNG states are gathered); ``None`` on ranks other than 0."""
@@ -280,6 +282,7 @@ def training_state(trainer, records: dict[str, int] | None = None) -> dict[str, 
         "task": trainer.data.task, "threshold": trainer.evaluator.threshold,
         "ema": trainer.ema.state_dict() if trainer.ema is not None else None, "guard": trainer.guard.state_dict(),
         "eval_due": trainer.eval_due, "fp32_gemm": onednn.decided(), "choices": choices,
+        "splits": trainer.data.selection,
     }
     for key, value in trainer.callbacks.state_dict().items():  # (ProgressLog: "meter", Selection: "selection")
         if key in state:
@@ -292,7 +295,8 @@ def restore_training(state: dict, trainer) -> None:
     """Load a checkpoint's optimizer, schedule, loss scale, EMA, guard and callback states into a
     :class:`~vitflow.training.loop.Trainer` built for the resumed run (its choices made by timing were
     taken before, :func:`reuse_choices`). A changed ``train.total_steps`` stretches the restored
-    schedule to it."""
+    schedule to it; a split that now selects other images than the run's is said in a warning
+    (:func:`~vitflow.data.sources.splits.changed_selections`)."""
     t = trainer.cfg.train
     trainer.parallel.load_optimizer_state(trainer.model, trainer.optimizer, state["optimizer"])
     trainer.scheduler.load_state_dict(state["scheduler"])
@@ -306,6 +310,8 @@ def restore_training(state: dict, trainer) -> None:
         trainer.guard.load_state_dict(state["guard"])
     trainer.callbacks.load_state_dict(state)
     log.info("resumed from %s at step %d", state["path"], trainer.step)
+    for line in changed_selections(state.get("splits") or {}, trainer.data.selection, trainer.cfg.data.path):
+        log.warning("the resumed run's %s", line)
 
 
 def seed_ranks(state: dict | None, dist: DistEnv, seed: int, step: int) -> None:
