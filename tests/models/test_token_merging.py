@@ -95,6 +95,21 @@ def test_merged_forward_equals_the_reference(global_pool, reg_tokens, r):
     torch.testing.assert_close(plain, _reference_logits(model, x, [0, 0, 0]), atol=1e-5, rtol=1e-5)  # ... r=0 did not
 
 
+def test_embeddings_of_a_merging_model_are_its_classifier_input():
+    """``pooled_features`` (vitflow embed, inspect, the service's /embed) pools merged tokens by the
+    patches each holds, as the model's head does: the head of the embedding is the model's logits."""
+    from vitflow.infer.features.embed import pooled_features
+
+    model = _model("avg", 0)
+    model.set_token_merge([10, 0, 7])
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        logits, pooled = model(x), pooled_features(model, x)
+        unweighted = model.forward_head(model.forward_features(x), pre_logits=True)
+    torch.testing.assert_close(model.head(pooled), logits, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(unweighted, pooled, atol=1e-3)  # a plain mean of the merged tokens is not it
+
+
 def test_merge_keeps_the_prefix_first_and_the_total_size():
     torch.manual_seed(1)
     x, metric = torch.randn(2, 1 + 10, 4), torch.randn(2, 1 + 10, 8)

@@ -98,7 +98,7 @@ class Classifier:
 
     def embed(self, images: Any, batch_size: int = 32) -> np.ndarray:
         """Pooled features ``float32 (N, D)`` of the images (the input of the classifier head:
-        ``forward_head(forward_features(x), pre_logits=True)``), as ``vitflow embed`` computes them.
+        :func:`~vitflow.infer.features.embed.pooled_features`), as ``vitflow embed`` computes them.
 
         Raises:
             ValueError: an ONNX / INT8 file (features need the PyTorch model), or no image readable.

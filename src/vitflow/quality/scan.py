@@ -96,7 +96,7 @@ def _read(source: ImageSource, i: int, transform) -> tuple:
 def scan_split(source: ImageSource, split: str, backbone: Backbone | None = None, batch_size: int = 64,
                workers: int = 2) -> SplitScan:
     """Every image of ``source`` read once: hashes, sizes, luma statistics and, with ``backbone``,
-    pooled features (``forward_head(forward_features(x), pre_logits=True)``) under its evaluation
+    pooled features (:func:`~vitflow.infer.features.embed.pooled_features`) under its evaluation
     preprocessing. An unreadable image gets its ``error`` and zero rows; it never stops the scan."""
     n = len(source)
     scan = SplitScan(split, list(source.classes), [image_key(source, i) for i in range(n)],

@@ -4,7 +4,8 @@ as ``.npy`` with their paths) and ``vitflow eval --knn`` (k-NN top-1 of a backbo
 
 The feature of an image is the model's pooled representation before the classifier,
 ``forward_head(forward_features(x), pre_logits=True)``: the class token, the mean of the patch
-tokens or the attention-pooled (MAP) token, as the model pools; ``float32 (D,)``. Images go
+tokens (with token merging, each merged token weighed by the patches it holds) or the
+attention-pooled (MAP) token, as the model pools; ``float32 (D,)``. Images go
 through the model's saved evaluation preprocessing, as in ``vitflow predict`` and ``vitflow eval``.
 """
 
@@ -36,7 +37,12 @@ PATHS_SUFFIX = ".paths.txt"
 
 @torch.no_grad()
 def pooled_features(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``float (B, 3, S, S)`` normalised images -> pooled features ``float32 (B, D)`` on the CPU."""
+    """``float (B, 3, S, S)`` normalised images -> pooled features ``float32 (B, D)`` on the CPU: the
+    input of the model's classifier (a ViT's merged tokens weighed by the patches each holds, as its
+    own head pools them: :meth:`~vitflow.models.vit.model.VisionTransformer.forward_tokens`)."""
+    if hasattr(model, "forward_tokens"):
+        tokens, sizes = model.forward_tokens(x)
+        return model.forward_head(tokens, pre_logits=True, sizes=sizes).float().cpu()
     return model.forward_head(model.forward_features(x), pre_logits=True).float().cpu()
 
 

@@ -262,8 +262,10 @@ class VisionTransformer(EncoderControls, nn.Module):
         merge_schedule(r, len(self.blocks), self.grid_size**2)
         self.token_merge = r
 
-    def _tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Images -> (tokens after the final norm, their sizes ``(B, N, 1)`` when tokens were merged)."""
+    def forward_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Images ``(B, C, H, W)`` -> ``(tokens (B, N, D) after the final norm, sizes)``: ``sizes``
+        ``(B, N, 1)``, how many patches each token holds when tokens were merged (what
+        :meth:`forward_head` weighs the mean of the patches by), else ``None``."""
         x, grid = self._embed(x)
         x = self.patch_drop(x, self.num_prefix_tokens)
         x = self.norm_pre(x)
@@ -277,7 +279,7 @@ class VisionTransformer(EncoderControls, nn.Module):
         """``(B, C, H, W)`` -> tokens ``(B, N, D)`` after the final norm: the class token first when
         there is one, then the register tokens, then the patches row by row (with token merging,
         fewer: :mod:`vitflow.models.token_merging` gives their order)."""
-        return self._tokens(x)[0]
+        return self.forward_tokens(x)[0]
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False, sizes: torch.Tensor | None = None
                      ) -> torch.Tensor:
@@ -289,7 +291,7 @@ class VisionTransformer(EncoderControls, nn.Module):
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, sizes = self._tokens(x)
+        x, sizes = self.forward_tokens(x)
         return self.forward_head(x, sizes=sizes)
 
     def attention_maps(self, x: torch.Tensor, layers: int | Sequence[int] | None = None) -> list[torch.Tensor]:
