@@ -68,6 +68,23 @@ def test_exact_backends_match_math_forward_and_gradients(name, with_bias):
     assert exp_grads[0].abs().max() > 0.1  # a non-trivial comparison
 
 
+@pytest.mark.parametrize("shape", [(2, 1, 1, N), (2, HEADS, N, N), (1, HEADS, N, N), (HEADS, N, N), (N, N)],
+                         ids=["per-image-key-mask", "per-image-head", "shared-4d", "per-head", "shared-2d"])
+def test_math_kernel_bias_gradient_has_the_bias_shape(shape):
+    """The hand-written backward of the math kernel returns the bias's gradient summed over the
+    axes it was broadcast along, whatever its shape: plain autograd's answer."""
+    from vitflow.models.attention import packed_math_attention
+
+    qkv, _ = inputs(3)
+    bias = torch.randn(shape, generator=torch.Generator().manual_seed(4)).requires_grad_()
+    upstream = torch.randn(2, N, HEADS * DIM_HEAD, generator=torch.Generator().manual_seed(5))
+    want = torch.autograd.grad(reference(qkv, bias), [qkv, bias], upstream)
+    got = torch.autograd.grad(packed_math_attention(qkv, HEADS, bias), [qkv, bias], upstream)
+    assert got[1].shape == bias.shape
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "blockwise", "local", "auto"])
 def test_model_backends_match_math_with_relative_bias(backend):
     """Whole model, relative position bias, attention dropout off: logits and every gradient."""

@@ -202,9 +202,11 @@ class _MathAttentionFn(torch.autograd.Function):
         _scaled_bmm(ds, k, d ** -0.5, out=dpacked[0])
         _scaled_bmm(ds.transpose(1, 2), q, d ** -0.5, out=dpacked[1])
         dattn = None
-        if attn_bias is not None and ctx.needs_input_grad[1]:
-            dattn = ds.view(ctx.groups, bh // ctx.groups, n, n).sum(0, dtype=torch.float32).to(attn_bias.dtype)
-            dattn = dattn.view(attn_bias.shape) if dattn.numel() == attn_bias.numel() else dattn
+        if attn_bias is not None and ctx.needs_input_grad[1]:  # summed over what the bias was broadcast along
+            full = ds.view(ctx.groups, bh // ctx.groups, n, n)
+            if attn_bias.dim() < full.dim() or attn_bias.shape[0] == 1:  # shared by the groups (Swin's windows)
+                full = full.sum(0, dtype=torch.float32, keepdim=attn_bias.dim() == full.dim())
+            dattn = full.float().sum_to_size(attn_bias.shape).to(attn_bias.dtype)
         return _unpack_grad(dpacked, b, h), dattn, None, None
 
 
