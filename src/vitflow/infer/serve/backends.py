@@ -41,7 +41,7 @@ from vitflow.infer.serve.settings import ServeSettings
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "eager_fp32", "eager_bf16", "onnxruntime", "openvino")
-PRECISION = {"eager_fp32": "fp32", "eager_bf16": "bf16", "onnxruntime": "fp32", "openvino": "tuned"}
+PRECISION = {"eager_fp32": "fp32", "eager_bf16": "bf16", "onnxruntime": "fp32"}  # (openvino: its own loader)
 RUNTIMES = {"onnxruntime": ("an ONNX model", is_onnx), "openvino": ("an OpenVINO IR", is_openvino)}
 
 
