@@ -178,7 +178,7 @@ def test_bad_storage_and_another_search_are_one_line_and_change_nothing(tmp_path
     assert theirs.read_bytes() == before and not (tmp_path / "d").exists()
     text = tmp_path / "notes.db"
     text.write_text("not a database\n" * 100)
-    for url, says in [(closed, "cannot open it"), ("not a url", "not a database URL"),
+    for url, says in [(closed, "cannot open it"), ("not a url", "not a database URL"), ("", "an empty URL"),
                       ("nosuchdb://host/x", "is not a database SQLAlchemy knows"),
                       (f"sqlite:///{text}", "not an Optuna storage this version can use")]:
         with pytest.raises(SweepError, match=says) as e:

@@ -115,6 +115,8 @@ def run_sweep(space_file: str | Path, trials: int, sweep_dir: str | Path | None 
     sweep_dir = Path(sweep_dir or Path("sweeps") / f"{preset}-{Path(space_file).stem}")
     settings = {"preset": preset, "config": config_file, "space": space, "overrides": list(overrides),
                 "metric": metric, "direction": direction, "seed": seed}
+    if storage is not None and not storage.strip():
+        raise SweepError(f"--storage {storage!r}: an empty URL (leave --storage out for the folder's own {STORAGE})")
     shared = open_storage(storage, heartbeat, retry_failed) if storage else None  # first: a bad URL changes nothing
     with _folder(sweep_dir, {**settings, "storage": storage and shown(storage), "study": study}):
         store = shared or open_storage(f"sqlite:///{(sweep_dir / STORAGE).resolve()}", heartbeat, retry_failed)
