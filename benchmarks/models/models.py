@@ -1,6 +1,6 @@
 """ViT training and inference throughput: vitflow vs timm vs vit-pytorch, side by side.
 
-    python benchmarks/models/models.py [--json] [--quick] [--models cifar,tiny,small] [--repeats 5]
+    python benchmarks/models/models.py [--json] [--quick] [--models cifar,tiny,small] [--repeats 5] [--no-compile]
 
 For vit_tiny_patch16_224 and vit_small_patch16_224 (batch 32) and the 32x32 CIFAR variant
 vit_cifar_patch4_32 (dim 192, depth 9, 3 heads, MLP ratio 2, patch 4; batch 64), and for the
@@ -8,7 +8,10 @@ pretrained backbones ``dinov2`` (vit_small_patch14_reg4_dinov2 at 224 px, batch 
 (vit_base_patch16_siglip_224, batch 16), Swin-T ``swin`` (swin_tiny_patch4_window7_224, batch 32,
 window attention through vitflow's ``auto``) and MViTv2-T ``mvit`` (mvitv2_tiny, batch 32, pooling
 attention through ``auto``) against timm's model of the same name (vit-pytorch has
-none: its column reads ``-``, ``null`` in the JSON), in fp32 and bf16 autocast, it measures images/s of
+none: its column reads ``-``, ``null`` in the JSON), eager and under ``torch.compile`` (inductor,
+default mode; the ``timm+compile`` column, left out by ``--no-compile``: its first round of each
+cell pays the compilation, 15-60 s, in the untimed warm-up, and later rounds' fresh models reuse the
+compiled code), in fp32 and bf16 autocast, it measures images/s of
 - training: forward, cross-entropy, backward, AdamW step (lr 1e-4, weight decay 0.05 off norms
   and biases), ``zero_grad``; the optimizer is built as each project's training script builds
   it: vitflow's ``build_optimizer`` (torch's fused AdamW on the CPU), timm's
@@ -35,8 +38,10 @@ the backend column as ``gemm fp32``; fp32 cells show ``gemm onednn`` or ``gemm t
 vitflow's large fp32 linear layers, ``vitflow.models.kernels.onednn``). With ``--json`` the last line is::
 
     {"cpu": "CPU: ... flags: ...", "peak_gflops": {"fp32": ..., "bf16": ...}, "cells": [{"model": ..., "mode": "train"|"infer",
-     "dtype": "fp32"|"bf16", "vitflow_ips": ..., "timm_ips": ..., "vit_pytorch_ips": ...,
+     "dtype": "fp32"|"bf16", "vitflow_ips": ..., "timm_ips": ..., "timm_compile_ips": ..., "vit_pytorch_ips": ...,
      "vitflow_mfu": ...}, ...]}
+
+``x best`` is vitflow over the fastest peer of the cell (timm eager, timm compiled, vit-pytorch).
 """
 
 from __future__ import annotations
@@ -146,6 +151,10 @@ def forward_gflops(name: str, num_classes: int, size: int) -> float:
 
 
 def build(impl: str, name: str, num_classes: int, size: int) -> torch.nn.Module:
+    """``impl``'s model (``vitflow``, ``timm``, ``timm_compile``: timm's under ``torch.compile``,
+    ``vit_pytorch``) of vitflow variant ``name``'s configuration."""
+    if impl == "timm_compile":
+        return torch.compile(build("timm", name, num_classes, size))
     cfg = MODELS[name]
     dim, depth, heads = cfg["embed_dim"], cfg.get("depth"), cfg["num_heads"]  # (Swin: per-stage depths)
     mlp_ratio = cfg.get("mlp_ratio", 4.0)
@@ -173,7 +182,7 @@ def optimizer(impl: str, model: torch.nn.Module) -> torch.optim.Optimizer:
         from vitflow.training.optim.optimizers import build_optimizer
 
         return build_optimizer(model, OptimConfig(lr=1e-4, weight_decay=0.05))
-    if impl == "timm":
+    if impl in ("timm", "timm_compile"):
         from timm.optim import create_optimizer_v2
 
         return create_optimizer_v2(model, "adamw", lr=1e-4, weight_decay=0.05)
@@ -213,19 +222,28 @@ def images_per_s(step, batch: int, seconds: float, min_steps: int = 1) -> float:
     return n * batch / (time.perf_counter() - t0)
 
 
-def run_cell(key: str, mode: str, dt: str, repeats: int, seconds: float) -> dict:
+def run_cell(key: str, mode: str, dt: str, repeats: int, seconds: float, compiled: bool = True) -> dict:
+    """``{implementation: [images/s of each round]}`` of one cell (model ``key``, ``mode``, dtype ``dt``)."""
     name, batch, classes, size = MODEL_SPECS[key]
     size = size or MODELS[name]["img_size"]
     torch.manual_seed(0)
     x, y = torch.randn(batch, 3, size, size), torch.randint(0, classes, (batch,))
-    impls = ("vitflow", "timm", "vit_pytorch") if key in PLAIN else ("vitflow", "timm")
+    impls = ("vitflow", "timm", *(("timm_compile",) if compiled else ()), *(("vit_pytorch",) if key in PLAIN else ()))
     rates: dict[str, list[float]] = {impl: [] for impl in impls}
     for r in range(repeats):
         torch.manual_seed(r)  # fresh models each round: no implementation keeps one memory placement
         steps = {impl: make_step(impl, build(impl, name, classes, size), mode, DTYPES[dt], x, y) for impl in impls}
-        for step in steps.values():  # warm-up (vitflow's attention=auto decides in the first round)
-            for _ in range(2 if r == 0 else 1):
-                step()
+        for impl, step in list(steps.items()):  # warm-up (vitflow's attention=auto decides in the first round)
+            try:
+                for _ in range(2 if r == 0 else 1):
+                    step()
+            except Exception as e:  # a model torch.compile cannot run: that peer is left out, in one line
+                if impl != "timm_compile":
+                    raise
+                print(f"{name} {mode} {dt}: timm + torch.compile failed, left out ({type(e).__name__}: "
+                      f"{str(e).strip().splitlines()[0][:160] if str(e).strip() else ''})", file=sys.stderr)
+                del steps[impl], rates[impl]
+                impls = tuple(i for i in impls if i != impl)
         for impl in impls[r % len(impls):] + impls[:r % len(impls)]:  # rotate the order between rounds
             rates[impl].append(images_per_s(steps[impl], batch, seconds))
         del steps
@@ -243,6 +261,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     ap.add_argument("--quick", action="store_true", help="CIFAR variant only, 3 rounds of 1 s")
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
+    ap.add_argument("--no-compile", action="store_true", help="leave out the timm + torch.compile peer")
     args = ap.parse_args()
     if args.quick:
         args.models, args.repeats, args.seconds = "cifar", 3, 1.0
@@ -255,37 +274,43 @@ def main() -> None:
     peak = {d: matmul_peak(DTYPES[d] or torch.float32) for d in ("fp32", *args.dtypes.split(",")) if d in DTYPES}
     print(cpu_line())
     print(f"matmul peak ({args.threads} threads): " + ", ".join(f"{d} {v:.0f} GFLOP/s" for d, v in peak.items()))
-    print(f"{'model':24s} {'mode':5s} {'dtype':5s} {'vitflow img/s':>20s} {'timm':>18s} {'vit-pytorch':>18s} "
-          f"{'x timm':>7s} {'x best':>7s} {'MFU':>5s}  backend")
+    peers = ("timm", *(() if args.no_compile else ("timm_compile",)), "vit_pytorch")
+    heads = {"timm": "timm", "timm_compile": "timm+compile", "vit_pytorch": "vit-pytorch"}
+    print(f"{'model':24s} {'mode':5s} {'dtype':5s} {'vitflow img/s':>20s} "
+          + " ".join(f"{heads[p]:>18s}" for p in peers) + f" {'x timm':>7s} {'x best':>7s} {'MFU':>5s}  backend")
     cells = []
     for key in args.models.split(","):
         name, _, classes, size = MODEL_SPECS[key]
         gflops = forward_gflops(name, classes, size or MODELS[name]["img_size"])
         for mode in args.modes.split(","):
             for dt in args.dtypes.split(","):
-                rates = run_cell(key, mode, dt, args.repeats, args.seconds)
+                rates = run_cell(key, mode, dt, args.repeats, args.seconds, not args.no_compile)
                 med = {impl: statistics.median(v) for impl, v in rates.items()}
-                med.setdefault("vit_pytorch", float("nan"))
                 mfu = med["vitflow"] * gflops * (3 if mode == "train" else 1) / (
                     max(peak.values()) if dt == "bf16" else peak[dt])
-                best = max(v for k, v in med.items() if k != "vitflow" and v == v)
-                backend = ",".join(sorted({k[-1] for k in _auto_choices()})) or "-"
-                gemms = _gemm_choices()
-                if gemms:
-                    backend += ", gemm " + ",".join(gemms)
-                elif dt == "fp32":  # large fp32 linear layers: oneDNN's GEMM or PyTorch's (vitflow.models.kernels.onednn)
-                    backend += ", gemm " + onednn.fp32_gemm()
+                best = max(v for k, v in med.items() if k != "vitflow")
                 fmt = {impl: f"{med[impl]:.1f} ({min(v):.3g}-{max(v):.3g})" for impl, v in rates.items()}
-                fmt.setdefault("vit_pytorch", "-")
-                print(f"{name:24s} {mode:5s} {dt:5s} {fmt['vitflow']:>20s} {fmt['timm']:>18s} {fmt['vit_pytorch']:>18s} "
-                      f"{med['vitflow'] / med['timm']:7.2f} {med['vitflow'] / best:7.2f} {mfu:5.0%}  {backend}",
+                print(f"{name:24s} {mode:5s} {dt:5s} {fmt['vitflow']:>20s} "
+                      + " ".join(f"{fmt.get(p, '-'):>18s}" for p in peers)
+                      + f" {med['vitflow'] / med['timm']:7.2f} {med['vitflow'] / best:7.2f} {mfu:5.0%}  {_backend(dt)}",
                       flush=True)
                 cells.append({"model": name, "mode": mode, "dtype": dt, "vitflow_ips": round(med["vitflow"], 2),
-                              "timm_ips": round(med["timm"], 2), "vit_pytorch_ips": round(med["vit_pytorch"], 2) if med["vit_pytorch"] == med["vit_pytorch"] else None,
+                              **{f"{p}_ips": round(med[p], 2) if p in med else None for p in peers},
                               "vitflow_mfu": round(mfu, 4)})
                 gc.collect()
     if args.json:
         print(json.dumps({"cpu": cpu_line(), "peak_gflops": {k: round(v, 1) for k, v in peak.items()}, "cells": cells}))
+
+
+def _backend(dt: str) -> str:
+    """The attention backend(s) and GEMM(s) vitflow's ``auto`` chose in the current cell."""
+    backend = ",".join(sorted({k[-1] for k in _auto_choices()})) or "-"
+    gemms = _gemm_choices()
+    if gemms:
+        return backend + ", gemm " + ",".join(gemms)
+    if dt == "fp32":  # large fp32 linear layers: oneDNN's GEMM or PyTorch's (vitflow.models.kernels.onednn)
+        return backend + ", gemm " + onednn.fp32_gemm()
+    return backend
 
 
 def _auto_choices() -> list[tuple]:

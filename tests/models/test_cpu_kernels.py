@@ -160,3 +160,108 @@ def test_kernels_are_built_at_construction_never_in_a_forward(monkeypatch):
     monkeypatch.setattr(cpp, "_STATE", {})  # would make a forward build again, were it to ask
     cpp._STATE["ok"] = True  # what construction left
     model(torch.rand(2, 3, 32, 32)).sum().backward()
+
+
+@pytest.mark.parametrize("cols,branch_dtype", [(192, torch.bfloat16), (200, torch.float32), (7, torch.bfloat16),
+                                               (96, None)])
+def test_add_layer_norm_kernel_matches_pytorch(cols, branch_dtype):
+    """The fused residual add + LayerNorm of bf16 inference: the float32 sum bit for bit, the bf16
+    LayerNorm within one bf16 rounding of float64's, and equal to PyTorch's float32 LayerNorm rounded
+    to bf16 on all but a few elements (the order of the float32 sums differs); rows of 7 and 200:
+    the vector loops' tails."""
+    from vitflow.models.kernels.norm import add_layer_norm
+
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(cols, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(), norm.bias.normal_()
+    x = torch.randn(300, cols) * 3 + 1
+    branch = None if branch_dtype is None else torch.randn(300, cols).to(branch_dtype)
+    with torch.no_grad():
+        s, y = add_layer_norm(x, branch, norm)
+        summed = x if branch is None else x + branch
+        torch_y = norm(summed).bfloat16()
+    assert torch.equal(s, summed) and (branch is not None or s.data_ptr() == x.data_ptr())
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    exact = torch.nn.functional.layer_norm(summed.double(), (cols,), norm.weight.double(), norm.bias.double(), norm.eps)
+    torch.testing.assert_close(y.double(), exact, rtol=2 ** -8, atol=1e-6)
+    assert (y != torch_y).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("branch_dtype", [torch.bfloat16, torch.float32, None])
+def test_add_layer_norm_gradients_match_autograd(branch_dtype):
+    """The fused kernel's backward against autograd through ``x + branch`` and float32 LayerNorm: the
+    gradient reaching the sum from its other use (``gs``) and the LayerNorm's are added, the
+    branch's is that sum rounded to its dtype, the weight and bias gradients to float32 summation."""
+    from vitflow.models.kernels.norm import add_layer_norm
+
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(200, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(), norm.bias.normal_()
+    x = (torch.randn(64, 200) * 2 + 1).requires_grad_()
+    branch = None if branch_dtype is None else torch.randn(64, 200).to(branch_dtype).requires_grad_()
+    gy, gs = torch.randn(64, 200).bfloat16(), torch.randn(64, 200)
+
+    def grads(fused: bool):
+        for t in (x, branch, norm.weight, norm.bias):
+            if t is not None:
+                t.grad = None
+        if fused:
+            s, y = add_layer_norm(x, branch, norm)
+        else:
+            s = x if branch is None else x + branch
+            y = norm(s)
+        assert y.dtype == (torch.bfloat16 if fused else torch.float32)
+        ((y.float() * gy.float()).sum() + (s * gs).sum()).backward()
+        return [None if t is None else t.grad.clone() for t in (x, branch, norm.weight, norm.bias)]
+
+    fused, plain = grads(True), grads(False)
+    torch.testing.assert_close(fused[0], plain[0], atol=1e-4, rtol=1e-4)
+    if branch is not None:
+        assert fused[1].dtype == branch_dtype
+        torch.testing.assert_close(fused[1], plain[1], atol=1e-2 if branch_dtype == torch.bfloat16 else 1e-4,
+                                   rtol=1e-2 if branch_dtype == torch.bfloat16 else 1e-4)
+    torch.testing.assert_close(fused[2], plain[2], atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(fused[3], plain[3], atol=1e-3, rtol=1e-4)
+
+
+def test_vit_bf16_fuses_add_and_norm_and_matches_the_plain_blocks(monkeypatch):
+    """A ViT under bf16 autocast on the CPU runs each block's two LayerNorms through the fused kernel
+    and gives the unfused blocks' logits (inference) and parameter gradients (training) to bf16
+    rounding; a block whose norm has a hook (feature extraction) keeps PyTorch's LayerNorm."""
+    from vitflow.models.kernels import norm as norm_kernel
+
+    torch.manual_seed(0)
+    model = create_model("vit_cifar_patch4_32", num_classes=10, depth=3).eval()
+    x, labels = torch.randn(8, 3, 32, 32), torch.arange(8) % 10
+    calls = []
+    fused_call = norm_kernel.add_layer_norm
+    monkeypatch.setattr(norm_kernel, "add_layer_norm", lambda *a: calls.append(1) or fused_call(*a))
+
+    def logits():
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x).float()
+
+    def gradients():
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.nn.functional.cross_entropy(model.train()(x), labels).backward()
+        model.eval()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    fused, fused_grads = logits(), gradients()
+    assert len(calls) == 2 * (2 * 3)
+    with monkeypatch.context() as m:
+        m.setattr(norm_kernel, "fusable", lambda *a: False)
+        plain, plain_grads = logits(), gradients()
+    torch.testing.assert_close(fused, plain, atol=0.05, rtol=0.02)
+    assert fused.std() > 0.1  # logits of a random model, not zeros
+    for name, g in plain_grads.items():
+        assert g.abs().max() > 0, name
+        torch.testing.assert_close(fused_grads[name], g, atol=2e-2 * g.abs().max().item(), rtol=0.05, msg=name)
+    seen = []
+    model.blocks[1].norm2.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    calls.clear()
+    logits()
+    assert seen == [(8, 65, 192)] and len(calls) == 2 * 2

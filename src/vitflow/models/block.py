@@ -13,6 +13,8 @@ from torch.utils.checkpoint import checkpoint
 
 from vitflow.models.attention import AttentionContext, attention_probs, make_kernel, split_heads
 from vitflow.models.grad_checkpointing import CheckpointPlan
+from vitflow.models.kernels import cpp
+from vitflow.models.kernels import norm as norm_kernel
 from vitflow.models.kernels.matmul import Linear
 from vitflow.models.layers import LN_EPS, DropPath, LayerScale, Mlp, SwiGLUPacked, active, make_mlp
 from vitflow.models.position import RelativePositionBias
@@ -99,6 +101,9 @@ class Block(nn.Module):
     ``(B, N, D) -> (B, N, D)``. Where a branch adds its output unscaled (no LayerScale, stochastic
     depth and dropout inactive) the residual add runs inside the branch's last GEMM
     (:class:`~vitflow.models.kernels.matmul.Linear`): the same sum, two passes over ``x`` fewer.
+    Under bf16 autocast on the CPU such a block instead adds the attention branch and normalises
+    for the MLP in one pass (:func:`~vitflow.models.kernels.norm.add_layer_norm`, forward and
+    backward), its first LayerNorm too, each straight to the bf16 the next GEMM reads.
     """
 
     grad_checkpointing = False  # recompute this block's activations in the backward pass
@@ -108,6 +113,7 @@ class Block(nn.Module):
                  layer_scale_init: float | None = None, mlp_hidden: int | None = None, act_layer: str = "gelu",
                  norm_eps: float = LN_EPS, mlp_layer: str = "mlp", **attn_kwargs):
         super().__init__()
+        cpp.available()  # the fused add + LayerNorm of bf16 autocast (norm_kernel): built here, never in a forward
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
         self.attn = Attention(dim, num_heads, qkv_bias, attn_drop, drop, attention, **attn_kwargs)
         self.ls1 = LayerScale(dim, layer_scale_init) if layer_scale_init is not None else nn.Identity()
@@ -118,6 +124,10 @@ class Block(nn.Module):
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        if self.residual_in_gemm() and norm_kernel.fusable(x, self.norm1, self.norm2):  # bf16 CPU autocast
+            _, h = norm_kernel.add_layer_norm(x, None, self.norm1)
+            x, h = norm_kernel.add_layer_norm(x, self.attn(h, grid), self.norm2)
+            return x + self.mlp(h)
         if self.residual_in_gemm():
             x = self.attn(self.norm1(x), grid, residual=x)
             return self.mlp(self.norm2(x), residual=x)

@@ -6,7 +6,8 @@ seconds, once: the library is cached under ``$TORCH_EXTENSIONS_DIR``, default
 their operators under ``torch.ops.vitflow``: ``window_attention_forward`` / ``_backward``
 (:func:`vitflow.models.attention.window.fused_window_attention`) and ``layer_norm_backward``
 (:class:`vitflow.models.layers.LayerNorm`, Swin's norms) and ``pool_qkv_forward`` / ``_backward``
-(:func:`vitflow.models.kernels.pool.pool_qkv`, MViTv2's conv pooling). The library's name carries a fingerprint of the
+(:func:`vitflow.models.kernels.pool.pool_qkv`, MViTv2's conv pooling) and ``add_layer_norm``
+(:func:`vitflow.models.kernels.norm.add_layer_norm`, a ViT block's add and LayerNorm in bf16 inference). The library's name carries a fingerprint of the
 CPU's instruction sets and of the sources, so a cache shared between machines never hands one
 CPU's build to another, and an edited source is rebuilt.
 
@@ -30,7 +31,7 @@ from vitflow.timing import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("window_attention.cpp", "layer_norm.cpp", "pool_qkv.cpp")  # plus the header vec.h
+SOURCES = ("window_attention.cpp", "layer_norm.cpp", "pool_qkv.cpp", "add_layer_norm.cpp")  # plus the header vec.h
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
 
