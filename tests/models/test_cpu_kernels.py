@@ -228,10 +228,13 @@ def test_add_layer_norm_gradients_match_autograd(branch_dtype):
 
 def test_vit_bf16_fuses_add_and_norm_and_matches_the_plain_blocks(monkeypatch):
     """A ViT under bf16 autocast on the CPU runs each block's two LayerNorms through the fused kernel
-    and gives the unfused blocks' logits (inference) and parameter gradients (training) to bf16
-    rounding; a block whose norm has a hook (feature extraction) keeps PyTorch's LayerNorm."""
+    (each block's last add in the next block's first norm) and gives the unfused blocks' logits
+    (inference) and parameter gradients (training) to bf16 rounding; a hooked block runs its own
+    forward, a block whose norm has a hook (feature extraction) keeps PyTorch's LayerNorm."""
+    from vitflow.models.block import Blocks
     from vitflow.models.kernels import norm as norm_kernel
 
+    fused_chain = Blocks._fused_chain
     torch.manual_seed(0)
     model = create_model("vit_cifar_patch4_32", num_classes=10, depth=3).eval()
     x, labels = torch.randn(8, 3, 32, 32), torch.arange(8) % 10
@@ -260,8 +263,18 @@ def test_vit_bf16_fuses_add_and_norm_and_matches_the_plain_blocks(monkeypatch):
     for name, g in plain_grads.items():
         assert g.abs().max() > 0, name
         torch.testing.assert_close(fused_grads[name], g, atol=2e-2 * g.abs().max().item(), rtol=0.05, msg=name)
-    seen = []
+    chained = []  # the blocks' chain: each block's last add in the next block's first norm
+    monkeypatch.setattr(Blocks, "_fused_chain", lambda self, *a: chained.append(1) or fused_chain(self, *a))
+    calls.clear()
+    logits()
+    assert chained and len(calls) == 2 * 3
+    seen = []  # a hooked block: every block runs its own forward, the hooked one sees its output
+    hook = model.blocks[0].register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    chained.clear(), calls.clear()
+    torch.testing.assert_close(logits(), fused, atol=0.05, rtol=0.02)
+    assert seen == [(8, 65, 192)] and not chained and len(calls) == 2 * 3
+    hook.remove()
     model.blocks[1].norm2.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
     calls.clear()
     logits()
-    assert seen == [(8, 65, 192)] and len(calls) == 2 * 2
+    assert seen[-1] == (8, 65, 192) and not chained and len(calls) == 2 * 2

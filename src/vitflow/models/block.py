@@ -160,7 +160,9 @@ class Blocks(nn.Sequential):
     ``grad_checkpointing`` is set keeps only its input and recomputes the rest in the backward
     pass (``torch.utils.checkpoint``, non-reentrant; Chen et al. 2016) while gradients are on.
     ``checkpoint_plan`` says which blocks (:class:`~vitflow.models.grad_checkpointing.CheckpointPlan`;
-    an ``auto`` plan is resolved per input shape by :mod:`vitflow.models.autotune`).
+    an ``auto`` plan is resolved per input shape by :mod:`vitflow.models.autotune`). Under bf16 CPU
+    autocast, blocks that fuse their norms (:meth:`Block.forward`), none checkpointed or hooked, also
+    fuse each block's last residual add into the next block's first LayerNorm.
     """
 
     def __init__(self, *blocks: Block):  # (also an OrderedDict, as nn.Sequential's slicing passes)
@@ -170,9 +172,32 @@ class Blocks(nn.Sequential):
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
         recompute = torch.is_grad_enabled()
+        if self._chain_fusable(x, recompute):
+            return self._fused_chain(x, grid)
         for blk in self:
             x = checkpoint(blk, x, grid, use_reentrant=False) if recompute and blk.grad_checkpointing else blk(x, grid)
         return x
+
+    def _chain_fusable(self, x: torch.Tensor, recompute: bool) -> bool:
+        """Whether every block is a plain :class:`Block` that fuses its norms (:meth:`Block.forward`),
+        none checkpointed (while gradients are on) and none hooked: each block's last add then runs
+        in the next block's first norm (:meth:`_fused_chain`)."""
+        blocks = list(self)
+        return (len(blocks) > 1 and all(type(b) is Block and b.residual_in_gemm() for b in blocks)
+                and not any(b._forward_hooks or b._forward_pre_hooks or (recompute and b.grad_checkpointing)
+                            for b in blocks)
+                and norm_kernel.fusable(x, *(n for b in blocks for n in (b.norm1, b.norm2))))
+
+    def _fused_chain(self, x: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
+        """The blocks' forwards with each residual add in the LayerNorm that follows it
+        (:func:`~vitflow.models.kernels.norm.add_layer_norm`): the same sums, one pass per add fewer."""
+        blocks = list(self)
+        x, h = norm_kernel.add_layer_norm(x, None, blocks[0].norm1)
+        for blk, following in zip(blocks, blocks[1:]):
+            x, h = norm_kernel.add_layer_norm(x, blk.attn(h, grid), blk.norm2)
+            x, h = norm_kernel.add_layer_norm(x, blk.mlp(h), following.norm1)
+        x, h = norm_kernel.add_layer_norm(x, blocks[-1].attn(h, grid), blocks[-1].norm2)
+        return x + blocks[-1].mlp(h)
 
     def attention_maps(self, x: torch.Tensor, grid: tuple[int, int],
                        layers: int | Sequence[int] | None = None) -> list[torch.Tensor]:
