@@ -6,8 +6,9 @@ seconds, once: the library is cached under ``$TORCH_EXTENSIONS_DIR``, default
 their operators under ``torch.ops.vitflow``: ``window_attention_forward`` / ``_backward``
 (:func:`vitflow.models.attention.window.fused_window_attention`) and ``layer_norm_backward``
 (:class:`vitflow.models.layers.LayerNorm`, Swin's norms) and ``pool_qkv_forward`` / ``_backward``
-(:func:`vitflow.models.kernels.pool.pool_qkv`, MViTv2's conv pooling) and ``add_layer_norm``
-(:func:`vitflow.models.kernels.norm.add_layer_norm`, a ViT block's add and LayerNorm in bf16 inference). The library's name carries a fingerprint of the
+(:func:`vitflow.models.kernels.pool.pool_qkv`, MViTv2's conv pooling) and ``add_layer_norm`` / ``_backward``
+(:func:`vitflow.models.kernels.norm.add_layer_norm`, a ViT block's residual add and LayerNorm under bf16
+autocast). The library's name carries a fingerprint of the
 CPU's instruction sets and of the sources, so a cache shared between machines never hands one
 CPU's build to another, and an edited source is rebuilt.
 

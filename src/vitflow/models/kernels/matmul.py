@@ -135,7 +135,7 @@ def linear_fp32_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return _Bf16Linear.apply(x, weight, bias, (_fp32_forward, _fp32_backward))
 
 
-_PLAIN = (torch.Tensor, nn.Parameter)  # not subclasses such as FSDP's DTensor
+PLAIN_TENSORS = (torch.Tensor, nn.Parameter)  # not subclasses such as FSDP's DTensor
 
 
 def _bf16_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -187,7 +187,7 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     the bias inside the GEMM where oneDNN has bf16 on this CPU and the tensors are plain (not
     subclasses such as FSDP's DTensor); else ``F.linear``. ``x (..., K)``, ``weight (N, K)``,
     ``bias (N,)`` -> bf16 ``(..., N)``; differentiable."""
-    if bias is None or not onednn.BF16 or any(type(t) not in _PLAIN for t in (x, weight, bias)):
+    if bias is None or not onednn.BF16 or any(type(t) not in PLAIN_TENSORS for t in (x, weight, bias)):
         return F.linear(x, weight, bias)
     return _Bf16Linear.apply(x, weight, bias, (_bf16_forward, _bf16_backward))
 
@@ -281,7 +281,7 @@ class Linear(nn.Linear):
         w, b, f32 = self.weight, self.bias, torch.float32
         return (not tracing() and not torch._C._are_functorch_transforms_active() and x.device.type == "cpu"
                 and x.dtype == w.dtype == f32 and (b is None or b.dtype == f32)
-                and type(x) is torch.Tensor and type(w) in _PLAIN and not torch.is_autocast_enabled("cpu")
+                and type(x) is torch.Tensor and type(w) in PLAIN_TENSORS and not torch.is_autocast_enabled("cpu")
                 and (residual is None or type(residual) is torch.Tensor and residual.dtype == f32
                      and residual.shape == (*x.shape[:-1], w.shape[0]))
                 and onednn.large(x.numel() // x.shape[-1], x.shape[-1], w.shape[0]))

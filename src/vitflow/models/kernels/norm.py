@@ -18,13 +18,15 @@ import torch
 import torch.nn as nn
 
 from vitflow.models.kernels import cpp
+from vitflow.models.kernels.matmul import PLAIN_TENSORS
 from vitflow.timing import tracing
 
 
 def fusable(x: torch.Tensor, *norms: nn.Module) -> bool:
     """Whether :func:`add_layer_norm` may replace ``norms``' forwards on ``x``: bf16 CPU autocast, a
     plain contiguous float32 ``x``, no tracing (export, compile) or ``torch.func`` transform, each
-    norm an ``nn.LayerNorm`` over the last dimension with float32 affine parameters and no hooks,
+    norm an ``nn.LayerNorm`` over the last dimension with plain float32 affine parameters (not
+    tensor subclasses such as FSDP's DTensor) and no hooks,
     and vitflow's CPU kernels available (:func:`vitflow.models.kernels.cpp.available`; a block
     builds them at construction)."""
     if type(x) is not torch.Tensor or x.dtype != torch.float32 or x.device.type != "cpu":
@@ -34,8 +36,8 @@ def fusable(x: torch.Tensor, *norms: nn.Module) -> bool:
     if tracing() or torch._C._are_functorch_transforms_active():
         return False
     for n in norms:
-        if not (isinstance(n, nn.LayerNorm) and len(n.normalized_shape) == 1 and n.weight is not None
-                and n.bias is not None and n.weight.dtype == n.bias.dtype == torch.float32
+        if not (isinstance(n, nn.LayerNorm) and len(n.normalized_shape) == 1 and type(n.weight) in PLAIN_TENSORS
+                and type(n.bias) in PLAIN_TENSORS and n.weight.dtype == n.bias.dtype == torch.float32
                 and not (n._forward_hooks or n._forward_pre_hooks)):
             return False
     return x.is_contiguous() and cpp.available()
