@@ -95,9 +95,9 @@ def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
                 raise e if isinstance(e, RemoteError) else DataError(f"data.{key}={split!r}: {e}") from None
             if len(held_out[key]) == 0:
                 raise DataError(f"data.{key}={split!r} selects no images")
+    val, test = _val_test(held_out, val_split, test_split)  # (before the RAM cache: file sources name their images)
     selection = {role: selection_record(src, expr) for role, src, expr in
-                 (("train", train, cfg.train_split), ("val", held_out.get("val_split"), val_split),
-                  ("test", held_out.get("test_split", held_out.get("val_split")), test_split))
+                 (("train", train, cfg.train_split), ("val", val, val_split), ("test", test, test_split))
                  if src is not None and expr is not None and not (role == "train" and streamed)}
     if cfg.max_in_memory > 0:
         crops_resized = resolve_augment(cfg.train_augment, image_size) == "random_resized_crop"
@@ -105,9 +105,15 @@ def open_datasets(cfg: DataConfig, image_size: int) -> Datasets:
             train = _cache(train, cfg, image_size, "train", crops_resized)
         held_out = {k: _cache(v, cfg, image_size, k[:-6], True, exact=True) for k, v in held_out.items()}
     pp = Preprocess(image_size, cfg.crop_pct, cfg.interpolation, tuple(cfg.mean), tuple(cfg.std))
-    val = held_out.get("val_split")
-    test = val if test_split is not None and test_split == val_split else held_out.get("test_split")
+    val, test = _val_test(held_out, val_split, test_split)
     return Datasets(train, val, test, train.classes, pp, val_split, test_split, cfg.task, selection)
+
+
+def _val_test(held_out: dict, val_split: str | None, test_split: str | None) -> tuple:
+    """The validation and test sources of :func:`open_datasets`' opened splits (by key): the test
+    source is the validation one when both name the same split."""
+    val = held_out.get("val_split")
+    return val, val if test_split is not None and test_split == val_split else held_out.get("test_split")
 
 
 def _cache(source: ImageSource, cfg: DataConfig, image_size: int, desc: str, resizable: bool,

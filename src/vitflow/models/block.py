@@ -124,11 +124,12 @@ class Block(nn.Module):
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
-        if self.residual_in_gemm() and norm_kernel.fusable(x, self.norm1, self.norm2):  # bf16 CPU autocast
+        plain = self.residual_in_gemm()
+        if plain and norm_kernel.fusable(x, self.norm1, self.norm2):  # bf16 CPU autocast
             _, h = norm_kernel.add_layer_norm(x, None, self.norm1)
             x, h = norm_kernel.add_layer_norm(x, self.attn(h, grid), self.norm2)
             return x + self.mlp(h)
-        if self.residual_in_gemm():
+        if plain:
             x = self.attn(self.norm1(x), grid, residual=x)
             return self.mlp(self.norm2(x), residual=x)
         if self.residual_in_layer_scale():
@@ -182,11 +183,11 @@ class Blocks(nn.Sequential):
         """Whether every block is a plain :class:`Block` that fuses its norms (:meth:`Block.forward`),
         none checkpointed (while gradients are on) and none hooked: each block's last add then runs
         in the next block's first norm (:meth:`_fused_chain`)."""
-        blocks = list(self)
-        return (len(blocks) > 1 and all(type(b) is Block and b.residual_in_gemm() for b in blocks)
+        blocks = list(self)  # the input's checks (dtype, autocast) first: outside bf16 CPU autocast they end it
+        return (len(blocks) > 1 and norm_kernel.fusable(x, *(n for b in blocks for n in (b.norm1, b.norm2)))
+                and all(type(b) is Block and b.residual_in_gemm() for b in blocks)
                 and not any(b._forward_hooks or b._forward_pre_hooks or (recompute and b.grad_checkpointing)
-                            for b in blocks)
-                and norm_kernel.fusable(x, *(n for b in blocks for n in (b.norm1, b.norm2))))
+                            for b in blocks))
 
     def _fused_chain(self, x: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
         """The blocks' forwards with each residual add in the LayerNorm that follows it

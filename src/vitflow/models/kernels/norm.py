@@ -26,9 +26,8 @@ def fusable(x: torch.Tensor, *norms: nn.Module) -> bool:
     """Whether :func:`add_layer_norm` may replace ``norms``' forwards on ``x``: bf16 CPU autocast, a
     plain contiguous float32 ``x``, no tracing (export, compile) or ``torch.func`` transform, each
     norm an ``nn.LayerNorm`` over the last dimension with plain float32 affine parameters (not
-    tensor subclasses such as FSDP's DTensor) and no hooks,
-    and vitflow's CPU kernels available (:func:`vitflow.models.kernels.cpp.available`; a block
-    builds them at construction)."""
+    tensor subclasses such as FSDP's DTensor) and no hooks, and vitflow's CPU kernels available
+    (:func:`vitflow.models.kernels.cpp.available`; a block builds them at construction)."""
     if type(x) is not torch.Tensor or x.dtype != torch.float32 or x.device.type != "cpu":
         return False
     if not (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16):
