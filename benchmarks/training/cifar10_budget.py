@@ -67,7 +67,8 @@ def main() -> None:
     r = train(cfg)
     wall = time.perf_counter() - t0
     how = "recipe" if args.recipe else "plan"
-    print(f"cifar10-{cfg.model.name} ({how}), budget {args.budget}: test top-1 {r['test_top1']:.2%} top-5 "
+    name = (r.get("race") or {}).get("winner", cfg.model.name)  # a race's winner is the model trained on
+    print(f"cifar10-{name} ({how}), budget {args.budget}: test top-1 {r['test_top1']:.2%} top-5 "
           f"{r['test_top5']:.2%} on 10,000 test images after {r['step']} steps "
           f"({r['step'] * cfg.train.batch_size / 50_000:.1f} epochs), {r['train_images_per_s']:.0f} train img/s, "
           f"threads {cfg.train.threads or 'default'}, wall {wall:.0f} s (plan included), load {load:.1f} -> "

@@ -126,3 +126,36 @@ def test_prune_writes_a_checkpoint_only(digits_run, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: output {out}: a pruned model is written as a checkpoint; name it *.pt (then vitflow "
                    "export or quantize it)"] and not out.exists()
+
+
+@pytest.mark.slow
+def test_openvino_yardstick_of_a_pruned_model_runs_the_reference_export(digits_run, tmp_path):
+    """With a peer (the unpruned model of a pruned one), the ov_best_* paths run the peer's vitflow
+    export, not the pruned model's: their logits are the unpruned model's but for INT8 rounding,
+    and far from the pruned model's; without a peer they run the model's own."""
+    pytest.importorskip("openvino")
+    pytest.importorskip("nncf")
+    from vitflow.infer.bench.infer import build_paths
+    from vitflow.infer.calibration import calibration_images
+
+    _, r, _ = digits_run
+    state = load_checkpoint(r["checkpoint"])
+    model, info = model_from_checkpoint(state).float().eval(), ModelInfo.from_checkpoint(state)
+    scores = Importance([torch.arange(b.attn.num_heads, dtype=torch.float32) for b in model.blocks],
+                        [torch.arange(b.mlp.fc1.out_features, dtype=torch.float32) for b in model.blocks], 0)
+    pruned, sizes = prune_model(model, scores, heads=0.5, mlp=0.5)
+    pruned_info = ModelInfo.from_checkpoint({**state, "model_args": {**state["model_args"], **sizes}})
+    images = calibration_images(None, info.preprocess, info.classes, state, 64, split="test")
+    paths = ("ov_best_latency", "openvino_int8_tuned")
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    with_peer, _ = build_paths(pruned, pruned_info, tmp_path / "a", paths, lambda: images, lambda m: None,
+                               peer=(model, info))
+    alone, _ = build_paths(pruned, pruned_info, tmp_path / "b", paths[:1], lambda: images, lambda m: None)
+    with torch.no_grad():
+        unpruned, small = model(images), pruned(images)
+        yard, own, yard_alone = with_peer["ov_best_latency"](images), with_peer["openvino_int8_tuned"](images), \
+            alone["ov_best_latency"](images)
+    gap = (unpruned - small).abs().mean()
+    assert gap > 0.1  # the pruned model computes something else
+    assert (yard - unpruned).abs().mean() < 0.2 * gap and (own - small).abs().mean() < 0.2 * gap
+    assert (yard_alone - small).abs().mean() < 0.2 * gap

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from vitflow.models.token_merging import merge_schedule, merge_tokens
+from vitflow.models.token_merging import merge_matrices, merge_schedule, merge_tokens
 from vitflow.models.vit.model import VisionTransformer
 
 
@@ -119,6 +119,25 @@ def test_merge_keeps_the_prefix_first_and_the_total_size():
     assert sizes[:, 1:].sum(dim=1).flatten().tolist() == [10.0, 10.0] and sizes.max().item() <= 5
     # the size-weighted mean is kept: sum of size * features before and after
     torch.testing.assert_close((merged * sizes)[:, 1:].sum(1), x[:, 1:].sum(1), atol=1e-5, rtol=1e-5)
+
+
+def test_merge_matrices_pick_the_kept_tokens_in_order_and_route_the_merged_ones():
+    # 4 A tokens, 3 B tokens: A 2 and A 0 merge into B 1; A 1 and A 3 stay, in that order
+    keep, into_b = merge_matrices(torch.tensor([[2, 0]]), torch.tensor([[1, 1]]), 4, 3, torch.float32)
+    assert keep.tolist() == [[[0, 1, 0, 0], [0, 0, 0, 1]]]
+    assert into_b.tolist() == [[[0, 0, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]]]
+
+
+def test_merge_under_bf16_autocast_matches_and_sums_in_float32():
+    """The matching and the merged sums run in float32 under autocast: bit for bit the float32
+    merge (a bf16 similarity product could pick other pairs, a bf16 product round the sums)."""
+    torch.manual_seed(2)
+    x, metric = torch.randn(3, 1 + 40, 16), torch.randn(3, 1 + 40, 8)
+    size = torch.randint(1, 5, (3, 41, 1)).float()
+    want = merge_tokens(x, size, metric, 12, num_prefix_tokens=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = merge_tokens(x, size, metric, 12, num_prefix_tokens=1)
+    assert got[0].dtype == torch.float32 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_schedule_is_capped_and_checked():

@@ -204,8 +204,9 @@ def _bench_commands(sub):
                    "this many top-1 points of fp32 (1.0)")
     b.add_argument("--calibrate", metavar="DATA", help="calibration images of the static INT8 paths (default: the "
                    "checkpoint's training data)")
-    b.add_argument("--reference", metavar="CKPT", help="the peers (timm paths) take this checkpoint's model, and its "
-                   "fp32 top-1 bounds the drop: e.g. the unpruned model a pruned CHECKPOINT came from")
+    b.add_argument("--reference", metavar="CKPT", help="the peers (timm paths) and the ov_best_* yardstick take this "
+                   "checkpoint's model, and its fp32 top-1 bounds the drop: e.g. the unpruned model a pruned CHECKPOINT "
+                   "came from")
     b.add_argument("--calibration-images", type=positive, default=300, metavar="N", help="(300)")
     b.add_argument("--batch-size", type=int, default=32, help="throughput batch size (32)")
     b.add_argument("--repeats", type=int, default=3, help="interleaved rounds (3)")

@@ -138,9 +138,9 @@ def bench_infer(checkpoint: str | Path, paths: tuple[str, ...] = tuple(PATHS), b
         calibrate / calibration_count: the static INT8 paths' calibration images
             (:func:`vitflow.infer.calibration.calibration_images`; default the checkpoint's
             training data).
-        reference: a checkpoint the peers (timm paths) take their configuration and weights from,
-            e.g. the unpruned model a pruned ``checkpoint`` came from; its fp32 top-1 is then the
-            accuracy bound of the fastest paths (``timm_eager_fp32``'s).
+        reference: the model the peers (timm paths) and the ``ov_best_*`` yardstick (through
+            vitflow's export) run, e.g. the unpruned model a pruned ``checkpoint`` came from; its fp32
+            top-1 is then the accuracy bound of the fastest paths (``timm_eager_fp32``'s).
         token_merge: the ``tome_*`` paths' tokens merged per block: an int, ``"auto"`` (the
             largest within ``max_drop`` points on ``data``, :func:`vitflow.infer.token_merge.choose_token_merge`)
             or ``None`` (:func:`~vitflow.models.token_merging.default_merge`).

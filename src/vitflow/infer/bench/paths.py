@@ -148,13 +148,21 @@ class Sources:
             return model.eval()
         return self.once("merged", make)
 
+    def yardstick(self) -> str:
+        """Whose export the ``ov_best_*`` paths run: ``reference`` (the peer's model through
+        vitflow's export, e.g. the unpruned model of a pruned checkpoint) when a peer was given,
+        else ``vitflow``."""
+        return "vitflow" if self.peer_model is self.model else "reference"
+
     def onnx(self, who: str) -> Path:
         """The fp32 ONNX file of ``who`` (``vitflow``: its deployable export; ``tome``: the same
-        with token merging; ``timm``: timm's model as it is) with ONNX Runtime's CPU fusions."""
+        with token merging; ``reference``: the peer's model through the same export; ``timm``:
+        timm's model as it is) with ONNX Runtime's CPU fusions."""
         def make():
             raw, opt = self.workdir / f"{who}.onnx", self.workdir / f"{who}.opt.onnx"
-            model = {"vitflow": lambda: self.model, "tome": self.merged, "timm": self.timm}[who]()
-            export_onnx(model, raw, self.peer_info if who == "timm" else self.info, as_is=who == "timm")
+            model = {"vitflow": lambda: self.model, "tome": self.merged, "timm": self.timm,
+                     "reference": lambda: self.peer_model}[who]()
+            export_onnx(model, raw, self.peer_info if who in ("timm", "reference") else self.info, as_is=who == "timm")
             optimize_onnx(raw, opt, "cpu", *fusion_sizes(model))
             return raw, opt
         return self.once(f"onnx-{who}", make)[1]
@@ -213,6 +221,13 @@ def _ov(who: str, int8: bool, **settings) -> Callable[[Sources], torch.nn.Module
     return lambda s: OpenVinoModel(s.openvino(who, int8), name=f"{who} openvino", **settings)
 
 
+def _ov_best(hint: str) -> Callable[[Sources], torch.nn.Module]:
+    """OpenVINO's documented best (:data:`OV_BEST`, ``hint``) on the yardstick's export
+    (:meth:`Sources.yardstick`)."""
+    return lambda s: OpenVinoModel(s.openvino(s.yardstick(), True), name=f"{s.yardstick()} openvino", hint=hint,
+                                   **OV_BEST)
+
+
 TIMM, ORT, OV = ("timm",), ("onnxruntime",), ("openvino", "nncf")  # what the paths need installed
 # OpenVINO's documented best for the CPU: bf16 float layers where native, a static shape per batch size (its
 # model.reshape; the hint is each path's own)
@@ -255,10 +270,9 @@ PATHS: dict[str, PathSpec] = {
     "tome_openvino_int8_tuned": PathSpec("vitflow", "token merging, INT8 by NNCF, vitflow's OpenVINO settings",
                                          lambda s: OpenVinoModel(s.openvino("tome", True), name="tome openvino",
                                                                  **tuned_settings()), OV),
-    # OpenVINO used well on vitflow's own export: what any OpenVINO user of that export gets (the yardstick)
-    "ov_best_throughput": PathSpec("openvino", "vitflow's export, INT8 by NNCF, bf16 where native, static shapes, "
-                                   "throughput hint",
-                                   _ov("vitflow", True, **OV_BEST, hint="throughput"), OV),
-    "ov_best_latency": PathSpec("openvino", "the same, latency hint", _ov("vitflow", True, **OV_BEST, hint="latency"),
-                                OV),
+    # OpenVINO used well on vitflow's own export (of the --reference model when there is one, e.g. the unpruned
+    # model): what any OpenVINO user of that export gets (the yardstick)
+    "ov_best_throughput": PathSpec("openvino", "vitflow's export (the reference's with --reference), INT8 by NNCF, "
+                                   "bf16 where native, static shapes, throughput hint", _ov_best("throughput"), OV),
+    "ov_best_latency": PathSpec("openvino", "the same, latency hint", _ov_best("latency"), OV),
 }
