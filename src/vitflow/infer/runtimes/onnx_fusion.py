@@ -12,11 +12,15 @@ from vitflow.infer.runtimes.onnx import copy_metadata, quiet_toolchain, require
 
 def fusion_sizes(model: nn.Module) -> tuple[int, int]:
     """``(num_heads, hidden_size)`` of a ViT-layout model for :func:`optimize_onnx`, ``(0, 0)``
-    for other layouts (the optimizer then reads them from the graph)."""
+    for other layouts and for head-pruned models whose blocks differ (the optimizer then reads
+    them from the graph; given, a head count that does not divide the width fails its check)."""
     blocks = getattr(model, "blocks", None)
     if blocks is None or not len(blocks) or not hasattr(blocks[0].attn, "num_heads"):
         return 0, 0
-    return blocks[0].attn.num_heads, getattr(model, "embed_dim", 0)
+    dim = getattr(model, "embed_dim", 0)
+    if any(b.attn.num_heads * getattr(b.attn, "head_dim", 0) != dim for b in blocks):
+        return 0, 0
+    return blocks[0].attn.num_heads, dim
 
 
 FUSED_OPS = ("Attention", "MultiHeadAttention", "SkipLayerNormalization", "LayerNormalization", "BiasGelu", "Gelu",
