@@ -224,8 +224,7 @@ def _ov(who: str, int8: bool, **settings) -> Callable[[Sources], torch.nn.Module
 def _ov_best(hint: str) -> Callable[[Sources], torch.nn.Module]:
     """OpenVINO's documented best (:data:`OV_BEST`, ``hint``) on the yardstick's export
     (:meth:`Sources.yardstick`)."""
-    return lambda s: OpenVinoModel(s.openvino(s.yardstick(), True), name=f"{s.yardstick()} openvino", hint=hint,
-                                   **OV_BEST)
+    return lambda s: _ov(s.yardstick(), True, hint=hint, **OV_BEST)(s)
 
 
 TIMM, ORT, OV = ("timm",), ("onnxruntime",), ("openvino", "nncf")  # what the paths need installed
