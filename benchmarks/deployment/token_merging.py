@@ -72,8 +72,8 @@ def plot(result: dict, out: str) -> None:
     speed = ax.twinx()
     speed.plot(rs, [r["images_per_s"] for r in rows], "s--", color="tab:red")
     speed.set_ylabel("images/s (fp32 eager)", color="tab:red")
-    ax.set_title(f"{result['model']}: token merging ({result['images']} test images, "
-                 f"{result['threads']} threads, {' '.join(result['cpu'])})", fontsize=9)
+    ax.set_title(f"{result['model']}: token merging\ntop-1 on {result['images']} images, {result['threads']} threads, "
+                 f"{' '.join(result['cpu'])}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out)
 

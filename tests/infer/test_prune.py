@@ -1,5 +1,6 @@
-"""Pruning: physical head / MLP-unit removal equals masking, importance finds dead heads, pruned
-models rebuild from their model_args and export; the CLI prunes, fine-tunes and measures."""
+"""Pruning: physical head / MLP-unit removal equals masking, block removal equals skipping,
+importance finds dead heads and blocks, pruned models rebuild from their model_args and export;
+the CLI prunes, fine-tunes and measures."""
 
 import json
 
@@ -8,9 +9,19 @@ import torch
 
 from vitflow.checkpoint import load_checkpoint, model_from_checkpoint
 from vitflow.cli import main
+from vitflow.data import model_input
 from vitflow.data.transforms import Preprocess
 from vitflow.infer.export.formats import export_onnx, verify
-from vitflow.infer.prune import Importance, importance_scores, prune_heads_, prune_mlp_, prune_model, select_units
+from vitflow.infer.prune import (
+    Importance,
+    block_importance,
+    importance_scores,
+    prune_heads_,
+    prune_mlp_,
+    prune_model,
+    remove_blocks,
+    select_units,
+)
 from vitflow.infer.runtimes.onnx import ModelInfo, OnnxModel
 from vitflow.models import create_model
 
@@ -91,6 +102,62 @@ def test_importance_finds_a_dead_head_and_keeps_one_per_block():
         select_units(imp.heads, 1.0)
 
 
+def _skipping(model, skipped):
+    """Reference: the model with the ``skipped`` blocks' outputs replaced by their inputs."""
+    return [model.blocks[i].register_forward_hook(lambda m, a, out: a[0]) for i in skipped]
+
+
+def test_removing_blocks_equals_skipping_them_and_rebuilds():
+    torch.manual_seed(0)
+    model = create_model("vit_cifar_patch4_32", num_classes=10).eval()
+    rise = torch.tensor([0.5, 0.1, 0.4, -0.2, 0.3, 0.05, 0.6, 0.7, 0.2])
+    shallow, removed = remove_blocks(model, rise, 3)
+    assert removed == [1, 3, 5] and len(shallow.blocks) == 6 and len(model.blocks) == 9
+    x = torch.randn(4, 3, 32, 32)
+    hooks = _skipping(model, removed)
+    with torch.no_grad():
+        ref = model(x)
+    for h in hooks:
+        h.remove()
+    with torch.no_grad():
+        torch.testing.assert_close(shallow(x), ref, atol=1e-6, rtol=0)
+        assert not torch.allclose(model(x), ref, atol=1e-4)
+    sizes = {"depth": 6, "block_heads": [3, 1, 2, 3, 3, 2], "block_mlp_hidden": [384, 100, 384, 384, 200, 384]}
+    for blk, h, m in zip(shallow.blocks, sizes["block_heads"], sizes["block_mlp_hidden"]):
+        prune_heads_(blk.attn, list(range(h)))
+        prune_mlp_(blk.mlp, list(range(m)))
+    rebuilt = create_model("vit_cifar_patch4_32", num_classes=10, **sizes).eval()
+    rebuilt.load_state_dict(shallow.state_dict())  # strict: blocks.0 ... blocks.5 renumbered
+    with torch.no_grad():
+        assert torch.equal(rebuilt(x), shallow(x))
+    for count in (9, -1):
+        with pytest.raises(ValueError, match=r"blocks to remove must be in \[0, 9\)"):
+            remove_blocks(model, rise, count)
+
+
+def test_block_importance_is_the_loss_rise_of_skipping_and_finds_a_dead_block():
+    torch.manual_seed(0)
+    model = create_model("vit_cifar_patch4_32", num_classes=10, depth=4).eval()
+    with torch.no_grad():  # block 2 adds nothing to the residual stream: its two output layers are zero
+        for lin in (model.blocks[2].attn.proj, model.blocks[2].mlp.fc2):
+            lin.weight.zero_()
+            lin.bias.zero_()
+    batches = [{"images": torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8),
+                "labels": torch.randint(0, 10, (16,))} for _ in range(3)]
+    pp = Preprocess(32, 1.0)
+    rise, n = block_importance(model, batches, pp, max_images=32)
+    assert n == 32 and rise.shape == (4,) and abs(float(rise[2])) < 1e-7
+    assert all(abs(float(rise[i])) > 1e-5 for i in (0, 1, 3))
+    x = model_input(torch.cat([b["images"] for b in batches[:2]]), pp.mean, pp.std, "cpu")
+    y = torch.cat([b["labels"] for b in batches[:2]])
+    with torch.no_grad():  # the second implementation: each block physically removed
+        intact = torch.nn.functional.cross_entropy(model(x), y)
+        for i in range(4):
+            shallow, _ = remove_blocks(model, torch.arange(4.0).roll(i), 1)
+            assert abs(float(torch.nn.functional.cross_entropy(shallow(x), y) - intact) - float(rise[i])) < 1e-5
+    assert remove_blocks(model, rise, 1)[1] == [int(rise.argmin())]
+
+
 @pytest.mark.slow
 def test_prune_cli_finetunes_and_measures(digits_run, tmp_path, capsys):
     run, r, _ = digits_run
@@ -117,6 +184,25 @@ def test_prune_cli_finetunes_and_measures(digits_run, tmp_path, capsys):
     bound = capsys.readouterr().out.strip().splitlines()[-1]
     assert bound.startswith("fastest paths chosen among those within 1 top-1 point(s) of fp32 (")
     assert abs(float(bound.rsplit("(", 1)[1].rstrip("%)")) / 100 - p["top1_before"]) < 0.005
+
+
+def test_prune_cli_removes_a_block(digits_run, tmp_path, capsys):
+    _, r, _ = digits_run
+    out = tmp_path / "shallow.pt"
+    assert main(["prune", r["checkpoint"], "-o", str(out), "--blocks", "1", "--heads", "0", "--json"]) == 0
+    out_err = capsys.readouterr()
+    p = json.loads(out_err.out.strip().splitlines()[-1])
+    assert p["depth"] == 3 and len(p["blocks_removed"]) == 1 and p["block_heads"] == [2, 2, 2]
+    assert "blocks 4 -> 3, heads 8 -> 6, parameters" in out_err.out + out_err.err
+    state = load_checkpoint(out)
+    assert state["model_args"]["depth"] == 3 and len(model_from_checkpoint(state).blocks) == 3
+    assert main(["eval", str(out), "--json"]) == 0
+    e = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert abs(e["test_top1"] - p["top1_pruned"]) < 1e-9
+    assert main(["prune", r["checkpoint"], "-o", str(tmp_path / "none.pt"), "--blocks", "4", "--heads", "0"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: blocks to remove must be in [0, 4) for a 4-block model, got 4"]
+    assert not (tmp_path / "none.pt").exists()
 
 
 def test_prune_writes_a_checkpoint_only(digits_run, tmp_path, capsys):

@@ -238,7 +238,7 @@ def test_pruning_refused():
     model = vitflow.create_model("eva02_tiny_patch14_224", depth=1)
     state = {"path": "run/best.pt", "model_args": {"name": "eva02_tiny_patch14_224"}}
     with pytest.raises(ValueError, match="run/best.pt: eva02_tiny_patch14_224 cannot be pruned"):
-        _calibrate_and_prune(model, state, None, None, None, 8, 0.25, 0.0, print)
+        _calibrate_and_prune(model, state, None, None, None, 8, (0, 0.25, 0.0), print)
     with pytest.raises(ValueError, match=r"unknown argument\(s\) for eva02 models: block_heads=\[1\]"):
         vitflow.create_model("eva02_tiny_patch14_224", depth=1, block_heads=[1])
     with pytest.raises(ValueError, match="unknown argument.*foo"):

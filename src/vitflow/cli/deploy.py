@@ -1,5 +1,5 @@
 """The deployment commands: ``vitflow export`` (ONNX / TensorRT / a hub-style folder),
-``vitflow quantize`` (INT8 with an accuracy guard), ``vitflow prune`` (attention heads / MLP) and
+``vitflow quantize`` (INT8 with an accuracy guard), ``vitflow prune`` (blocks / attention heads / MLP) and
 ``vitflow merge-tokens`` (token merging with an accuracy guard)."""
 
 from __future__ import annotations
@@ -106,10 +106,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
     from vitflow.infer.prune import prune_checkpoint
     from vitflow.training.objectives.distill import distill_finetune
 
-    r = prune_checkpoint(args.checkpoint, args.output, args.heads, args.mlp, args.data, args.calib_images,
+    r = prune_checkpoint(args.checkpoint, args.output, args.heads, args.mlp, args.blocks, args.data, args.calib_images,
                          args.finetune_steps, args.batch_size, args.lr, args.alpha, args.temperature,
                          not args.no_eval, args.eval_split, finetune=distill_finetune)
-    print(f"heads {r['heads_before']} -> {r['heads_after']}, parameters {r['params_before'] / 1e6:.2f} M -> "
+    blocks = f"blocks {r['depth'] + len(r['blocks_removed'])} -> {r['depth']}, " if r["blocks_removed"] else ""
+    print(f"{blocks}heads {r['heads_before']} -> {r['heads_after']}, parameters {r['params_before'] / 1e6:.2f} M -> "
           f"{r['params_after'] / 1e6:.2f} M")
     if "top1_before" in r:
         after = f", after fine-tune {r['top1_after']:.2%}" if "top1_after" in r else ""

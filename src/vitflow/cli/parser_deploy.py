@@ -41,11 +41,12 @@ def deployment_commands(sub) -> None:
 
     _add_quantize_command(sub)
 
-    p = sub.add_parser("prune", help="remove attention heads / MLP units, optionally fine-tune with distillation")
+    p = sub.add_parser("prune", help="remove blocks / attention heads / MLP units, optionally fine-tune with distillation")
     p.add_argument("checkpoint", help="checkpoint file or run directory")
     p.add_argument("-o", "--output", required=True, help="pruned checkpoint (.pt)")
     p.add_argument("--heads", type=float, default=0.25, help="fraction of all attention heads to remove (0.25)")
     p.add_argument("--mlp", type=float, default=0.0, help="fraction of all MLP hidden units to remove (0)")
+    p.add_argument("--blocks", type=int, default=0, help="whole blocks to remove, least loss rise when skipped first (0)")
     p.add_argument("--data", metavar="PATH", help="dataset folder or tar (default: the checkpoint's data.path)")
     p.add_argument("--calib-images", type=int, default=1024, help="images for the importance scores (1024)")
     p.add_argument("--finetune-steps", type=int, default=0, help="distillation fine-tune steps (default 0: none)")
