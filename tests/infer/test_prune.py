@@ -189,7 +189,7 @@ def test_prune_cli_finetunes_and_measures(digits_run, tmp_path, capsys):
 def test_prune_cli_removes_a_block(digits_run, tmp_path, capsys):
     _, r, _ = digits_run
     out = tmp_path / "shallow.pt"
-    assert main(["prune", r["checkpoint"], "-o", str(out), "--blocks", "1", "--heads", "0", "--json"]) == 0
+    assert main(["prune", r["checkpoint"], "-o", str(out), "--blocks", "1", "--json"]) == 0  # --heads: 0 with --blocks
     out_err = capsys.readouterr()
     p = json.loads(out_err.out.strip().splitlines()[-1])
     assert p["depth"] == 3 and len(p["blocks_removed"]) == 1 and p["block_heads"] == [2, 2, 2]
@@ -199,9 +199,14 @@ def test_prune_cli_removes_a_block(digits_run, tmp_path, capsys):
     assert main(["eval", str(out), "--json"]) == 0
     e = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert abs(e["test_top1"] - p["top1_pruned"]) < 1e-9
-    assert main(["prune", r["checkpoint"], "-o", str(tmp_path / "none.pt"), "--blocks", "4", "--heads", "0"]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == [
-        "error: blocks to remove must be in [0, 4) for a 4-block model, got 4"]
+    bad = {("--blocks", "4"): "blocks to remove must be in [0, 4) for a 4-block model, got 4",
+           ("--temperature", "0", "--finetune-steps", "3"): "temperature must be > 0, got 0.0",
+           ("--batch-size", "0", "--alpha", "2"): "batch_size must be >= 1, got 0; alpha must be in [0, 1], got 2.0",
+           ("--finetune-steps", "-3"): "finetune_steps must be >= 0, got -3",
+           ("--calib-images", "0", "--lr", "-1"): "calib_images must be >= 1, got 0; lr must be > 0, got -1.0"}
+    for args, message in bad.items():
+        assert main(["prune", r["checkpoint"], "-o", str(tmp_path / "none.pt"), *args]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"error: {message}"], args
     assert not (tmp_path / "none.pt").exists()
 
 

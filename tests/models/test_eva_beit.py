@@ -233,7 +233,7 @@ def test_dynamic_int8_runs_close_to_float():
 
 
 def test_pruning_refused():
-    from vitflow.infer.prune import _calibrate_and_prune
+    from vitflow.infer.prune.checkpoint import _calibrate_and_prune
 
     model = vitflow.create_model("eva02_tiny_patch14_224", depth=1)
     state = {"path": "run/best.pt", "model_args": {"name": "eva02_tiny_patch14_224"}}

@@ -44,7 +44,7 @@ def deployment_commands(sub) -> None:
     p = sub.add_parser("prune", help="remove blocks / attention heads / MLP units, optionally fine-tune with distillation")
     p.add_argument("checkpoint", help="checkpoint file or run directory")
     p.add_argument("-o", "--output", required=True, help="pruned checkpoint (.pt)")
-    p.add_argument("--heads", type=float, default=0.25, help="fraction of all attention heads to remove (0.25)")
+    p.add_argument("--heads", type=float, help="fraction of attention heads to remove (0.25 alone, else 0)")
     p.add_argument("--mlp", type=float, default=0.0, help="fraction of all MLP hidden units to remove (0)")
     p.add_argument("--blocks", type=int, default=0, help="whole blocks to remove, least loss rise when skipped first (0)")
     p.add_argument("--data", metavar="PATH", help="dataset folder or tar (default: the checkpoint's data.path)")
