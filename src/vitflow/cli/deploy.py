@@ -106,8 +106,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     from vitflow.infer.prune import prune_checkpoint
     from vitflow.training.objectives.distill import distill_finetune
 
-    heads = args.heads if args.heads is not None else 0.0 if args.blocks or args.mlp else 0.25
-    r = prune_checkpoint(args.checkpoint, args.output, heads, args.mlp, args.blocks, args.data, args.calib_images,
+    r = prune_checkpoint(args.checkpoint, args.output, args.heads, args.mlp, args.blocks, args.data, args.calib_images,
                          args.finetune_steps, args.batch_size, args.lr, args.alpha, args.temperature,
                          not args.no_eval, args.eval_split, finetune=distill_finetune)
     blocks = f"blocks {r['depth'] + len(r['blocks_removed'])} -> {r['depth']}, " if r["blocks_removed"] else ""

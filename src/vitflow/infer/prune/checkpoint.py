@@ -26,12 +26,12 @@ from vitflow.runtime import resolve_precision
 Finetune = Callable[..., object]
 
 
-def prune_checkpoint(checkpoint, out, heads: float = 0.25, mlp: float = 0.0, blocks: int = 0, data: str | None = None,
+def prune_checkpoint(checkpoint, out, heads: float | None = None, mlp: float = 0.0, blocks: int = 0, data: str | None = None,
                      calib_images: int = 1024, finetune_steps: int = 0, batch_size: int = 128, lr: float = 5e-4,
                      alpha: float = 0.5, temperature: float = 2.0, evaluate: bool = True, eval_split: str | None = None,
                      log=print, finetune: Finetune | None = None) -> dict:
-    """Prune a checkpoint (``blocks`` whole blocks, then the fractions ``heads`` and ``mlp`` of what is
-    left), optionally fine-tune with distillation, measure, and save.
+    """Prune a checkpoint (``blocks`` whole blocks, then fractions ``heads``, default 0.25 alone and 0 beside
+    ``blocks`` or ``mlp``, and ``mlp`` of what is left), optionally fine-tune with distillation, measure, save.
 
     ``finetune`` runs the fine-tune (``finetune_steps > 0``), e.g.
     :func:`vitflow.training.objectives.distill.distill_finetune`: called as ``finetune(student, teacher, pairs,
@@ -52,6 +52,7 @@ def prune_checkpoint(checkpoint, out, heads: float = 0.25, mlp: float = 0.0, blo
         named ``.pt``, bad fractions, block count or fine-tune numbers, an already quantised or a
         multi-label checkpoint, fine-tune steps without ``finetune``.
     """
+    heads = (0.0 if blocks or mlp else 0.25) if heads is None else heads
     _check_request(out, (blocks, heads, mlp), finetune, dict(finetune_steps=finetune_steps, calib_images=calib_images,
                    batch_size=batch_size, lr=lr, alpha=alpha, temperature=temperature))
     state = _float_checkpoint(checkpoint)
@@ -67,7 +68,6 @@ def prune_checkpoint(checkpoint, out, heads: float = 0.25, mlp: float = 0.0, blo
                                                   log)
     result.update(sizes, blocks_removed=removed, params_after=count_params(pruned),
                   heads_before=sum(b.attn.num_heads for b in model.blocks), heads_after=sum(sizes["block_heads"]))
-
     if test is not None:
         result["top1_before"] = accuracy(model, test, pp)["top1"]
         result["top1_pruned"] = accuracy(pruned, test, pp)["top1"]
