@@ -193,7 +193,13 @@ def test_prune_cli_removes_a_block(digits_run, tmp_path, capsys):
     out_err = capsys.readouterr()
     p = json.loads(out_err.out.strip().splitlines()[-1])
     assert p["depth"] == 3 and len(p["blocks_removed"]) == 1 and p["block_heads"] == [2, 2, 2]
-    assert "blocks 4 -> 3, heads 8 -> 6, parameters" in out_err.out + out_err.err
+    assert "blocks 4 -> 3, heads 8 -> 6, parameters" in out_err.err  # --json: stdout holds the JSON alone
+    assert "loss rise when each block is skipped" in out_err.err  # the progress lines
+    # -q: no progress lines; the results on stdout, top-1 once
+    assert main(["prune", r["checkpoint"], "-o", str(tmp_path / "quiet.pt"), "--blocks", "1", "-q"]) == 0
+    quiet = capsys.readouterr()
+    assert quiet.err == "" and "blocks 4 -> 3" in quiet.out and "loss rise" not in quiet.out
+    assert quiet.out.count("top-1") == 1 and "as given" in quiet.out
     state = load_checkpoint(out)
     assert state["model_args"]["depth"] == 3 and len(model_from_checkpoint(state).blocks) == 3
     assert main(["eval", str(out), "--json"]) == 0
@@ -217,6 +223,16 @@ def test_prune_writes_a_checkpoint_only(digits_run, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: output {out}: a pruned model is written as a checkpoint; name it *.pt (then vitflow "
                    "export or quantize it)"] and not out.exists()
+
+
+def test_prune_says_when_fewer_heads_can_go(digits_run, tmp_path, capsys):
+    """Every block keeps a head: 75% of the digits model's 8 heads (2 a block) cannot go, and the
+    progress lines say how many did."""
+    _, r, _ = digits_run
+    assert main(["prune", r["checkpoint"], "-o", str(tmp_path / "p.pt"), "--heads", "0.75", "--no-eval"]) == 0
+    got = capsys.readouterr()
+    assert "--heads 0.75 asks for 6 of 8 removed; 4 were, as every block keeps at least one" in got.err
+    assert "heads 8 -> 4," in got.out and "--mlp" not in got.err
 
 
 @pytest.mark.slow

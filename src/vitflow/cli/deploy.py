@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from vitflow.cli.outputs import chosen
@@ -108,13 +109,13 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
     r = prune_checkpoint(args.checkpoint, args.output, args.heads, args.mlp, args.blocks, args.data, args.calib_images,
                          args.finetune_steps, args.batch_size, args.lr, args.alpha, args.temperature,
-                         not args.no_eval, args.eval_split, finetune=distill_finetune)
+                         not args.no_eval, args.eval_split, log=_progress(args), finetune=distill_finetune)
     blocks = f"blocks {r['depth'] + len(r['blocks_removed'])} -> {r['depth']}, " if r["blocks_removed"] else ""
     print(f"{blocks}heads {r['heads_before']} -> {r['heads_after']}, parameters {r['params_before'] / 1e6:.2f} M -> "
           f"{r['params_after'] / 1e6:.2f} M")
     if "top1_before" in r:
         after = f", after fine-tune {r['top1_after']:.2%}" if "top1_after" in r else ""
-        print(f"top-1 {r['top1_before']:.2%} unpruned, {r['top1_pruned']:.2%} pruned{after}")
+        print(f"top-1 {r['top1_before']:.2%} as given, {r['top1_pruned']:.2%} pruned{after}")
     return _speed_and_output(args, r)
 
 
@@ -122,12 +123,19 @@ def cmd_merge_tokens(args: argparse.Namespace) -> int:
     from vitflow.infer.token_merge import merge_checkpoint
 
     r = merge_checkpoint(args.checkpoint, args.output, args.r, args.max_drop, args.data, args.split,
-                         log=lambda m: print(m, file=sys.stderr))
+                         log=_progress(args))
     name = "top-1" if r["figure"] == "top1" else r["figure"]
     allowed = f", allowed {args.max_drop:g}" if args.r == "auto" else ", -r given: not checked against --max-drop"
     print(f"r={r['r']} tokens merged per block ({r['schedule']}): {name} {r['before']:.2%} -> {r['after']:.2%} "
           f"(drop {r['drop_points']:.2f} points on {r['images']} images{allowed})")
     return _speed_and_output(args, r)
+
+
+def _progress(args: argparse.Namespace):
+    """Where a long command's progress lines go: stderr (stdout keeps the results), nowhere under ``-q``."""
+    if (getattr(args, "log_level", None) or logging.INFO) >= logging.WARNING:
+        return lambda message: None
+    return lambda message: print(message, file=sys.stderr)
 
 
 def _speed_and_output(args: argparse.Namespace, r: dict) -> int:

@@ -161,4 +161,10 @@ def _calibrate_and_prune(model: nn.Module, state: dict, d: DataConfig, pp: Prepr
              "block_mlp_hidden": [b.mlp.fc1.out_features for b in pruned.blocks]}
     log(f"importance from the first {calib_images} training images ({time.perf_counter() - t0:.0f} s); "
         f"{sizes['depth']} blocks, heads per block {sizes['block_heads']}, MLP hidden {sizes['block_mlp_hidden']}")
+    for what, fraction, before, after in (
+            ("heads", heads, [b.attn.num_heads for b in model.blocks], sizes["block_heads"]),
+            ("mlp", mlp, [b.mlp.fc1.out_features for b in model.blocks], sizes["block_mlp_hidden"])):
+        if sum(before) - sum(after) < round(fraction * sum(before)):  # select_units keeps one a block
+            log(f"--{what} {fraction:g} asks for {round(fraction * sum(before))} of {sum(before)} removed; "
+                f"{sum(before) - sum(after)} were, as every block keeps at least one")
     return pruned, sizes, removed
