@@ -21,8 +21,9 @@ there.
 The table, per folder and tree: test top-1 of each seed (val where the folder has no test split),
 their mean and spread (max - min), test macro-F1's mean, the run's duration over what the plan
 stated, and the plan's step time (all costs in: evaluations, checkpoints) over the run's. Below
-it, per tree: the median over folders of the mean top-1, and the folders where a tree is behind
-the first by more than the larger seed spread of the two.
+it, per tree: the median over folders of the mean top-1; per tree after the first: the median of
+its folder-by-folder differences from the first (the paired comparison) and on how many folders it
+is ahead, and the folders where it is behind the first by more than the larger seed spread of the two.
 """
 
 from __future__ import annotations
@@ -91,7 +92,11 @@ def table(rows: list[dict], trees: list[str], names: list[str]) -> str:
             out.append(f"{tree}: median over {len(means[tree])} folders of the mean top-1: "
                        f"{statistics.median(m for m, _ in means[tree].values()):.1f}%")
     first = trees[0]
-    for tree in trees[1:]:
+    for tree in trees[1:]:  # paired by folder: the median of levels is whichever folder sits in the middle
+        diff = [means[tree][n][0] - means[first][n][0] for n in means[tree] if n in means[first]]
+        if diff:
+            out.append(f"{tree} - {first}, folder by folder: median {statistics.median(diff):+.1f} points, "
+                       f"ahead on {sum(d > 0 for d in diff)} of {len(diff)}")
         behind = [f"{n} ({means[tree][n][0] - means[first][n][0]:+.1f})" for n in means[tree] if n in means[first]
                   and means[first][n][0] - means[tree][n][0] > max(means[first][n][1], means[tree][n][1])]
         out.append(f"{tree} behind {first} by more than the seed spread on: {', '.join(behind) or 'none'}")

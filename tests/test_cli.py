@@ -144,7 +144,12 @@ def test_small_user_errors_name_what_is_wrong(tmp_path, capsys):
     assert "no model matches 'vit_nothing_*'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["predict", "run", "img.png", "--topk", "0"])
-    assert e.value.code == 2 and "--topk: must be >= 1 (got 0)" in capsys.readouterr().err
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines() == [  # one line, not the usage block
+        "vitflow predict: error: argument --topk: must be >= 1 (got 0); see vitflow predict --help"]
+    with pytest.raises(SystemExit) as e:
+        main(["prune", "run.pt"])
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines() == [
+        "vitflow prune: error: the following arguments are required: -o/--output; see vitflow prune --help"]
     assert main(["prepare", str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.strip() == f"error: SRC {tmp_path / 'nope'} does not exist"
     assert main(["report", str(tmp_path / "nope")]) == 2

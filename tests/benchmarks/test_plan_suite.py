@@ -100,4 +100,5 @@ def test_the_table_says_the_spread_the_median_and_who_is_behind():
     assert "a                    before    50.0  54.0                  52.0    4.0" in text
     assert "before: median over 2 folders of the mean top-1: 66.2%" in text
     assert "now behind before by more than the seed spread on: a (-11.0)" in text  # b: within its spread
+    assert "now - before, folder by folder: median -5.2 points, ahead on 1 of 2" in text  # -11.0 and +0.5
     assert " 0.80" in text  # the planned step over the run's

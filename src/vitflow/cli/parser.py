@@ -19,9 +19,18 @@ from vitflow.cli.arguments import (
 from vitflow.cli.parser_deploy import deployment_commands, serve_command
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (``vitflow predict: error: argument --topk: must be >= 1 (got
+    0); see vitflow predict --help``), not the usage block first; exit status 2 as argparse's. The
+    sub-commands' parsers are of this class too (argparse makes them of their parent's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``vitflow`` parser: global options, then one sub-command per task."""
-    parser = argparse.ArgumentParser(prog="vitflow", description="Train, evaluate and deploy Vision Transformers.")
+    parser = OneLineParser(prog="vitflow", description="Train, evaluate and deploy Vision Transformers.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     verbosity(parser, logging.INFO)
     sub = parser.add_subparsers(dest="command", required=True)
