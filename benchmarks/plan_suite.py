@@ -93,12 +93,11 @@ def table(rows: list[dict], trees: list[str], names: list[str]) -> str:
                        f"{statistics.median(m for m, _ in means[tree].values()):.1f}%")
     first = trees[0]
     for tree in trees[1:]:  # paired by folder: the median of levels is whichever folder sits in the middle
-        diff = [means[tree][n][0] - means[first][n][0] for n in means[tree] if n in means[first]]
+        diff = {n: means[tree][n][0] - means[first][n][0] for n in means[tree] if n in means[first]}
         if diff:
-            out.append(f"{tree} - {first}, folder by folder: median {statistics.median(diff):+.1f} points, "
-                       f"ahead on {sum(d > 0 for d in diff)} of {len(diff)}")
-        behind = [f"{n} ({means[tree][n][0] - means[first][n][0]:+.1f})" for n in means[tree] if n in means[first]
-                  and means[first][n][0] - means[tree][n][0] > max(means[first][n][1], means[tree][n][1])]
+            out.append(f"{tree} - {first}, folder by folder: median {statistics.median(diff.values()):+.1f} "
+                       f"points, ahead on {sum(d > 0 for d in diff.values())} of {len(diff)}")
+        behind = [f"{n} ({d:+.1f})" for n, d in diff.items() if -d > max(means[first][n][1], means[tree][n][1])]
         out.append(f"{tree} behind {first} by more than the seed spread on: {', '.join(behind) or 'none'}")
     return "\n".join(out)
 

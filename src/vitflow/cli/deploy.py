@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from vitflow.cli.outputs import chosen
@@ -133,9 +132,9 @@ def cmd_merge_tokens(args: argparse.Namespace) -> int:
 
 def _progress(args: argparse.Namespace):
     """Where a long command's progress lines go: stderr (stdout keeps the results), nowhere under ``-q``."""
-    if (getattr(args, "log_level", None) or logging.INFO) >= logging.WARNING:
-        return lambda message: None
-    return lambda message: print(message, file=sys.stderr)
+    from vitflow.runtime import quiet
+
+    return (lambda message: None) if quiet() else (lambda message: print(message, file=sys.stderr))
 
 
 def _speed_and_output(args: argparse.Namespace, r: dict) -> int:

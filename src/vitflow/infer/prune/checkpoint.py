@@ -164,7 +164,8 @@ def _calibrate_and_prune(model: nn.Module, state: dict, d: DataConfig, pp: Prepr
     for what, fraction, before, after in (
             ("heads", heads, [b.attn.num_heads for b in model.blocks], sizes["block_heads"]),
             ("mlp", mlp, [b.mlp.fc1.out_features for b in model.blocks], sizes["block_mlp_hidden"])):
-        if sum(before) - sum(after) < round(fraction * sum(before)):  # select_units keeps one a block
-            log(f"--{what} {fraction:g} asks for {round(fraction * sum(before))} of {sum(before)} removed; "
-                f"{sum(before) - sum(after)} were, as every block keeps at least one")
+        total, asked, went = sum(before), round(fraction * sum(before)), sum(before) - sum(after)
+        if went < asked:  # select_units keeps one a block
+            log(f"--{what} {fraction:g} asks for {asked} of {total} removed; {went} were, as every block keeps "
+                "at least one")
     return pruned, sizes, removed
