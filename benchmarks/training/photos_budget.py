@@ -94,6 +94,7 @@ def measure(tree: Path, data: str, run: Path, overrides: list[str], stop_after: 
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     start = next(r for r in records if r["kind"] == "start")
     end = max(r["time"] for r in records)
+    race = json.loads((run / "race" / "race.json").read_text()) if (run / "race" / "race.json").is_file() else None
     evals = [r for r in records if r["kind"] == "eval"]
     ckpts = sorted((run / "checkpoints").glob("step-*.pt"))
     test = _eval(tree, str(ckpts[-1]), env, []) if _has_test(data) else {}
@@ -120,7 +121,23 @@ def measure(tree: Path, data: str, run: Path, overrides: list[str], stop_after: 
         r["measured_step_s"] = round(r["training_s"] / max(r["steps"], 1), 4)
         if found:
             r["planned_all_in_step_s"] = round(r["expected_s"] / max(r["expected_steps"], 1), 4)
+    if race and race.get("planned_step_s", {}).get(race["winner"]):  # a race: the winner's plan and its own time
+        r["winner"] = race["winner"]
+        r["planned_all_in_step_s"] = race["planned_step_s"][race["winner"]]
+        r["measured_step_s"] = round(_own_seconds(records) / max(r["steps"], 1), 4)
     return r
+
+
+def _own_seconds(records: list[dict]) -> float:
+    """A run's own training time: from each ``start`` record (a rung, a continuation) to the last
+    record before the next, so that another candidate's rung between two of them is not counted."""
+    total, begun, last = 0.0, None, None
+    for rec in records:
+        if rec["kind"] == "start":
+            total += (last - begun) if begun is not None else 0.0
+            begun = rec["time"]
+        last = rec["time"]
+    return total + (last - begun if begun is not None else 0.0)
 
 
 def _has_test(data: str) -> bool:

@@ -102,3 +102,13 @@ def test_the_table_says_the_spread_the_median_and_who_is_behind():
     assert "now behind before by more than the seed spread on: a (-11.0)" in text  # b: within its spread
     assert "now - before, folder by folder: median -5.2 points, ahead on 1 of 2" in text  # -11.0 and +0.5
     assert " 0.80" in text  # the planned step over the run's
+
+
+def test_a_race_winners_own_time_leaves_out_the_other_candidates_rung():
+    """The winner's step time in a raced run: each ``start`` record (its rung, its continuation) to
+    the last record before the next, not the other candidate's rung between them."""
+    budget = _module("photos_budget", ROOT / "benchmarks" / "training" / "photos_budget.py")
+    records = [{"kind": "start", "time": 100.0}, {"kind": "train", "time": 130.0}, {"kind": "eval", "time": 160.0},
+               {"kind": "start", "time": 230.0}, {"kind": "train", "time": 300.0}, {"kind": "summary", "time": 310.0}]
+    assert budget._own_seconds(records) == pytest.approx(60.0 + 80.0)  # 160 - 100, 310 - 230: not 210
+    assert budget._own_seconds(records[:3]) == pytest.approx(60.0)

@@ -324,6 +324,23 @@ def test_a_run_of_this_plan_on_this_data_is_continued_not_fine_tuned(tmp_path: P
     assert tuned.preset == "finetune" and tuned.optim.layer_decay == 0.75
 
 
+def test_a_fine_tune_of_an_mvitv2_run_plans_no_vit_keys(tmp_path: Path, monkeypatch, caplog):
+    """The source's family decides the fine-tune's keys: an MViTv2 run's weights on other data get no
+    PatchDropout (a ViT key MViTv2 refuses), as a ViT source gets 0."""
+    monkeypatch.setattr("vitflow.training.plan.recipe.measure_clock", lambda *a: CLOCK)
+    data = [f"data.path={need(HYMENOPTERA_TAR)}", "data.train_split=train", "data.val_split=val"]
+    first = tmp_path / "first"
+    train(planned_config([*data, "model.name=mvitv2_compact_64", "model.depths=[1, 1, 1]", f"train.run_dir={first}",
+                          "train.total_steps=2", "train.race=none"], CONFIG_CHECKS))
+    other = hymenoptera_subset(tmp_path / "other")
+    with caplog.at_level(logging.INFO, logger="vitflow"):  # it raised "model.patch_drop_rate is not a key of MViTv2"
+        tuned = planned_config([f"data.path={other}", f"model.pretrained={first}", "train.time_budget=60s"],
+                               CONFIG_CHECKS)
+    assert tuned.preset == "finetune" and tuned.optim.layer_decay == 0.75
+    assert "the architecture of" in caplog.text and "mvitv2_compact_64" in caplog.text
+    assert "model.patch_drop_rate" not in caplog.text
+
+
 @pytest.fixture(scope="module")
 def imagenet_csv(tmp_path_factory) -> Path:
     """The ImageNet sample's first 320 photos (sorted by WordNet id) re-labelled into four classes

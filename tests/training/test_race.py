@@ -143,6 +143,8 @@ def test_a_race_on_real_photos_halves_the_families_and_continues_the_winner_with
         summary = train(cfg)
     record = json.loads((run / "race" / "race.json").read_text())
     assert summary["race"] == record and set(record["candidates"]) == set(FAMILIES.split(","))
+    assert set(record["planned_step_s"]) == set(FAMILIES.split(","))  # each one's plan, all costs in
+    assert all(0 < s < 10 for s in record["planned_step_s"].values())
     rungs = {name: len(done) for name, done in record["candidates"].items()}
     assert sorted(rungs.values()) == [1, 2, 2]  # three trained a rung, the better two another
     winner = record["winner"]

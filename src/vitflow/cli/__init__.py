@@ -6,6 +6,7 @@ logging, keeps ``--json`` output pipeable and turns the errors users can fix int
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -27,11 +28,16 @@ def parse_args(argv: Sequence[str] | None = None):
     args, extra = parser.parse_known_args(argv)
     if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides = [*args.overrides, *extra]
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    elif extra:  # told by the command's own parser: "see vitflow train --help", not "see vitflow --help"
+        _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "retime", False):  # train / resume --retime
         args.overrides = [*args.overrides, "train.retime=true"]
     return args
+
+
+def _command_parser(parser, command: str):
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices.get(command, parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -213,7 +213,8 @@ def race(cfg: Config) -> tuple[Config, dict[str, Any]]:
     log.info("race: %s wins: %s", winner.name, why)
     spent = round(time.perf_counter() - started, 1)  # as recorded: the budget left is the record's
     record = {"candidates": {e.name: e.rungs for e in entrants}, "winner": winner.name,
-              "why": why, "race_s": spent, "budget_s": budget}
+              "why": why, "race_s": spent, "budget_s": budget,  # each one's planned step, all costs in (s)
+              "planned_step_s": {e.name: getattr(e.cfg, "planned_step_s", None) for e in entrants}}
     (run_dir / RACE).write_text(json.dumps(record, indent=1))
     _adopt(winner.folder, run_dir)
     out = copy.deepcopy(winner.cfg)

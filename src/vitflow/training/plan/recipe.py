@@ -125,7 +125,8 @@ def make_facts(m: ModelConfig, device: str, profile: DataProfile, user: set[str]
     ``model.pretrained`` is a from-scratch run of this data carried on, not a fine-tune's source
     (:func:`~vitflow.training.plan.continuation.continued_run`)."""
     source = None if continues else _source(m)
-    family = "vit" if m.name == "auto" or source else family_of(m.name).name
+    name = source[1] if source else m.name  # a fine-tune: the source's architecture (an MViTv2 run has no PatchDropout)
+    family = "vit" if name in (None, "auto") else family_of(name).name
     monitored = profile.val_images or profile.test_images
     named = m.name if "model.name" in user and m.name != "auto" and not source else None
     return Facts(profile.images, profile.classes, profile.short_side, profile.uniform,
@@ -196,6 +197,7 @@ def planned_config(overrides: list[str], checks, preset: str | None = None, like
                        model_config=config_class)
     for line in expectations(facts, values, profile):
         log.info("plan: %s", line)
+    cfg.planned_step_s = planned_step_s(facts, values)  # the race records its candidates' (benchmarks/plan_suite.py)
     for warning in size_warnings(cfg.model, cfg.train.device, profile):
         log.warning("%s", warning)
     log.info("resolved config (save it and pass --config FILE to repeat the run):\n%s", to_yaml(cfg).rstrip())
@@ -292,6 +294,26 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
+def expected_seconds(f: Facts, v: dict) -> float:
+    """The planned run's duration in seconds from the clock ``f.clock`` (not ``None``): its expected
+    steps, its evaluations and their checkpoints, the final evaluation; the budget where it ends
+    the run first."""
+    c, steps, budget = f.clock, expected_steps(f, v), v["train.time_budget"]
+    if budget and budget_steps(f, v) < v["train.total_steps"]:
+        return parse_duration(budget)  # the budget ends the run
+    step_s = c.step_cost(augment_tier(f, v))
+    interval = parse_duration(v["train.eval_interval"]) if v.get("train.eval_interval") else None
+    every = v["train.eval_every"]
+    evals = int(steps * step_s / interval) if interval else (steps - 1) // every if every else 0
+    return steps * step_s + evals * evaluation_s(f) + f.final_images * c.eval_image_s + c.checkpoint_s
+
+
+def planned_step_s(f: Facts, v: dict) -> float | None:
+    """The planned seconds a step, all costs in (:func:`expected_seconds` over the expected steps);
+    ``None`` without a clock."""
+    return round(expected_seconds(f, v) / max(1, expected_steps(f, v)), 4) if f.clock is not None else None
+
+
 def expectations(f: Facts, v: dict, profile: DataProfile) -> list[str]:
     """What the planned run will take, from the measured clock: its duration, when its first
     evaluation comes, the start-up before step 1, and what ``train.time_budget`` would give (or
@@ -300,15 +322,10 @@ def expectations(f: Facts, v: dict, profile: DataProfile) -> list[str]:
     if c is None:
         return [f"train.total_steps={v['train.total_steps']} (~{planned_epochs(f, v):.1f} epochs); the step time was "
                 "not measured"]
-    steps, eval_s, budget = expected_steps(f, v), evaluation_s(f), v["train.time_budget"]
-    tier = augment_tier(f, v)
-    step_s = c.step_cost(tier)
+    steps, eval_s, budget, tier = expected_steps(f, v), evaluation_s(f), v["train.time_budget"], augment_tier(f, v)
+    step_s, seconds = c.step_cost(tier), expected_seconds(f, v)
     interval = parse_duration(v["train.eval_interval"]) if v.get("train.eval_interval") else None
     every = v["train.eval_every"]
-    evals = int(steps * step_s / interval) if interval else (steps - 1) // every if every else 0
-    seconds = steps * step_s + evals * eval_s + f.final_images * c.eval_image_s + c.checkpoint_s
-    if budget and budget_steps(f, v) < v["train.total_steps"]:
-        seconds = parse_duration(budget)  # the budget ends the run
     first_s = interval or (every * step_s if every else seconds)
     first_step = int(interval / step_s) if interval else (every or steps)
     decoded = profile.images + profile.val_images + profile.test_images
