@@ -32,7 +32,7 @@ from vitflow.data import DataError
 from vitflow.data.remote.fs import configure_from as configure_remote
 from vitflow.data.sources.dispatch import find_eval_splits, open_split, open_training
 from vitflow.data.sources.table import reads_path
-from vitflow.models import config_class, family_of, model_kwargs
+from vitflow.models import MODELS, config_class, family_of, model_kwargs
 from vitflow.models.pretrained.backbones import BACKBONES, choose_backbone
 from vitflow.models.pretrained.config import apply_pretrained
 from vitflow.models.pretrained.hub import resolve_pretrained
@@ -126,7 +126,7 @@ def make_facts(m: ModelConfig, device: str, profile: DataProfile, user: set[str]
     (:func:`~vitflow.training.plan.continuation.continued_run`)."""
     source = None if continues else _source(m)
     name = source[1] if source else m.name  # a fine-tune: the source's architecture (an MViTv2 run has no PatchDropout)
-    family = "vit" if name in (None, "auto") else family_of(name).name
+    family = "vit" if name in (None, "auto") or (source and name not in MODELS) else family_of(name).name
     monitored = profile.val_images or profile.test_images
     named = m.name if "model.name" in user and m.name != "auto" and not source else None
     return Facts(profile.images, profile.classes, profile.short_side, profile.uniform,
