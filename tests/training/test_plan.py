@@ -211,9 +211,12 @@ def test_measure_clock_times_each_augmentation_tier_and_a_checkpoint(monkeypatch
     cfg = build_config("photos-auto", overrides=[f"data.path={need(HYMENOPTERA_TAR)}", "model.pretrained=none",
                                                   "model.depth=2", "train.batch_size=16", "train.threads=1"],
                        model_config=config_class)
+    tiers, augment_seconds = [], clock_module._augment_seconds
+    monkeypatch.setattr(clock_module, "_augment_seconds", lambda *a: tiers.append(a[-1]) or augment_seconds(*a))
     c = clock_module.measure_clock(cfg.model, cfg.data, cfg.train, cfg.optim, 2)
-    assert set(c.augment_s) == {"light", "strong"} and 0 < c.augment_s["light"] < c.step_s * 10
-    assert c.augment_s["strong"] > c.augment_s["light"] * 0.9 and c.checkpoint_s > 0
+    # each tier's own pipeline timed once (their ratio is the machine's load, not asserted here: benchmarks time)
+    assert sorted(tiers) == ["light", "strong"] and set(c.augment_s) == {"light", "strong"}
+    assert all(0 < s < c.step_s * 10 for s in c.augment_s.values()) and c.checkpoint_s > 0
     assert c.step_cost("strong") == c.step_s + c.augment_s["strong"]
     # a race's candidate: only its own steps and evaluation forward timed, at the plan's thread count, the rest the plan's
     mvit = build_config("photos-auto", overrides=[f"data.path={need(HYMENOPTERA_TAR)}", "model.pretrained=none",
