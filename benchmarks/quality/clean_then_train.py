@@ -11,7 +11,10 @@ wall-clock time, scored on the clean test split:
     python benchmarks/quality/clean_then_train.py --data /tmp/noisy20 --total 10m --first 4m
 
 Prints one JSON line per arm (top-1 on the whole clean test split, seconds, images excluded and
-how many of them were flipped) and the CPU flags. ``--arms cleaned`` runs one arm.
+how many of them were flipped) and the CPU flags. ``--arms cleaned`` runs one arm; ``--set`` gives
+every training the same overrides (``--set model.name=mvitv2_cifar_32``); several ``--label-cut``
+values train one second run each from the same first run and inspection, each given the time left
+after them.
 """
 
 from __future__ import annotations
@@ -59,20 +62,23 @@ def main() -> None:
     ap.add_argument("--second", nargs="*", default=[], metavar="KEY=VALUE",
                     help="overrides of the cleaned arm's second training (the plan continues the first run with the "
                     "from-scratch recipe for the time left)")
-    ap.add_argument("--label-cut", type=float, default=None, metavar="P",
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of every training")
+    ap.add_argument("--label-cut", type=lambda v: None if v == "default" else float(v), nargs="+", default=[None],
+                    metavar="P",
                     help="exclude the training label issues whose given class has probability below P (plus the "
-                    "other lines of exclude.txt) instead of exclude.txt's own cut (0.5 / classes)")
+                    "other lines of exclude.txt) instead of exclude.txt's own cut (0.5 / classes); several: one "
+                    "second run each (`default`: exclude.txt as written)")
     ap.add_argument("--arms", nargs="+", default=["noisy", "cleaned"], choices=["noisy", "cleaned"])
     a = ap.parse_args()
     truth = json.loads((a.data.parent / f"{a.data.name}.truth.json").read_text())
     for arm in a.arms:
-        for d in (("noisy",) if arm == "noisy" else ("first", "inspect", "cleaned")):
+        for d in (("noisy",) if arm == "noisy" else ("first", "inspect", *(f"cleaned-{'default' if c is None else c}" for c in a.label_cut))):
             shutil.rmtree(a.work / d, ignore_errors=True)
     a.work.mkdir(parents=True, exist_ok=True)
     total, first = parse_duration(a.total), parse_duration(a.first)
     print(json.dumps({"cpu_flags": flags(), "data": str(a.data), "flipped": len(truth["flipped"]), "total": a.total,
-                      "first": a.first, "seed": a.seed}))
-    common = [f"data.path={a.data}", "train.race=none", f"train.seed={a.seed}"]
+                      "first": a.first, "seed": a.seed, "set": a.set}))
+    common = [f"data.path={a.data}", "train.race=none", f"train.seed={a.seed}", *a.set]
     if "noisy" in a.arms:
         noisy, s = vitflow("train", *common, f"train.time_budget={int(total)}s", f"train.run_dir={a.work / 'noisy'}")
         print(json.dumps({"arm": "noisy", "test_top1": test_top1(noisy), "seconds": round(s, 1)}))
@@ -81,25 +87,32 @@ def main() -> None:
     t0 = time.perf_counter()
     vitflow("train", *common, f"train.time_budget={int(first)}s", f"train.run_dir={a.work / 'first'}")
     found, _ = vitflow("inspect", str(a.data), "--model", str(a.work / "first"), "-o", str(a.work / "inspect"))
-    excluded = {x for x in Path(found["exclude_txt"]).read_text().splitlines() if x and not x.startswith("#")}
-    exclude_file = found["exclude_txt"]
-    if a.label_cut is not None:
-        rows = list(csv.DictReader(open(found["findings_csv"], newline="")))
-        excluded = {r["key"] for r in rows if r["action"] == "exclude" and r["finding"] != "label_issue"} | {
-            r["key"] for r in rows if r["finding"] == "label_issue" and r["split"] == "train"
-            and 1 - float(r["score"]) < a.label_cut}
-        exclude_file = str(a.work / f"exclude-below-{a.label_cut:g}.txt")
-        Path(exclude_file).write_text("\n".join(sorted(excluded)) + "\n")
-    left = total - (time.perf_counter() - t0)
-    cleaned, _ = vitflow("train", *common, f"train.time_budget={int(left)}s", f"data.exclude={exclude_file}",
-                         f"model.pretrained={a.work / 'first'}", f"train.run_dir={a.work / 'cleaned'}", *a.second)
-    seconds = time.perf_counter() - t0
-    full, _ = vitflow("eval", str(a.work / "cleaned"), "data.exclude=null")  # the whole clean test split
-    print(json.dumps({"arm": "cleaned", "label_cut": a.label_cut, "test_top1": full["test_top1"], "test_images": full["test_images"],
-                      "seconds": round(seconds, 1),
-                      "excluded": len(excluded), "excluded_flipped": len(excluded & set(truth["flipped"])),
-                      "flipped": len(truth["flipped"])}))
+    spent = time.perf_counter() - t0
+    for cut in a.label_cut:
+        excluded, exclude_file = exclusions(found, cut, a.work)
+        t1 = time.perf_counter()
+        run = a.work / f"cleaned-{'default' if cut is None else cut}"
+        vitflow("train", *common, f"train.time_budget={int(total - spent)}s", f"data.exclude={exclude_file}",
+                f"model.pretrained={a.work / 'first'}", f"train.run_dir={run}", *a.second)
+        seconds = spent + time.perf_counter() - t1
+        full, _ = vitflow("eval", str(run), "data.exclude=null")  # the whole clean test split
+        print(json.dumps({"arm": "cleaned", "label_cut": cut, "test_top1": full["test_top1"],
+                          "test_images": full["test_images"], "seconds": round(seconds, 1), "excluded": len(excluded),
+                          "excluded_flipped": len(excluded & set(truth["flipped"])), "flipped": len(truth["flipped"])}))
 
+
+def exclusions(found: dict, cut: float | None, work: Path) -> tuple[set[str], str]:
+    """The keys to drop and the file naming them: ``exclude.txt`` as written (``cut`` None), or its
+    lines but the label issues, plus the training label issues whose given class is below ``cut``."""
+    if cut is None:
+        return {x for x in Path(found["exclude_txt"]).read_text().splitlines() if x and not x.startswith("#")}, \
+            found["exclude_txt"]
+    rows = list(csv.DictReader(open(found["findings_csv"], newline="")))
+    excluded = {r["key"] for r in rows if r["action"] == "exclude" and r["finding"] != "label_issue"} | {
+        r["key"] for r in rows if r["finding"] == "label_issue" and r["split"] == "train" and 1 - float(r["score"]) < cut}
+    path = work / f"exclude-below-{cut:g}.txt"
+    path.write_text("\n".join(sorted(excluded)) + "\n")
+    return excluded, str(path)
 
 if __name__ == "__main__":
     main()

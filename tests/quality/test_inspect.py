@@ -18,18 +18,27 @@ from vitflow.config import DataConfig
 from vitflow.data import open_split
 from vitflow.data.fixes import image_key
 from vitflow.data.sources.base import DataError
+from vitflow.quality.inspection import label_rows
 from vitflow.quality.labels import probe_probabilities, rank_label_issues
+from vitflow.quality.scan import SplitScan
 
 
-def test_probes_and_confident_learning_find_flipped_labels():
-    """Three well-separated clusters, 10% of the labels flipped: the flagged images are the flipped ones."""
+def _flipped_clusters(scale: float):
+    """300 points in three Gaussian clusters (centres ``scale`` apart in 16-D), 30 labels flipped:
+    ``(x, true labels, given labels, flipped rows)``."""
     rng = np.random.default_rng(0)
-    centers = rng.normal(size=(3, 16)) * 4
+    centers = rng.normal(size=(3, 16)) * scale
     y = np.repeat(np.arange(3), 100)
     x = (centers[y] + rng.normal(size=(300, 16))).astype(np.float32)
     noisy = y.copy()
     flipped = rng.choice(300, 30, replace=False)
     noisy[flipped] = (y[flipped] + rng.integers(1, 3, 30)) % 3
+    return x, y, noisy, flipped
+
+
+def test_probes_and_confident_learning_find_flipped_labels():
+    """Three well-separated clusters, 10% of the labels flipped: the flagged images are the flipped ones."""
+    x, y, noisy, flipped = _flipped_clusters(4.0)
     oof, (held,) = probe_probabilities(x, noisy, 3, [x[:10]])
     assert oof.shape == (300, 3) and held.shape == (10, 3) and np.allclose(oof.sum(1), 1, atol=1e-5)
     rows, quality, suggested = rank_label_issues(noisy, oof)
@@ -37,6 +46,52 @@ def test_probes_and_confident_learning_find_flipped_labels():
     assert len(top & set(flipped.tolist())) >= 27  # precision and recall at N = 30: >= 90%
     assert (suggested[:len(rows)][np.isin(rows, flipped)] == y[rows[np.isin(rows, flipped)]]).mean() > 0.9
     assert (np.diff(quality) >= -1e-6).all()  # worst first
+
+
+def test_label_cut_sets_which_flagged_training_labels_exclude_txt_drops():
+    """Overlapping clusters: confident learning flags more than the surest; the default cut (0.5 / classes)
+    drops only those below it, ``label_cut=1`` every one flagged; a held-out split's are for review."""
+    x, _, noisy, _ = _flipped_clusters(0.8)
+    oof, (held,) = probe_probabilities(x, noisy, 3, [x])
+    keys = [f"k{i}" for i in range(300)]
+    scans = [SplitScan(split, ["a", "b", "c"], keys, keys, noisy, error=[""] * 300) for split in ("train", "test")]
+    probs = {"train": oof, "test": held}
+    by_cut = {}
+    for cut in (None, 0.5, 1.0):
+        rows = [r for r in label_rows(scans, probs, cut) if r["split"] == "train"]
+        by_cut[cut] = {r["key"] for r in rows if r["action"] == "exclude"}
+        given = {r["key"]: 1 - r["score"] for r in rows}  # score: 1 - the given class's probability
+        assert by_cut[cut] == {k for k, q in given.items() if q < (0.5 / 3 if cut is None else cut)}
+    assert by_cut[None] < by_cut[0.5] <= by_cut[1.0] and len(by_cut[1.0]) == len(given) > len(by_cut[None])
+    assert all(r["action"] == "review" for r in label_rows(scans, probs, 1.0) if r["split"] == "test")
+
+
+def test_embeddings_fitted_to_the_training_labels_are_said_once(caplog):
+    """Probes on embeddings: when the training images' embeddings carry their given labels (wrong ones
+    too: the model trained on them) and the held-out ones do not separate, the training split's issues
+    are under-found and one line says so; embeddings alike in both splits: silence."""
+    rng = np.random.default_rng(1)
+    y = np.repeat(np.arange(3), 100)
+    noisy = y.copy()
+    flipped = rng.choice(300, 30, replace=False)
+    noisy[flipped] = (y[flipped] + 1) % 3
+    keys = [f"k{i}" for i in range(300)]
+    centers = rng.normal(size=(3, 16)) * 2
+    fitted = (np.eye(3, 16)[noisy] * 4 + rng.normal(size=(300, 16)) * 0.3).astype(np.float32)  # labels memorized
+    unseen = (centers[y] + rng.normal(size=(300, 16)) * 3).astype(np.float32)  # held-out: barely separated
+    alike = (centers[y] + rng.normal(size=(300, 16))).astype(np.float32)
+    for train_x, test_x, said in ((fitted, unseen, True), (alike, (centers[y] + rng.normal(size=(300, 16))
+                                                                   ).astype(np.float32), False)):
+        scans = [SplitScan(split, ["a", "b", "c"], keys, keys, labels, error=[""] * 300, features=x)
+                 for split, labels, x in (("train", noisy, train_x), ("test", y, test_x))]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vitflow.quality.inspection"):
+            rows = label_rows(scans, None)
+        lines = [r.getMessage() for r in caplog.records if "under-found" in r.getMessage()]
+        train_flagged = sum(r["split"] == "train" for r in rows)
+        assert len(lines) == int(said), (lines, train_flagged)
+        if said:
+            assert train_flagged < 10 and "k-fold" in lines[0]  # 30 flipped, almost none found
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +133,10 @@ def test_inspect_writes_findings_page_and_fixes_that_training_takes(photos, tiny
     before = len(open_split(str(photos), "train"))
     cfg = DataConfig(path=str(photos), exclude=str(out / "exclude.txt"))
     assert len(open_split(cfg.path, "train", cfg=cfg)) == before - len(set(excluded) & _train_keys(photos))
-    again = vitflow.inspect(str(photos), model=str(run_dir), out=out)  # an earlier inspect's folder: updated
-    assert len(again) == len(df)
+    assert df.attrs["summary"]["label_cut"] == 0.25  # 0.5 / 2 classes
+    again = vitflow.inspect(str(photos), model=str(run_dir), out=out, label_cut=1.0)  # an earlier inspect's: updated
+    assert len(again) == len(df) and again.attrs["summary"]["label_cut"] == 1.0
+    assert (again[(again.finding == "label_issue") & (again.split == "train")].action == "exclude").all()
 
 
 def _train_keys(root):
@@ -110,27 +167,27 @@ def test_relabel_and_exclude_in_every_split(photos, tmp_path, caplog):
     assert len(said) == 1 and "other.txt" in said[0] and "'train/ants/" in said[0]
 
 
-@pytest.mark.parametrize("case", ["empty", "one class", "foreign output", "bad override"])
+@pytest.mark.parametrize("case", ["empty", "one class", "foreign output", "bad override", "bad label cut"])
 def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, tiny_run):
     data, out = tmp_path / "data", tmp_path / "out"
     data.mkdir()
     args = [str(data), "--model", str(tiny_run[0]), "-o", str(out)]
     if case == "one class":
         make_folder(data, classes=("only",), split="train")
-    elif case in ("foreign output", "bad override"):
+    elif case in ("foreign output", "bad override", "bad label cut"):
         make_folder(data, classes=("a", "b"), split="train")
         if case == "foreign output":
             out.mkdir()
             (out / "mine.txt").write_text("keep me")
             (out / "summary.json").write_text('{"x": 1}')  # someone else's summary: still refused
         else:
-            args.append("train.lr=1")
+            args += ["train.lr=1"] if case == "bad override" else ["--label-cut", "1.5"]
     r = subprocess.run([sys.executable, "-m", "vitflow", "inspect", *args], capture_output=True, text=True)
     assert r.returncode != 0
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
     assert {"empty": "no image", "one class": "one class", "foreign output": "not an earlier vitflow inspect",
-            "bad override": "data.key=value"}[case] in errors[0].lower() or case == "empty"
+            "bad override": "data.key=value", "bad label cut": "label_cut=1.5"}[case] in errors[0].lower() or case == "empty"
     if case == "foreign output":
         assert sorted(p.name for p in out.iterdir()) == ["mine.txt", "summary.json"]
         assert (out / "summary.json").read_text() == '{"x": 1}'

@@ -34,7 +34,7 @@ MIN_FOLD_S = 15.0  # seconds a fold trains at least, whatever the budget
 
 def inspect(data: str | os.PathLike, model: str | os.PathLike | None = None, time_budget: str | float = "5m",
             out: str | os.PathLike | None = None, folds: int = FOLDS, seed: int = 0, workers: int = 2,
-            **overrides: Any):
+            label_cut: float | None = None, **overrides: Any):
     """Inspect the images at ``data`` (any source vitflow trains on) and write what it finds.
 
     Args:
@@ -46,16 +46,23 @@ def inspect(data: str | os.PathLike, model: str | os.PathLike | None = None, tim
             ``findings.json``, ``exclude.txt``, ``relabel.csv``, ``summary.json``. An existing folder
             that is not an earlier inspect's is refused.
         folds: k of the k-fold path (at least 2).
+        label_cut: a training image that confident learning flags goes to ``exclude.txt`` when the
+            out-of-sample probability of its given class is below this (0 < P <= 1); default half the
+            uniform probability (0.5 / classes: the surest); 1 drops every one flagged (confident
+            learning's own estimate of the noisy labels; the others are for review).
         overrides: ``data.*`` keys (``data__train_split="train"``, ``data__label_column=...``).
     Returns:
         a pandas DataFrame of findings (:data:`vitflow.quality.findings.COLUMNS`); ``df.attrs`` holds
         ``summary`` and ``files``.
     Raises:
         DataError: no images, one class, unreadable data; FileExistsError: ``out`` is someone
-        else's folder; ValueError: ``folds`` < 2, a bad ``time_budget``, an unusable ``model``.
+        else's folder; ValueError: ``folds`` < 2, ``label_cut`` outside (0, 1], a bad ``time_budget``, an
+        unusable ``model``.
     """
     if folds < 2:
         raise ValueError(f"folds={folds}: k-fold needs at least 2")
+    if label_cut is not None and not 0 < label_cut <= 1:
+        raise ValueError(f"label_cut={label_cut}: a probability in (0, 1]")
     data_keys = [f"data.{k.removeprefix('data__').removeprefix('data.')}={v}" for k, v in overrides.items()]
     fresh = [f"data.path={data}", "data.source=auto", "data.train_split=train", "data.val_split=auto",
              "data.test_split=auto"]  # the data's own splits, not a preset's
@@ -69,12 +76,13 @@ def inspect(data: str | os.PathLike, model: str | os.PathLike | None = None, tim
         run_dir = Path(model) if Path(model).is_dir() else None
         cache = run_dir / "inspect-cache" if run_dir is not None and (run_dir / "checkpoints").is_dir() else None
         df, summary, files = inspect_data(dcfg, out, backbone, cache_dir=cache, workers=workers, sources=sources,
-                                          extra={"labels": "linear probes cross-validated on the model's embeddings"})
+                                          extra={"labels": "linear probes cross-validated on the model's embeddings"},
+                                          label_cut=label_cut)
     else:
         budget = parse_duration(time_budget)
         probs, backbone, extra = kfold_probabilities(dcfg, sources, out, folds, budget, seed, data_keys)
         df, summary, files = inspect_data(dcfg, out, backbone, probs=probs, workers=workers, extra=extra,
-                                          sources=sources)
+                                          sources=sources, label_cut=label_cut)
     df.attrs.update(summary=summary, files=files)
     return df
 

@@ -163,7 +163,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"error: {bad[0]}: inspect takes data.KEY=VALUE overrides only", file=sys.stderr)
         return 2
     df = inspect(args.data, args.model, args.time_budget, args.output, args.folds, workers=args.workers,
-                 **dict(o.split("=", 1) for o in args.overrides))
+                 label_cut=args.label_cut, **dict(o.split("=", 1) for o in args.overrides))
     summary, files = df.attrs["summary"], df.attrs["files"]
     counts = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in summary["findings"].items()) or "no findings"
     print(f"{sum(summary['images'].values())} images in {len(summary['images'])} split(s): {counts} "

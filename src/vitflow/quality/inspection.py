@@ -33,6 +33,12 @@ log = logging.getLogger(__name__)
 # (what the user scores on changes only by their hand), are for review. On 20%-noisy CIFAR-10 with a 4-minute
 # model, the excluded ones were 74% flipped labels (all flagged: 39%)
 DROP_LABEL_SHARE = 0.5
+# one line when the share of training images the probes flag is below this fraction of the held-out splits'
+# share: the model trained on these images and its embeddings carry their given labels (wrong ones too), so the
+# training split's label issues are under-found. Training share / held-out share, measured with 5-minute runs:
+# 0.65-1.1 on six suite folders, 0.23 on UC Merced, 0.05 on hymenoptera (hundreds of epochs), 0.08 for one of
+# three 4-minute CIFAR-10 runs on 20%-flipped labels (116 of 600 flipped found against ~1,140 by the others)
+FITTED_LABELS_RATIO = 0.5
 COMMON_FAULT_SHARE = 0.2  # an image fault shared by more of a class's training images is how the class looks
 
 
@@ -95,15 +101,19 @@ def _row(s: SplitScan, i: int, finding: str, score: float, detail: str, **more) 
             "path": s.names[i], "label": label, "detail": detail, **more}
 
 
-def label_rows(scans: list[SplitScan], probs: dict[str, np.ndarray] | None) -> list[dict]:
+def label_rows(scans: list[SplitScan], probs: dict[str, np.ndarray] | None, label_cut: float | None = None
+               ) -> list[dict]:
     """Label issues of every split: ``probs`` (split -> out-of-sample ``(N, C)``) or, without them,
-    linear probes on the scans' features. No features and no probs: none."""
+    linear probes on the scans' features. No features and no probs: none. A training image's issue
+    is for exclude.txt when its given class's probability is below ``label_cut`` (default
+    ``DROP_LABEL_SHARE / classes``; 1: every issue confident learning flags)."""
     train = scans[0]
     if train.labels.ndim != 1:
         log.warning("label issues are found for single-label data; this data is multi-label: leaks, copies and "
                     "outliers only")
         return []
-    if probs is None:
+    probed = probs is None
+    if probed:
         if train.features is None:
             return []
         ok = [s.readable for s in scans]
@@ -114,19 +124,41 @@ def label_rows(scans: list[SplitScan], probs: dict[str, np.ndarray] | None) -> l
             full = np.full((len(s), len(train.classes)), 1 / len(train.classes), np.float32)
             full[m] = p
             probs[s.split] = full
-    rows = []
+    rows, counts = [], {}
     for s in scans:
         ok = np.flatnonzero(s.readable)
         if s.split not in probs or len(ok) < 2:
             continue
         flagged, quality, suggested = rank_label_issues(s.labels[ok], probs[s.split][ok])
-        sure = DROP_LABEL_SHARE / len(s.classes)
+        counts[s.split] = (len(flagged), len(ok))
+        sure = _drop_below(len(s.classes), label_cut)
         for r, q, c in zip(flagged, quality, suggested):
             i = int(ok[r])
             action = "exclude" if s is train and q < sure else "review"
             rows.append(_row(s, i, "label_issue", 1 - q, f"given {s.classes[int(s.labels[i])]} ({q:.0%}), the model "
                              f"says {s.classes[c]} ({probs[s.split][i, c]:.0%})", suggested=s.classes[c], action=action))
+    if probed:
+        _say_fitted_labels(counts, train.split)
     return rows
+
+
+def _drop_below(classes: int, label_cut: float | None) -> float:
+    """The given class's probability under which a flagged training label goes to exclude.txt."""
+    return DROP_LABEL_SHARE / classes if label_cut is None else label_cut
+
+
+def _say_fitted_labels(counts: dict[str, tuple[int, int]], train: str) -> None:
+    """One line when the probes flag far fewer training images than held-out ones (``counts``: split ->
+    ``(flagged, scored)``): the embeddings were fitted to the training labels (:data:`FITTED_LABELS_RATIO`)."""
+    held = [c for split, c in counts.items() if split != train]
+    if train not in counts or not held or sum(n for _, n in held) == 0:
+        return
+    trained, held_share = counts[train][0] / counts[train][1], sum(f for f, _ in held) / sum(n for _, n in held)
+    if trained < FITTED_LABELS_RATIO * held_share:
+        log.warning("label issues: the probes flag %.1f%% of the training images but %.1f%% of the held-out ones: "
+                    "the model trained on these images and its embeddings carry their given labels, wrong ones too, "
+                    "so the training split's label issues are under-found; without --model, vitflow inspect scores "
+                    "each image by a model that never trained on it (k-fold)", 100 * trained, 100 * held_share)
 
 
 def copy_rows(scans: list[SplitScan]) -> list[dict]:
@@ -213,7 +245,7 @@ def check_output(out: Path) -> None:
 def inspect_data(dcfg: DataConfig, out: str | Path, backbone: Backbone | None = None,
                  probs: dict[str, np.ndarray] | None = None, cache_dir: str | Path | None = None,
                  workers: int = 2, extra: dict | None = None,
-                 sources: list[tuple[str, ImageSource]] | None = None):
+                 sources: list[tuple[str, ImageSource]] | None = None, label_cut: float | None = None):
     """Every finding of the data ``dcfg`` names, written to ``out`` (:func:`~vitflow.quality.findings.write_findings`
     and ``index.html``).
 
@@ -224,6 +256,8 @@ def inspect_data(dcfg: DataConfig, out: str | Path, backbone: Backbone | None = 
         cache_dir: where scans are kept between runs (default: ``out/cache``).
         extra: more lines for the summary (how the probabilities were made).
         sources: the splits :func:`open_splits` opened for ``dcfg`` (default: opened here).
+        label_cut: a training label issue whose given class is below this probability goes to
+            exclude.txt (:func:`label_rows`).
     Returns:
         ``(findings DataFrame, summary dict, files dict)``.
     Raises:
@@ -241,12 +275,13 @@ def inspect_data(dcfg: DataConfig, out: str | Path, backbone: Backbone | None = 
     scans = [cached_scan(name, src, backbone, cache, workers) for name, src in sources]
     if not scans[0].readable.any():
         raise DataError(f"{dcfg.path}: none of the {len(scans[0])} images of split {scans[0].split!r} can be read")
-    df = frame(label_rows(scans, probs) + copy_rows(scans) + fault_rows(scans))
+    df = frame(label_rows(scans, probs, label_cut) + copy_rows(scans) + fault_rows(scans))
     default = df["finding"].map({k: a for k, (_, a) in KINDS.items()})
     df["action"] = df["action"].where(df["action"] != "", default)
     df.loc[(df["split"] != scans[0].split) & (df["action"] == "exclude"), "action"] = "review"  # held-out: by hand
     summary = {MARK: 1, "data": str(dcfg.path), "model": backbone.source if backbone else "none",
-               **(extra or {}), "images": {s.split: len(s) for s in scans},
+               **(extra or {}), "label_cut": round(_drop_below(len(scans[0].classes), label_cut), 4),
+               "images": {s.split: len(s) for s in scans},
                "findings": {k: int((df["finding"] == k).sum()) for k in KINDS if (df["finding"] == k).any()},
                "seconds": round(time.perf_counter() - t0, 1)}
     files = write_findings(df, out, summary)
