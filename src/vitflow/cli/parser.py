@@ -149,8 +149,8 @@ def _data_and_view_commands(sub) -> None:
     p.add_argument("-o", "--output", help="output folder (default inspect-<data name>; an earlier inspect's is "
                    "updated, any other existing folder refused)")
     p.add_argument("--workers", type=int, default=2, help="image decoding threads (default 2)")
-    p.add_argument("--label-cut", type=float, metavar="P", help="exclude.txt drops a flagged training label issue "
-                   "whose given class's probability is below P (default 0.5 / classes, the surest; 1: every one "
+    p.add_argument("--label-cut", type=float, metavar="P", help="exclude.txt (and relabel.csv) take a flagged "
+                   "training label issue whose given class's probability is below P (default 0.5 / classes, the surest; 1: every one "
                    "confident learning flags)")
     p.add_argument("overrides", nargs="*", metavar="data.KEY=VALUE", help="data.* keys (data.train_split=..., "
                    "data.label_column=...)")
