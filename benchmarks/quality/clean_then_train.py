@@ -13,14 +13,13 @@ wall-clock time, scored on the clean test split:
 Prints one JSON line per arm (top-1 on the whole clean test split, seconds, images excluded and
 how many of them were flipped) and the CPU flags. ``--arms cleaned`` runs one arm; ``--set`` gives
 every training the same overrides (``--set model.name=mvitv2_cifar_32``); several ``--label-cut``
-values train one second run each from the same first run and inspection, each given the time left
-after them.
+values (``vitflow inspect --label-cut``) inspect the same first run once each and train one second
+run each, given the time left after the first run and that inspection.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import shutil
 import subprocess
@@ -63,16 +62,15 @@ def main() -> None:
                     help="overrides of the cleaned arm's second training (the plan continues the first run with the "
                     "from-scratch recipe for the time left)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of every training")
-    ap.add_argument("--label-cut", type=lambda v: None if v == "default" else float(v), nargs="+", default=[None],
-                    metavar="P",
-                    help="exclude the training label issues whose given class has probability below P (plus the "
-                    "other lines of exclude.txt) instead of exclude.txt's own cut (0.5 / classes); several: one "
-                    "second run each (`default`: exclude.txt as written)")
+    ap.add_argument("--label-cut", nargs="+", default=["default"], metavar="P",
+                    help="vitflow inspect --label-cut P (`default`: its own cut, 0.5 / classes); several: one "
+                    "inspection and second run each")
     ap.add_argument("--arms", nargs="+", default=["noisy", "cleaned"], choices=["noisy", "cleaned"])
     a = ap.parse_args()
     truth = json.loads((a.data.parent / f"{a.data.name}.truth.json").read_text())
+    cleaned = [f"{d}-{cut}" for cut in a.label_cut for d in ("inspect", "cleaned")]
     for arm in a.arms:
-        for d in (("noisy",) if arm == "noisy" else ("first", "inspect", *(f"cleaned-{'default' if c is None else c}" for c in a.label_cut))):
+        for d in (("noisy",) if arm == "noisy" else ("first", *cleaned)):
             shutil.rmtree(a.work / d, ignore_errors=True)
     a.work.mkdir(parents=True, exist_ok=True)
     total, first = parse_duration(a.total), parse_duration(a.first)
@@ -86,33 +84,22 @@ def main() -> None:
         return
     t0 = time.perf_counter()
     vitflow("train", *common, f"train.time_budget={int(first)}s", f"train.run_dir={a.work / 'first'}")
-    found, _ = vitflow("inspect", str(a.data), "--model", str(a.work / "first"), "-o", str(a.work / "inspect"))
-    spent = time.perf_counter() - t0
+    first_s = time.perf_counter() - t0
     for cut in a.label_cut:
-        excluded, exclude_file = exclusions(found, cut, a.work)
         t1 = time.perf_counter()
-        run = a.work / f"cleaned-{'default' if cut is None else cut}"
-        vitflow("train", *common, f"train.time_budget={int(total - spent)}s", f"data.exclude={exclude_file}",
+        found, _ = vitflow("inspect", str(a.data), "--model", str(a.work / "first"), "-o", str(a.work / f"inspect-{cut}"),
+                           *([] if cut == "default" else ["--label-cut", cut]))
+        excluded = {x for x in Path(found["exclude_txt"]).read_text().splitlines() if x and not x.startswith("#")}
+        run = a.work / f"cleaned-{cut}"
+        left = total - first_s - (time.perf_counter() - t1)
+        vitflow("train", *common, f"train.time_budget={int(left)}s", f"data.exclude={found['exclude_txt']}",
                 f"model.pretrained={a.work / 'first'}", f"train.run_dir={run}", *a.second)
-        seconds = spent + time.perf_counter() - t1
+        seconds = first_s + time.perf_counter() - t1
         full, _ = vitflow("eval", str(run), "data.exclude=null")  # the whole clean test split
         print(json.dumps({"arm": "cleaned", "label_cut": cut, "test_top1": full["test_top1"],
                           "test_images": full["test_images"], "seconds": round(seconds, 1), "excluded": len(excluded),
                           "excluded_flipped": len(excluded & set(truth["flipped"])), "flipped": len(truth["flipped"])}))
 
-
-def exclusions(found: dict, cut: float | None, work: Path) -> tuple[set[str], str]:
-    """The keys to drop and the file naming them: ``exclude.txt`` as written (``cut`` None), or its
-    lines but the label issues, plus the training label issues whose given class is below ``cut``."""
-    if cut is None:
-        return {x for x in Path(found["exclude_txt"]).read_text().splitlines() if x and not x.startswith("#")}, \
-            found["exclude_txt"]
-    rows = list(csv.DictReader(open(found["findings_csv"], newline="")))
-    excluded = {r["key"] for r in rows if r["action"] == "exclude" and r["finding"] != "label_issue"} | {
-        r["key"] for r in rows if r["finding"] == "label_issue" and r["split"] == "train" and 1 - float(r["score"]) < cut}
-    path = work / f"exclude-below-{cut:g}.txt"
-    path.write_text("\n".join(sorted(excluded)) + "\n")
-    return excluded, str(path)
 
 if __name__ == "__main__":
     main()
